@@ -1,0 +1,265 @@
+"""Job configuration: torchtitan 0.2.2's JobConfig plus our `[mop.*]` sections.
+
+A job is one TOML file plus torchtitan-style CLI overrides (`--mop.layout.seq_degree 4`).
+`load_job_config(argv)` registers this module as torchtitan's `custom_config_module`, checks the
+TOML against the dataclasses below before torchtitan sees it (unknown keys and wrong types name
+the key, the value, the file and what would be valid), parses, then validates values.
+
+Each dataclass is one TOML section; each field's docstring becomes its CLI help.
+"""
+
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from torchtitan.config import ConfigManager
+from torchtitan.config import JobConfig as TitanJobConfig
+
+
+@dataclass
+class Layout:
+    seq_degree: int = 1
+    """D: ranks that share one sequence (Ulysses all-to-all over heads). Must divide the world size."""
+
+    expert_degree: int = 1
+    """E_p: ranks holding disjoint expert shards. Must divide the world size and the expert count."""
+
+    vocab_degree: int = 1
+    """P: ranks holding disjoint vocabulary intervals of the output projection. Must divide the world size."""
+
+
+@dataclass
+class MoE:
+    dispatch: Literal["local", "ep", "llep", "pipelined_llep"] = "local"
+    """Expert dispatch schedule. "local" needs expert_degree = 1."""
+
+    token_budget: int = 4096
+    """PipelinedLLEP c: per-source token budget per chunk (K = min(ceil(N / c), max_chunks))."""
+
+    max_chunks: int = 10
+    """PipelinedLLEP K_max: ceiling on the chunk count."""
+
+    membership: Literal["strided", "contiguous"] = "strided"
+    """PipelinedLLEP chunk membership: strided (positions i, i+K, ...) or contiguous blocks."""
+
+    alpha: float = 1.0
+    """LLEP capacity factor: each rank's capacity is floor(alpha * total_routes / E_p)."""
+
+    min_tokens_per_gemm: int = 1024
+    """LLEP m: smallest chunk handed to a helper rank (except a final remainder)."""
+
+    imbalance_threshold: float = 1.3
+    """LLEP lambda: relocate only when max-over-mean rank load reaches this."""
+
+    bias_update_rate: float = 1e-3
+    """Auxiliary-loss-free balancing: step size of the per-expert routing bias update (0 disables)."""
+
+
+@dataclass
+class RingDTP:
+    enable: bool = False
+    """Use Ring-DTP for the output projection + cross-entropy even at vocab_degree = 1."""
+
+    mode: Literal["auto", "move_activations", "move_weights"] = "auto"
+    """Which tensor travels the ring; auto moves weights exactly when N > V/P."""
+
+    block_size: int = 8192
+    """Vocabulary rows per fused projection + online log-sum-exp block."""
+
+
+@dataclass
+class SCO:
+    host_budget: str = "0"
+    """Pinned host bytes per rank for checkpoint boundaries: "0" (off), "24GiB", "512MiB", "auto"."""
+
+
+@dataclass
+class OffloadAdamW:
+    bucket_params: int = 100_000_000
+    """Parameters per streamed bucket (buckets may split tensors)."""
+
+    slots: int = 2
+    """Device staging slots (2+ overlaps transfers with the update)."""
+
+
+@dataclass
+class Mop:
+    layout: Layout = field(default_factory=Layout)
+    moe: MoE = field(default_factory=MoE)
+    ring_dtp: RingDTP = field(default_factory=RingDTP)
+    sco: SCO = field(default_factory=SCO)
+    offload_adamw: OffloadAdamW = field(default_factory=OffloadAdamW)
+
+
+@dataclass
+class JobConfig:
+    """Merged into torchtitan's JobConfig through `job.custom_config_module = "mop_train.config"`."""
+
+    mop: Mop = field(default_factory=Mop)
+
+
+CUSTOM_CONFIG_MODULE = __name__
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and checking
+# ---------------------------------------------------------------------------------------------
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int, *, key: str = "value") -> int:
+    """'24GiB' -> 25769803776, '512MB' -> 512e6, '0' -> 0. Raises ValueError naming `key`."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"{key} = {text} must be >= 0")
+        return text
+    s = str(text).strip().lower().replace(" ", "")
+    num = s.rstrip("kmgtib")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in _BYTE_UNITS or value < 0:
+        raise ValueError(f"{key} = {text!r} is not a byte size; write e.g. \"0\", \"512MiB\" or \"24GiB\"")
+    return int(value * _BYTE_UNITS[unit])
+
+
+def merged_config_class() -> type:
+    """torchtitan's JobConfig with our `mop` section merged in (what `parse_args` returns)."""
+    return ConfigManager._merge_configs(TitanJobConfig, JobConfig)
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+def _describe_type(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def check_toml_against(cls: type, data: dict, *, path: str, prefix: str = "") -> None:
+    """Raise ValueError for the first unknown key or wrongly typed value in `data` (a TOML table)."""
+    hints = typing.get_type_hints(cls)
+    by_name = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in by_name:
+            close = difflib.get_close_matches(key, list(by_name), n=3)
+            hint = f" Did you mean {', '.join(prefix + c for c in close)}?" if close else ""
+            raise ValueError(f"{path}: unknown key '{dotted}'.{hint} Valid keys in "
+                             f"[{prefix.rstrip('.') or 'top level'}]: {', '.join(sorted(by_name))}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ValueError(f"{path}: '{dotted}' must be a table [{dotted}], got {value!r}")
+            check_toml_against(tp, value, path=path, prefix=f"{dotted}.")
+        elif not _type_ok(value, tp):
+            raise ValueError(f"{path}: '{dotted}' = {value!r} has the wrong type; expected {_describe_type(tp)}")
+
+
+def _find_config_file(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        for key in ("--job.config_file", "--job.config-file"):
+            if arg == key and i + 1 < len(argv):
+                return argv[i + 1]
+            if arg.startswith(key + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def load_toml(path: str) -> dict:
+    """Read a TOML job file; a missing or malformed file is a ValueError naming the path."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"config file not found: {path!r}; pass an existing TOML file with "
+                         f"--job.config_file (see configs/ for examples)") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"config file {path!r} is not valid TOML: {err}") from None
+
+
+def load_job_config(argv: list[str] | None = None):
+    """Parse TOML + CLI overrides into the merged JobConfig, checked and validated."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = _find_config_file(argv)
+    if path is not None:
+        data = load_toml(path)
+        check_toml_against(merged_config_class(), data, path=path)
+        custom = data.get("job", {}).get("custom_config_module", "")
+        if custom not in ("", CUSTOM_CONFIG_MODULE):
+            raise ValueError(f"{path}: job.custom_config_module = {custom!r}; mop_train registers "
+                             f"{CUSTOM_CONFIG_MODULE!r} itself, remove the key")
+    if not any(a.split("=")[0] in ("--job.custom_config_module", "--job.custom-config-module") for a in argv):
+        argv += ["--job.custom_config_module", CUSTOM_CONFIG_MODULE]
+    cfg = ConfigManager().parse_args(argv)
+    validate(cfg, source=path or "command line")
+    return cfg
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def validate(cfg, *, source: str = "config") -> None:
+    """Value checks that need no world size (the layout checks degrees against W)."""
+    lay, moe, mop = cfg.mop.layout, cfg.mop.moe, cfg.mop
+    for name in ("seq_degree", "expert_degree", "vocab_degree"):
+        v = getattr(lay, name)
+        _require(v >= 1, f"{source}: mop.layout.{name} = {v} must be >= 1 (1 turns that split off)")
+    _require(moe.token_budget >= 1, f"{source}: mop.moe.token_budget = {moe.token_budget} must be >= 1 tokens")
+    _require(moe.max_chunks >= 1, f"{source}: mop.moe.max_chunks = {moe.max_chunks} must be >= 1")
+    _require(moe.alpha > 0, f"{source}: mop.moe.alpha = {moe.alpha} must be > 0 (1.0 is the paper's)")
+    _require(moe.min_tokens_per_gemm >= 1, f"{source}: mop.moe.min_tokens_per_gemm = {moe.min_tokens_per_gemm} must be >= 1")
+    _require(moe.imbalance_threshold >= 1.0,
+             f"{source}: mop.moe.imbalance_threshold = {moe.imbalance_threshold} must be >= 1.0 "
+             "(max/mean load is never below 1; 1.0 always relocates)")
+    _require(moe.bias_update_rate >= 0, f"{source}: mop.moe.bias_update_rate = {moe.bias_update_rate} must be >= 0")
+    _require(mop.ring_dtp.block_size >= 1, f"{source}: mop.ring_dtp.block_size = {mop.ring_dtp.block_size} must be >= 1")
+    if mop.sco.host_budget.strip().lower() != "auto":
+        parse_bytes(mop.sco.host_budget, key=f"{source}: mop.sco.host_budget")
+    _require(mop.offload_adamw.bucket_params >= 1,
+             f"{source}: mop.offload_adamw.bucket_params = {mop.offload_adamw.bucket_params} must be >= 1")
+    _require(mop.offload_adamw.slots >= 1, f"{source}: mop.offload_adamw.slots = {mop.offload_adamw.slots} must be >= 1")
+    _require(lay.expert_degree == 1 or moe.dispatch != "local",
+             f"{source}: mop.moe.dispatch = 'local' keeps all experts on every rank, but "
+             f"mop.layout.expert_degree = {lay.expert_degree}; set dispatch to 'ep', 'llep' or 'pipelined_llep'")
+    t = cfg.training
+    _require(t.seq_len >= 1, f"{source}: training.seq_len = {t.seq_len} must be >= 1")
+    _require(t.local_batch_size >= 1, f"{source}: training.local_batch_size = {t.local_batch_size} must be >= 1")

@@ -1,0 +1,47 @@
+"""The expert-dispatch seam: every MoE layer calls `moe_experts_forward`.
+
+    y[n] = sum_j weights[n, j] * expert_{indices[n, j]}(x[n])
+
+`dispatch` picks how routes reach their experts: "local" (all experts here, no communication) is
+the reference schedule; the expert-parallel schedules ("ep", "llep", "pipelined_llep") take the
+expert group and this rank's expert shard. The model never sees the difference.
+
+Legend: N tokens, H hidden, I expert hidden width, E experts (global), E_l local experts, k top-k.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mop_train.ops.moe_dispatch.local import grouped_swiglu, local_experts_forward
+from mop_train.ops.moe_dispatch.reference import reference_experts_forward
+
+DISPATCH_MODES = ("local", "ep", "llep", "pipelined_llep")
+
+
+def moe_experts_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                        w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, *,
+                        dispatch: str = "local", group=None, **options: Any) -> torch.Tensor:
+    """Routed SwiGLU experts.
+
+    Args:
+        x: [N, H] this rank's tokens.
+        indices: [N, k] global expert ids; weights: [N, k] routing weights (differentiable).
+        w1, w3: [E_l, I, H]; w2: [E_l, H, I] — all E experts for "local", this rank's contiguous
+            shard of E / group_size experts otherwise.
+        dispatch: one of DISPATCH_MODES.
+        group: the expert process group (ignored by "local").
+        options: schedule options (see each schedule).
+    Returns:
+        y: [N, H]
+    """
+    if dispatch == "local":
+        if options:
+            raise ValueError(f"dispatch='local' takes no options, got {sorted(options)}")
+        return local_experts_forward(x, indices, weights, w1, w2, w3)
+    raise ValueError(f"unknown dispatch {dispatch!r}; expected one of {DISPATCH_MODES}")
+
+
+__all__ = ["DISPATCH_MODES", "grouped_swiglu", "moe_experts_forward", "reference_experts_forward"]

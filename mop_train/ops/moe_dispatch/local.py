@@ -1,0 +1,67 @@
+"""Routed SwiGLU experts on one rank, no communication: `dispatch="local"`.
+
+Routes are sorted by expert (stable), the experts run as grouped matmuls over contiguous
+per-expert row blocks, and outputs are scaled by their routing weight and summed back per token.
+Every expert-parallel dispatch ends in `grouped_swiglu` on the rows it receives.
+
+Legend: N tokens, H hidden, I expert hidden width, E experts (on this rank), k top-k, R = N*k routes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _grouped_mm_supported(x: torch.Tensor, w1: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    # torch._grouped_mm needs every row stride to be a multiple of 16 bytes.
+    if any((d * x.element_size()) % 16 for d in w1.shape[1:]):
+        return False
+    if x.device.type == "cuda":
+        # The CUDA kernel needs sm90+ and bf16; other cases take the per-expert loop.
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return x.device.type == "cpu"
+
+
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                   w3: torch.Tensor) -> torch.Tensor:
+    """SwiGLU over row blocks: rows [off_e, off_e + counts[e]) of x go through expert e.
+
+    Args:
+        x: [R, H] rows sorted by expert.
+        counts: [E] int64 rows per expert (on any device), sum == R.
+        w1, w3: [E, I, H]; w2: [E, H, I].
+    Returns:
+        [R, H]
+    """
+    if x.shape[0] == 0:
+        # Keep the graph connected so every expert weight gets a (zero) gradient.
+        return x.new_zeros(0, w2.shape[1]) + 0 * (w1.sum() + w2.sum() + w3.sum()).to(x.dtype)
+    if _grouped_mm_supported(x, w1):
+        offs = torch.cumsum(counts.to(device=x.device), 0).to(torch.int32)
+        h1 = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)  # [R, I]
+        h3 = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)  # [R, I]
+        return torch._grouped_mm(F.silu(h1) * h3, w2.transpose(-2, -1), offs=offs)  # [R, H]
+    outs = []
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        xe = x[start : start + c]
+        outs.append((F.silu(xe @ w1[e].t()) * (xe @ w3[e].t())) @ w2[e].t())
+        start += c
+    return torch.cat(outs)
+
+
+def local_experts_forward(x, indices, weights, w1, w2, w3):
+    """All E experts on this rank. x [N, H]; indices, weights [N, k] -> y [N, H]."""
+    N, k = indices.shape
+    E = w1.shape[0]
+    flat = indices.reshape(-1)                                    # [R]
+    order = torch.argsort(flat, stable=True)                      # [R] route ids sorted by expert
+    counts = torch.bincount(flat, minlength=E)                    # [E]
+    rows = x[order // k]                                          # [R, H]
+    out = grouped_swiglu(rows, counts, w1, w2, w3)                # [R, H]
+    out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
+    y = torch.zeros_like(x)
+    return y.index_add(0, order // k, out)                        # [N, H]

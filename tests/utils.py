@@ -1,0 +1,32 @@
+"""Shared numerical assertions for mop_train tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float = 1e-5,
+                 atol: float = 1e-6, name: str = "tensor") -> None:
+    """`torch.testing.assert_close` that reports the max and mean absolute error on failure."""
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    a = actual.detach().float().cpu()
+    e = expected.detach().float().cpu()
+    try:
+        torch.testing.assert_close(a, e, rtol=rtol, atol=atol)
+    except AssertionError as err:
+        diff = (a - e).abs()
+        raise AssertionError(
+            f"{name}: max abs err {diff.max().item():.3e}, mean abs err {diff.mean().item():.3e}, "
+            f"max |expected| {e.abs().max().item():.3e} (rtol={rtol}, atol={atol})\n{err}"
+        ) from None
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "tensor") -> None:
+    """Exact equality (same dtype, shape and bits), with the error statistics on failure."""
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        raise AssertionError(f"{name}: {actual.dtype}{tuple(actual.shape)} vs {expected.dtype}{tuple(expected.shape)}")
+    if not torch.equal(actual, expected):
+        diff = (actual.float() - expected.float()).abs()
+        raise AssertionError(f"{name}: not bitwise equal; max abs err {diff.max().item():.3e}, "
+                             f"{int((diff > 0).sum())} of {diff.numel()} elements differ")
