@@ -1,0 +1,89 @@
+"""TOML + CLI parsing of the merged JobConfig and every bad-input case."""
+
+import pytest
+
+from mop_train.config import load_job_config, parse_bytes
+
+
+def _write(tmp_path, text, name="job.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_toml_and_cli_override(tmp_path):
+    path = _write(tmp_path, '[training]\nseq_len = 64\n[mop.layout]\nseq_degree = 2\n'
+                            '[mop.moe]\ndispatch = "pipelined_llep"\ntoken_budget = 512\n')
+    cfg = load_job_config(["--job.config_file", path, "--mop.layout.expert_degree", "4",
+                           "--mop.moe.max_chunks", "3"])
+    assert cfg.training.seq_len == 64
+    assert cfg.mop.layout.seq_degree == 2 and cfg.mop.layout.expert_degree == 4
+    assert cfg.mop.moe.dispatch == "pipelined_llep" and cfg.mop.moe.token_budget == 512
+    assert cfg.mop.moe.max_chunks == 3
+    cfg = load_job_config([f"--job.config_file={path}", "--mop.layout.seq_degree=8"])
+    assert cfg.mop.layout.seq_degree == 8
+
+
+def test_defaults_without_file():
+    cfg = load_job_config([])
+    assert cfg.mop.layout.seq_degree == 1 and cfg.mop.moe.dispatch == "local"
+
+
+@pytest.mark.parametrize("text, needles", [
+    ("[mop.layout]\nseq_degre = 2\n", ["mop.layout.seq_degre", "seq_degree", "unknown key"]),
+    ("[mop.lay]\nseq_degree = 2\n", ["mop.lay", "layout"]),
+    ("[trainin]\nsteps = 2\n", ["trainin", "training"]),
+    ("[mop.layout]\nseq_degree = \"two\"\n", ["mop.layout.seq_degree", "'two'", "int"]),
+    ("[mop.moe]\ndispatch = \"fast\"\n", ["mop.moe.dispatch", "'fast'", "'pipelined_llep'"]),
+    ("[mop.moe]\nalpha = true\n", ["mop.moe.alpha", "True", "float"]),
+    ("[mop]\nlayout = 3\n", ["mop.layout", "table"]),
+])
+def test_bad_key_or_type_names_key_value_file(tmp_path, text, needles):
+    path = _write(tmp_path, text)
+    with pytest.raises(ValueError) as info:
+        load_job_config(["--job.config_file", path])
+    msg = str(info.value)
+    assert path in msg
+    for needle in needles:
+        assert needle in msg, f"{needle!r} missing from: {msg}"
+
+
+@pytest.mark.parametrize("text, needles", [
+    ("[mop.layout]\nseq_degree = 0\n", ["mop.layout.seq_degree = 0", ">= 1"]),
+    ("[mop.moe]\ntoken_budget = 0\n", ["mop.moe.token_budget = 0"]),
+    ("[mop.moe]\nimbalance_threshold = 0.5\n", ["imbalance_threshold = 0.5", ">= 1.0"]),
+    ("[mop.sco]\nhost_budget = \"lots\"\n", ["mop.sco.host_budget", "'lots'", "24GiB"]),
+    ("[mop.offload_adamw]\nslots = 0\n", ["mop.offload_adamw.slots = 0"]),
+    ("[mop.layout]\nexpert_degree = 2\n", ["dispatch = 'local'", "expert_degree = 2"]),
+])
+def test_impossible_values(tmp_path, text, needles):
+    path = _write(tmp_path, text)
+    with pytest.raises(ValueError) as info:
+        load_job_config(["--job.config_file", path])
+    msg = str(info.value)
+    assert path in msg
+    for needle in needles:
+        assert needle in msg, f"{needle!r} missing from: {msg}"
+
+
+def test_missing_and_malformed_file(tmp_path):
+    with pytest.raises(ValueError, match="config file not found: .*nope.toml"):
+        load_job_config(["--job.config_file", str(tmp_path / "nope.toml")])
+    path = _write(tmp_path, "[training\nsteps = 1\n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_job_config(["--job.config_file", path])
+
+
+def test_cli_wrong_type_is_rejected(tmp_path):
+    with pytest.raises(SystemExit):
+        load_job_config(["--mop.layout.seq_degree", "two"])
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GiB") == 24 * 2**30
+    assert parse_bytes("512MB") == 512 * 10**6
+    assert parse_bytes("0") == 0 and parse_bytes(7) == 7
+    assert parse_bytes("1.5 KiB") == 1536
+    for bad in ("-1GiB", "GiB", "12 parsecs", -3):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)

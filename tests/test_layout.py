@@ -1,0 +1,93 @@
+"""Layout plan properties over every divisor combination, and real gloo groups."""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mop_train.layout import KINDS, RankLayout, plan_layout
+from tests.dist_utils import run_distributed
+
+WORLDS = (1, 2, 4, 6, 8, 12, 16, 64)
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_plan(plan):
+    W = plan.world_size
+    for kind in KINDS:
+        groups = plan.groups(kind)
+        flat = sorted(r for g in groups for r in g)
+        assert flat == list(range(W)), f"{kind} groups do not partition range({W})"
+        assert all(len(g) == plan.degree(kind) for g in groups)
+        for g in groups:
+            assert list(g) == list(range(g[0], g[0] + len(g))), f"{kind} group {g} not contiguous"
+        for r in range(W):
+            g = plan.group_of(kind, r)
+            assert r in g and g.index(r) == plan.group_rank(kind, r)
+            assert groups[plan.group_index(kind, r)] is g or groups[plan.group_index(kind, r)] == g
+    replicas = plan.expert_replica_groups
+    assert sorted(r for g in replicas for r in g) == list(range(W))
+    for g in replicas:
+        assert len({plan.group_rank("expert", r) for r in g}) == 1, "replicas must hold the same shard"
+        assert len(g) == W // plan.expert_degree
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_divisor_combination(world):
+    divs = _divisors(world)
+    combos = list(itertools.product(divs, divs, divs))
+    for d, e, p in combos:
+        _check_plan(plan_layout(world, d, e, p))
+
+
+@pytest.mark.parametrize("bad", [0, -2, 3, 5])
+def test_bad_degree_names_value_world_and_divisors(bad):
+    for kind, args in (("seq", (bad, 1, 1)), ("expert", (1, bad, 1)), ("vocab", (1, 1, bad))):
+        with pytest.raises(ValueError) as info:
+            plan_layout(8, *args)
+        msg = str(info.value)
+        assert f"{kind}_degree ({bad})" in msg and "(8)" in msg and "[1, 2, 4, 8]" in msg
+
+
+def test_describe_lists_every_rank():
+    text = plan_layout(8, 2, 4, 2).describe()
+    assert "W=8" in text and "D=2" in text and "E_p=4" in text and "P=2" in text
+    assert len([l for l in text.splitlines() if l.strip()[:1].isdigit()]) == 8
+
+
+def test_cli_layout(capsys):
+    from mop_train.cli import main
+
+    assert main(["layout", "--world", "64", "--seq", "8", "--expert", "64", "--vocab", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "W=64" in out and out.count("\n") > 64
+    assert main(["layout", "--world", "6", "--seq", "4"]) == 2
+    assert "seq_degree (4)" in capsys.readouterr().err
+
+
+def _groups_sum_their_members(rank, world_size, degrees):
+    plan = plan_layout(world_size, *degrees)
+    layout = RankLayout.build(plan)
+    assert layout.mesh.size() == world_size
+    for kind, pg in (("seq", layout.seq_group), ("expert", layout.expert_group),
+                     ("vocab", layout.vocab_group)):
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t, group=pg)
+        expected = sum(r + 1 for r in plan.group_of(kind, rank))
+        assert t.item() == expected, f"{kind}: {t.item()} != {expected}"
+        assert dist.get_world_size(pg) == plan.degree(kind)
+        assert dist.get_rank(pg) == plan.group_rank(kind, rank)
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t, group=layout.expert_replica_group)
+    members = [r for g in plan.expert_replica_groups if rank in g for r in g]
+    assert t.item() == sum(r + 1 for r in members)
+
+
+@pytest.mark.slow
+def test_real_groups_allreduce_inside_each_group():
+    for degrees in ((2, 4, 1), (4, 2, 2), (1, 1, 4)):
+        run_distributed(_groups_sum_their_members, 4, degrees)
