@@ -1,0 +1,68 @@
+"""Ulysses sequence parallelism: trade a sequence shard for a head shard around attention.
+
+Each of the D ranks of a sequence group holds S/D consecutive positions of the same sequences with
+all heads. Before attention one all-to-all gives every rank the full sequence for h/D of the heads;
+attention runs locally (causal, full length); a second all-to-all returns each rank its own
+positions with all heads. Backward is the same two all-to-alls, reversed. Exact: attention per head
+is unchanged, only where it runs moves. Heads split into D contiguous blocks, so with GQA each
+block of h/D query heads travels with its own h_kv/D key/value heads.
+
+Legend: B batch, S sequence length, D sequence-group size, h query heads, h_kv key/value heads,
+d head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.nn.functional import all_to_all_single
+
+
+def check_heads_divisible(n_heads: int, n_kv_heads: int, seq_degree: int) -> None:
+    """Raise ValueError when a head count cannot be split over the sequence group."""
+    for name, count in (("attention heads", n_heads), ("key/value heads", n_kv_heads)):
+        if count % seq_degree:
+            divisors = [d for d in range(1, count + 1) if count % d == 0]
+            raise ValueError(f"{name} ({count}) must be divisible by mop.layout.seq_degree ({seq_degree}) "
+                             f"for Ulysses attention; valid seq_degree values: {divisors}")
+
+
+def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, S/D, h, d] (my positions, all heads) -> [B, S, h/D, d] (all positions, my heads)."""
+    D = dist.get_world_size(group)
+    B, S_l, h, d = x.shape
+    send = x.reshape(B, S_l, D, h // D, d).permute(2, 0, 1, 3, 4).contiguous()   # [D, B, S/D, h/D, d]
+    recv = all_to_all_single(torch.empty_like(send), send, group=group)          # [D(src), B, S/D, h/D, d]
+    return recv.permute(1, 0, 2, 3, 4).reshape(B, D * S_l, h // D, d)
+
+
+def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, S, h/D, d] (all positions, my heads) -> [B, S/D, h, d] (my positions, all heads)."""
+    D = dist.get_world_size(group)
+    B, S, h_l, d = x.shape
+    send = x.reshape(B, D, S // D, h_l, d).permute(1, 0, 2, 3, 4).contiguous()   # [D(dst), B, S/D, h/D, d]
+    recv = all_to_all_single(torch.empty_like(send), send, group=group)          # [D(src head block), ...]
+    return recv.permute(1, 2, 0, 3, 4).reshape(B, S // D, D * h_l, d)
+
+
+class UlyssesAttention(nn.Module):
+    """Wraps a core attention `inner(q, k, v) -> out` ([B, S, h, d] layout) for a sequence group.
+
+    q [B, S/D, h, d_qk], k [B, S/D, h_kv, d_qk], v [B, S/D, h_kv, d_v] -> [B, S/D, h, d_v].
+    At group size 1 it calls `inner` directly.
+    """
+
+    def __init__(self, inner: nn.Module, group):
+        super().__init__()
+        self.inner = inner
+        self.group = group
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.group is None or dist.get_world_size(self.group) == 1:
+            return self.inner(q, k, v)
+        D = dist.get_world_size(self.group)
+        check_heads_divisible(q.shape[2], k.shape[2], D)
+        out = self.inner(_seq_to_heads(q, self.group), _seq_to_heads(k, self.group),
+                         _seq_to_heads(v, self.group))                           # [B, S, h/D, d_v]
+        return _heads_to_seq(out, self.group)
