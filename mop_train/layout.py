@@ -83,6 +83,12 @@ class LayoutPlan:
         Ep, W = self.expert_degree, self.world_size
         return tuple(tuple(range(j, W, Ep)) for j in range(Ep))
 
+    @property
+    def vocab_replica_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Ranks holding the same vocab interval: position j in every vocab group."""
+        P, W = self.vocab_degree, self.world_size
+        return tuple(tuple(range(j, W, P)) for j in range(P))
+
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank ({rank}) must be in [0, {self.world_size})")
@@ -143,7 +149,10 @@ class RankLayout:
     expert_group: dist.ProcessGroup
     vocab_group: dist.ProcessGroup
     expert_replica_group: dist.ProcessGroup
-    mesh: object  # torch.distributed.device_mesh.DeviceMesh over all W ranks (FSDP2 for dense weights)
+    vocab_replica_group: dist.ProcessGroup
+    mesh: object  # DeviceMesh (W,) "fsdp": FSDP2 for dense weights
+    expert_mesh: object  # DeviceMesh (W/E_p, E_p) ("expert_replica", "ep"): expert weights are DTensors [Replicate, Shard(0)]
+    vocab_mesh: object  # DeviceMesh (W/P, P) ("vocab_replica", "vocab"): the output projection [Replicate, Shard(0)]
 
     @property
     def seq_rank(self) -> int:
@@ -192,7 +201,8 @@ class RankLayout:
         mine = {}
         # Every rank calls new_group for every group, in the same order: new_group is collective.
         for kind, groups in (("seq", plan.seq_groups), ("expert", plan.expert_groups),
-                             ("vocab", plan.vocab_groups), ("expert_replica", plan.expert_replica_groups)):
+                             ("vocab", plan.vocab_groups), ("expert_replica", plan.expert_replica_groups),
+                             ("vocab_replica", plan.vocab_replica_groups)):
             for ranks in groups:
                 pg = dist.new_group(list(ranks))
                 if rank in ranks:
@@ -202,5 +212,11 @@ class RankLayout:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, (W,), mesh_dim_names=("fsdp",))
+        # Row g of these meshes is expert (vocab) group g, column j its replica group j.
+        Ep, P = plan.expert_degree, plan.vocab_degree
+        expert_mesh = init_device_mesh(device_type, (W // Ep, Ep), mesh_dim_names=("expert_replica", "ep"))
+        vocab_mesh = init_device_mesh(device_type, (W // P, P), mesh_dim_names=("vocab_replica", "vocab"))
         return cls(plan=plan, rank=rank, seq_group=mine["seq"], expert_group=mine["expert"],
-                   vocab_group=mine["vocab"], expert_replica_group=mine["expert_replica"], mesh=mesh)
+                   vocab_group=mine["vocab"], expert_replica_group=mine["expert_replica"],
+                   vocab_replica_group=mine["vocab_replica"], mesh=mesh, expert_mesh=expert_mesh,
+                   vocab_mesh=vocab_mesh)

@@ -29,11 +29,12 @@ def _check_plan(plan):
             g = plan.group_of(kind, r)
             assert r in g and g.index(r) == plan.group_rank(kind, r)
             assert groups[plan.group_index(kind, r)] is g or groups[plan.group_index(kind, r)] == g
-    replicas = plan.expert_replica_groups
-    assert sorted(r for g in replicas for r in g) == list(range(W))
-    for g in replicas:
-        assert len({plan.group_rank("expert", r) for r in g}) == 1, "replicas must hold the same shard"
-        assert len(g) == W // plan.expert_degree
+    for kind in ("expert", "vocab"):
+        replicas = getattr(plan, f"{kind}_replica_groups")
+        assert sorted(r for g in replicas for r in g) == list(range(W))
+        for g in replicas:
+            assert len({plan.group_rank(kind, r) for r in g}) == 1, "replicas must hold the same shard"
+            assert len(g) == W // plan.degree(kind)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -81,10 +82,16 @@ def _groups_sum_their_members(rank, world_size, degrees):
         assert t.item() == expected, f"{kind}: {t.item()} != {expected}"
         assert dist.get_world_size(pg) == plan.degree(kind)
         assert dist.get_rank(pg) == plan.group_rank(kind, rank)
-    t = torch.tensor([float(rank + 1)])
-    dist.all_reduce(t, group=layout.expert_replica_group)
-    members = [r for g in plan.expert_replica_groups if rank in g for r in g]
-    assert t.item() == sum(r + 1 for r in members)
+    for kind in ("expert", "vocab"):
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t, group=getattr(layout, f"{kind}_replica_group"))
+        members = [r for g in getattr(plan, f"{kind}_replica_groups") if rank in g for r in g]
+        assert t.item() == sum(r + 1 for r in members)
+        mesh = getattr(layout, f"{kind}_mesh")
+        row = mesh.get_group(1)  # the shard dimension's group is this rank's group of that kind
+        assert sorted(dist.get_process_group_ranks(row)) == list(plan.group_of(kind, rank))
+        col = mesh.get_group(0)
+        assert sorted(dist.get_process_group_ranks(col)) == sorted(members)
 
 
 @pytest.mark.slow
