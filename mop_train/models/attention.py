@@ -1,0 +1,138 @@
+"""Causal self-attention of the MoE decoder: GQA or DeepSeek-V3 MLA, around a swappable core.
+
+Both variants project the hidden state to per-head q/k/v, rotate (part of) q and k with RoPE at
+the tokens' global positions, and call `self.sdpa(q, k, v)`: the core attention, a submodule that
+sequence parallelism replaces with a wrapper (all-to-all heads <-> sequence around the same core),
+so the core takes and returns head-major-last tensors [B, S, heads, d] and does the GQA
+repeat itself. MLA (DeepSeek-V3 / Kimi-K2) compresses k/v through a rank-`kv_lora_rank`
+latent and gives every head a shared rotated key part; YaRN rescaling is not modelled.
+
+Legend: B batch, S sequence, H hidden, h heads, h_kv kv heads, d head width, r rotated width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mop_train.models.args import MoEModelArgs
+
+
+def rope_inv_freq(rope_dim: int, theta: float, device=None) -> torch.Tensor:
+    """[r/2] fp32 inverse frequencies of RoPE."""
+    exponents = torch.arange(0, rope_dim, 2, device=device, dtype=torch.float32) / rope_dim
+    return 1.0 / (theta ** exponents)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """[S, r/2, 2] fp32 (cos, sin) of angle position * inv_freq. A position's row depends on that
+    position only, so a sequence shard at an offset gets exactly the rows of the full sequence."""
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [S, r/2]
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs of x [B, S, h, r] by rope [S, r/2, 2] (fp32 math, x's dtype out)."""
+    pairs = x.float().unflatten(-1, (-1, 2))                        # [B, S, h, r/2, 2]
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]  # [1, S, 1, r/2]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+class ScaledDotProductAttention(nn.Module):
+    """Causal core attention: q [B, S, h, d_qk], k [B, S, h_kv, d_qk], v [B, S, h_kv, d_v]
+    -> [B, S, h, d_v]. Scale 1/sqrt(d_qk). GQA (h_kv < h) is handled here, not by the caller."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))           # [B, heads, S, d]
+        gqa = k.shape[1] != q.shape[1]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return out.transpose(1, 2)                                  # [B, S, h, d_v]
+
+
+def _trunc_normal(weight: torch.Tensor, std: float) -> None:
+    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+class GroupedQueryAttention(nn.Module):
+    """GQA: h query heads share h_kv key/value heads; every head is rotated over its full width."""
+
+    def __init__(self, args: MoEModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.sdpa = ScaledDotProductAttention()
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, self.n_heads, self.head_dim)     # [B, S, h, d]
+        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)  # [B, S, h_kv, d]
+        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)  # [B, S, h_kv, d]
+        out = self.sdpa(apply_rope(q, rope), apply_rope(k, rope), v)
+        return self.wo(out.reshape(B, S, -1))                      # [B, S, H]
+
+    def init_weights(self, init_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            _trunc_normal(linear.weight, 0.02)
+        _trunc_normal(self.wo.weight, init_std)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """MLA: queries (optionally through a rank-q_lora_rank bottleneck) and keys/values through a
+    rank-kv_lora_rank latent; the rotated key part (width r) is one head broadcast to all h."""
+
+    def __init__(self, args: MoEModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.nope_dim, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.kv_lora_rank = args.kv_lora_rank
+        qk_dim = self.nope_dim + self.rope_dim
+        if args.q_lora_rank == 0:
+            self.wq = nn.Linear(args.dim, args.n_heads * qk_dim, bias=False)
+        else:
+            self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=args.norm_eps)
+            self.wq_b = nn.Linear(args.q_lora_rank, args.n_heads * qk_dim, bias=False)
+        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=args.norm_eps)
+        self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
+        self.sdpa = ScaledDotProductAttention()
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        if hasattr(self, "wq"):
+            q = self.wq(x)
+        else:
+            q = self.wq_b(self.q_norm(self.wq_a(x)))
+        q = q.view(B, S, self.n_heads, -1)                                # [B, S, h, d_qk]
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_pe, rope)], dim=-1)
+
+        kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_pe = apply_rope(k_pe.unsqueeze(2), rope)                        # [B, S, 1, r]
+        kv = self.wkv_b(self.kv_norm(kv)).view(B, S, self.n_heads, -1)    # [B, S, h, d_nope + d_v]
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)  # [B, S, h, d_qk]
+        out = self.sdpa(q, k, v)                                          # [B, S, h, d_v]
+        return self.wo(out.reshape(B, S, -1))                             # [B, S, H]
+
+    def init_weights(self, init_std: float) -> None:
+        linears = [self.wkv_a, self.wkv_b] + ([self.wq] if hasattr(self, "wq") else [self.wq_a, self.wq_b])
+        for linear in linears:
+            _trunc_normal(linear.weight, 0.02)
+        _trunc_normal(self.wo.weight, init_std)
+        self.kv_norm.reset_parameters()
+        if hasattr(self, "q_norm"):
+            self.q_norm.reset_parameters()
+
+
+def build_attention(args: MoEModelArgs) -> nn.Module:
+    if args.attention == "mla":
+        return MultiHeadLatentAttention(args)
+    return GroupedQueryAttention(args)

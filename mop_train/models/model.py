@@ -1,0 +1,128 @@
+"""The MoE decoder: embeddings -> n_layers pre-norm blocks -> final RMSNorm.
+
+    h = tok_embeddings(tokens)
+    for block in layers:  h = h + attention(attention_norm(h)); h = h + ffn(ffn_norm(h))
+    return norm(h)        # [B, S, H]: the output projection is applied by the loss, not here
+
+`ffn` is `feed_forward` (dense SwiGLU) in the first n_dense_layers blocks and `moe` after.
+`output.weight [V, H]` is the vocabulary projection that the loss (e.g. Ring-DTP) consumes.
+Runs on one device; parallelism (FSDP, expert/sequence parallel) is applied from outside.
+Build without allocation: `with torch.device("meta"): m = MoETransformer(args)`, then
+`m.to_empty(device=d)` and `m.init_weights(buffer_device=d)`.
+
+Legend: B batch, S sequence, H hidden, V vocab, E experts, L blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from mop_train.models.args import MoEModelArgs
+from mop_train.models.attention import build_attention, rope_cos_sin, rope_inv_freq
+from mop_train.models.moe import MoE, FeedForward
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: attention + (dense FFN or MoE), each with a residual."""
+
+    def __init__(self, layer_id: int, args: MoEModelArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = build_attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        if layer_id < args.n_dense_layers:
+            self.feed_forward = FeedForward(args.dim, args.dense_ffn_dim)
+        else:
+            self.moe = MoE(args)
+        # Depth-scaled std for the projections that write into the residual stream.
+        self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """x [B, S, H], rope [S, r/2, 2] -> [B, S, H]."""
+        x = x + self.attention(self.attention_norm(x), rope)
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return x + ffn(self.ffn_norm(x))
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.init_std)
+        (self.moe if hasattr(self, "moe") else self.feed_forward).init_weights(self.init_std)
+
+
+class MoETransformer(nn.Module):
+    """The decoder family of `MoEModelArgs`; see the module docstring."""
+
+    def __init__(self, args: MoEModelArgs):
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.register_buffer("rope_inv_freq", rope_inv_freq(args.rope_dim, args.rope_theta), persistent=False)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, S] int64; positions [S] int64 global RoPE positions of these tokens
+        (default arange(S); a sequence shard passes its offset) -> hidden [B, S, H], normed."""
+        S = tokens.shape[1]
+        if S > self.args.max_seq_len:
+            raise ValueError(f"sequence length {S} exceeds max_seq_len={self.args.max_seq_len}; "
+                             f"raise max_seq_len in the model args")
+        if positions is None:
+            positions = torch.arange(S, device=tokens.device)
+        elif positions.shape != (S,):
+            raise ValueError(f"positions must have shape [S]=({S},), got {tuple(positions.shape)}")
+        rope = rope_cos_sin(positions.to(self.rope_inv_freq.device), self.rope_inv_freq)  # [S, r/2, 2]
+        h = self.tok_embeddings(tokens)                                                    # [B, S, H]
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        return self.norm(h)
+
+    def moe_layers(self) -> list[MoE]:
+        return [layer.moe for layer in self.layers.values() if hasattr(layer, "moe")]
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """Initialise every parameter and buffer in place (after `to_empty` from meta)."""
+        buffer_device = buffer_device or self.rope_inv_freq.device
+        self.rope_inv_freq = rope_inv_freq(self.args.rope_dim, self.args.rope_theta, device=buffer_device)
+        nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights()
+        self.norm.reset_parameters()
+        std = self.args.dim ** -0.5
+        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    @torch.no_grad()
+    def update_router_biases(self, rate: float,
+                             reduce_fn: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Auxiliary-loss-free balancing step; call once after each optimizer step.
+
+        Stacks every MoE layer's `tokens_per_expert` into loads [L_moe, E] (fp32), lets
+        `reduce_fn(loads)` reduce it in place (e.g. an all-reduce over the ranks that saw other
+        tokens), then per layer adds `rate * sign(mean(load) - load)` to the router bias and zeroes
+        the counters. Returns the (reduced) loads, for logging.
+        """
+        moes = self.moe_layers()
+        if not moes:
+            return torch.zeros(0, 0)
+        loads = torch.stack([moe.router.tokens_per_expert for moe in moes])  # [L_moe, E]
+        if reduce_fn is not None:
+            reduce_fn(loads)
+        for moe, load in zip(moes, loads):
+            moe.router.update_bias(load, rate)
+            moe.router.tokens_per_expert.zero_()
+        return loads
+
+    def aux_loss(self) -> torch.Tensor:
+        """Sum of the MoE layers' auxiliary losses of the last forward (a 0-dim fp32 tensor; zero
+        when aux_loss_coef == 0). Requires the last forward to have run with grad for backward."""
+        losses = [moe.last_aux_loss for moe in self.moe_layers() if moe.last_aux_loss is not None]
+        if not losses:
+            return torch.zeros((), device=self.rope_inv_freq.device)
+        return torch.stack(losses).sum()

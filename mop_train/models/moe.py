@@ -1,0 +1,136 @@
+"""Feed-forward blocks of the decoder: a dense SwiGLU FFN and the routed MoE layer.
+
+The MoE flattens [B, S, H] to x [N, H], routes it (`router`, or a forced routing set by a test or
+benchmark), and hands (x, indices, weights, w1, w2, w3) to the expert-dispatch seam
+`mop_train.ops.moe_dispatch.moe_experts_forward`; the always-on shared expert is added after.
+How routes reach experts (`dispatch`, `dispatch_group`, `dispatch_options`) is set from outside by
+the parallelization code, which may also swap `experts.w*` for this rank's shard: the model itself
+never communicates. Expert weights use torchtitan's layout w1/w3 [E, I, H], w2 [E, H, I].
+
+Legend: B batch, S sequence, N = B*S tokens, H hidden, E experts, I expert width, k top-k.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mop_train.models.args import MoEModelArgs
+from mop_train.models.router import TopKRouter
+from mop_train.ops.moe_dispatch import moe_experts_forward
+
+
+def _trunc_normal(weight: torch.Tensor, std: float) -> None:
+    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x), w1/w3 nn.Linear(H, F), w2 nn.Linear(F, H)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init_std: float) -> None:
+        _trunc_normal(self.w1.weight, 0.02)
+        _trunc_normal(self.w2.weight, init_std)
+        _trunc_normal(self.w3.weight, init_std)
+
+
+class GroupedExperts(nn.Module):
+    """E routed SwiGLU experts as stacked weights w1 [E, I, H], w2 [E, H, I], w3 [E, I, H].
+
+    Its forward is the one call site of the dispatch seam, so a per-module FSDP wrap of the
+    experts unshards exactly these weights around it.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, *,
+                dispatch: str = "local", group=None, options: dict[str, Any] | None = None) -> torch.Tensor:
+        """x [N, H], indices/weights [N, k] -> [N, H] = sum_j weights[:, j] * expert_{indices[:, j]}(x)."""
+        return moe_experts_forward(x, indices, weights, self.w1, self.w2, self.w3,
+                                   dispatch=dispatch, group=group, **(options or {}))
+
+    def init_weights(self, init_std: float) -> None:
+        _trunc_normal(self.w1, 0.02)
+        _trunc_normal(self.w2, init_std)
+        _trunc_normal(self.w3, init_std)
+
+
+Routing = tuple[torch.Tensor, torch.Tensor]
+
+
+class MoE(nn.Module):
+    """Routed experts (+ optional shared expert) on [B, S, H] -> [B, S, H].
+
+    Plain attributes set from outside:
+        dispatch, dispatch_group, dispatch_options: passed to `moe_experts_forward`.
+        forced_routing: None, a pair (indices [N, k] int64, weights [N, k]) or a callable
+            x [N, H] -> such a pair; replaces the router (whose gate then gets no gradient).
+    After a forward with aux_loss_coef > 0, `last_aux_loss` holds this layer's auxiliary loss.
+    """
+
+    def __init__(self, args: MoEModelArgs):
+        super().__init__()
+        self.aux_loss_coef = args.aux_loss_coef
+        self.router = TopKRouter(args.dim, args.num_experts, args.top_k, args.score_func,
+                                 args.route_norm, args.route_scale)
+        self.experts = GroupedExperts(args.dim, args.moe_inter_dim, args.num_experts)
+        self.shared_expert = (FeedForward(args.dim, args.n_shared_experts * args.moe_inter_dim)
+                              if args.n_shared_experts > 0 else None)
+        self.dispatch: str = "local"
+        self.dispatch_group = None
+        self.dispatch_options: dict[str, Any] = {}
+        self.forced_routing: Routing | Callable[[torch.Tensor], Routing] | None = None
+        self.last_aux_loss: torch.Tensor | None = None
+
+    def _forced(self, x: torch.Tensor) -> Routing:
+        forced = self.forced_routing
+        indices, weights = forced(x) if callable(forced) else forced
+        N, E = x.shape[0], self.router.num_experts
+        if indices.dim() != 2 or indices.shape[0] != N or weights.shape != indices.shape:
+            raise ValueError(f"forced_routing must be (indices [N, k], weights [N, k]) with N={N}; "
+                             f"got indices {tuple(indices.shape)}, weights {tuple(weights.shape)}")
+        if indices.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"forced_routing indices must be int32/int64, got {indices.dtype}")
+        if indices.numel() and not (0 <= int(indices.min()) and int(indices.max()) < E):
+            raise ValueError(f"forced_routing indices must lie in [0, {E}); got "
+                             f"[{int(indices.min())}, {int(indices.max())}]")
+        return indices.to(device=x.device, dtype=torch.int64), weights.to(x.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, H = x.shape
+        x = x.reshape(B * S, H)                                       # [N, H]
+        if self.forced_routing is not None:
+            indices, weights = self._forced(x)
+            self.last_aux_loss = None
+        else:
+            indices, weights, scores = self.router(x)                 # [N, k], [N, k], [N, E]
+            self.last_aux_loss = (self.router.aux_loss(scores, indices, self.aux_loss_coef)
+                                  if self.aux_loss_coef > 0 else None)
+        self.router.record_load(indices)
+        y = self.experts(x, indices, weights, dispatch=self.dispatch, group=self.dispatch_group,
+                         options=self.dispatch_options)               # [N, H]
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(x)
+        return y.reshape(B, S, H)
+
+    def init_weights(self, init_std: float) -> None:
+        self.router.init_weights(init_std)
+        self.experts.init_weights(init_std)
+        if self.shared_expert is not None:
+            self.shared_expert.init_weights(init_std)
