@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from mop_train.ops.moe_dispatch.ep import ep_experts_forward
 from mop_train.ops.moe_dispatch.local import grouped_swiglu, local_experts_forward
 from mop_train.ops.moe_dispatch.reference import reference_experts_forward
 
@@ -41,6 +42,10 @@ def moe_experts_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.T
         if options:
             raise ValueError(f"dispatch='local' takes no options, got {sorted(options)}")
         return local_experts_forward(x, indices, weights, w1, w2, w3)
+    if dispatch == "ep":
+        if options:
+            raise ValueError(f"dispatch='ep' takes no options, got {sorted(options)}")
+        return ep_experts_forward(x, indices, weights, w1, w2, w3, group)
     raise ValueError(f"unknown dispatch {dispatch!r}; expected one of {DISPATCH_MODES}")
 
 

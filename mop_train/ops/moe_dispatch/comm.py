@@ -1,0 +1,115 @@
+"""All-to-all helpers shared by the expert-parallel dispatch schedules.
+
+Routes travel between the ranks of the expert group with `all_to_all_single` and uneven splits. The
+autograd functions here are split in two halves so a schedule can launch an exchange, run other
+work, and wait for it later (that is how PipelinedLLEP overlaps the dispatch of chunk i+1 with the
+expert matmul of chunk i):
+
+    ticket = Ticket()
+    bufs = AllToAllStart.apply(ticket, send_splits, recv_splits, group, *tensors)  # launched
+    ...                                                                           # other work
+    outs = AllToAllWait.apply(ticket, *bufs)                                      # ready
+
+Backward is the inverse exchange (splits swapped), issued synchronously. `all_to_all` does both
+halves at once. Every tensor in one exchange shares the same row splits (rows, routing weights, ...).
+
+Legend: P expert-group size, R routes (rows) sent, R' routes received.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group) -> int:
+    """Ranks in `group`; None means a single-rank group (no communication)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    """This rank's index in `group`; 0 for None."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+class Ticket:
+    """Holds the pending work handles of one launched exchange between its two halves."""
+
+    def __init__(self):
+        self.works = []
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
+
+
+def _launch(tensors, send_splits, recv_splits, group, ticket: Ticket):
+    """Start one all-to-all per tensor; returns the (not yet filled) receive buffers."""
+    outs = []
+    for t in tensors:
+        t = t.contiguous()
+        out = t.new_empty((sum(recv_splits),) + tuple(t.shape[1:]))
+        ticket.works.append(dist.all_to_all_single(out, t, list(recv_splits), list(send_splits),
+                                                   group=group, async_op=True))
+        outs.append(out)
+    return outs
+
+
+class AllToAllStart(torch.autograd.Function):
+    """Launch the exchange of `tensors` (rows split by `send_splits`); backward sends grads back."""
+
+    @staticmethod
+    def forward(ctx, ticket, send_splits, recv_splits, group, *tensors):
+        ctx.send_splits, ctx.recv_splits, ctx.group = list(send_splits), list(recv_splits), group
+        outs = _launch(tensors, send_splits, recv_splits, group, ticket)
+        ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs]
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        back = Ticket()
+        # Received rows of a tensor whose gradient is unused still have to be answered (zeros),
+        # so every rank issues the same exchanges.
+        grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                 for g, (shape, dtype, device) in zip(grads, ctx.out_meta)]
+        outs = _launch(grads, ctx.recv_splits, ctx.send_splits, ctx.group, back)
+        back.wait()
+        return (None, None, None, None, *outs)
+
+
+class AllToAllWait(torch.autograd.Function):
+    """Block until the exchange held by `ticket` has landed; identity for autograd."""
+
+    @staticmethod
+    def forward(ctx, ticket, *bufs):
+        ticket.wait()
+        return bufs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *grads)
+
+
+def all_to_all(tensors: Sequence[torch.Tensor], send_splits: Sequence[int],
+               recv_splits: Sequence[int], group) -> tuple:
+    """Differentiable all-to-all of several row-aligned tensors [R, ...] -> [R', ...]."""
+    ticket = Ticket()
+    bufs = AllToAllStart.apply(ticket, send_splits, recv_splits, group, *tensors)
+    return AllToAllWait.apply(ticket, *bufs)
+
+
+def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """counts [P, ...] int64, row g meant for rank g -> [P, ...], row s sent by rank s (no grad)."""
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out
+
+
+def all_gather_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """counts [...] int64 on each rank -> [P, ...] stacked in group-rank order (no grad)."""
+    parts = [torch.empty_like(counts) for _ in range(group_size(group))]
+    dist.all_gather(parts, counts.contiguous(), group=group)
+    return torch.stack(parts)

@@ -1,0 +1,98 @@
+"""Standard expert parallelism: `dispatch="ep"`.
+
+Rank r of the expert group owns experts [r*E_l, (r+1)*E_l). Each route travels to its owner and back:
+  1. sort this rank's routes by expert (stable); count routes per expert;
+  2. exchange the counts (all-to-all), which gives every receiver its split sizes and per-expert rows;
+  3. dispatch rows and routing weights with one all-to-all of uneven splits;
+  4. the receiver regroups rows by local expert, runs the grouped SwiGLU and scales by the weight;
+  5. combine: the reverse all-to-all returns each route's output; sum over the k slots per token.
+Backward is the same exchanges reversed (autograd). At group size 1 this is `dispatch="local"`.
+The receive-side stages here (`receive_order`, `weighted_experts`, `exchange_and_compute`) are shared
+with LLEP and PipelinedLLEP. Paper: section 3.1 (the baseline PipelinedLLEP is measured against).
+
+Legend: N tokens, H hidden, I expert hidden width, E experts, E_l = E / P local experts, k top-k,
+R = N*k routes, P expert-group size, S expert slots on the receiver (E_l for EP).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from mop_train.ops.moe_dispatch.comm import all_to_all, exchange_counts, group_size
+from mop_train.ops.moe_dispatch.local import grouped_swiglu, local_experts_forward
+
+
+def receive_order(recv_counts: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Received rows arrive source-major, slot-ascending within each source; regroup them by slot.
+
+    Args:
+        recv_counts: [P, S] int64 (CPU): rows source s sends for slot j.
+    Returns:
+        perm [R'] (received row ids in slot-major order, stable in source), slot_counts [S].
+    """
+    P, S = recv_counts.shape
+    slot_of_row = torch.repeat_interleave(torch.arange(S).repeat(P), recv_counts.reshape(-1))  # [R']
+    perm = torch.argsort(slot_of_row, stable=True)
+    return perm.to(device), recv_counts.sum(0)
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+def weighted_experts(rows: torch.Tensor, route_w: torch.Tensor, slot_counts: torch.Tensor,
+                     w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """rows [R', H] sorted by slot, route_w [R'], slot_counts [S] -> weighted outputs [R', H]."""
+    out = grouped_swiglu(rows, slot_counts, w1, w2, w3)           # [R', H]
+    return out * route_w.unsqueeze(1).to(out.dtype)
+
+
+def exchange_and_compute(rows: torch.Tensor, route_w: torch.Tensor, send_splits: Sequence[int],
+                         recv_counts: torch.Tensor, w1, w2, w3, group) -> torch.Tensor:
+    """Dispatch -> weighted grouped SwiGLU on the receiver -> combine, all in one go.
+
+    Args:
+        rows: [R, H] ordered by (destination rank, slot); route_w: [R] routing weights.
+        send_splits: [P] rows for each destination.
+        recv_counts: [P, S] int64 (CPU): rows each source sends this rank for each of its slots.
+        w1, w3: [S, I, H]; w2: [S, H, I] the experts behind this rank's slots.
+    Returns:
+        [R, H] weighted expert output of every route, in the order of `rows`.
+    """
+    recv_splits = recv_counts.sum(1).tolist()
+    recv_rows, recv_w = all_to_all((rows, route_w), send_splits, recv_splits, group)  # [R', H], [R']
+    perm, slot_counts = receive_order(recv_counts, rows.device)
+    out = weighted_experts(recv_rows[perm], recv_w[perm], slot_counts, w1, w2, w3)  # [R', H]
+    out = out[inverse_permutation(perm)]                           # back to arrival order
+    (back,) = all_to_all((out,), recv_splits, send_splits, group)  # [R, H]
+    return back
+
+
+def ep_experts_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                       w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, group) -> torch.Tensor:
+    """x [N, H]; indices, weights [N, k]; w1, w3 [E_l, I, H]; w2 [E_l, H, I] this rank's shard -> y [N, H]."""
+    P = group_size(group)
+    if P == 1:
+        return local_experts_forward(x, indices, weights, w1, w2, w3)
+    N, k = indices.shape
+    E_l = w1.shape[0]
+    flat = indices.reshape(-1)                                     # [R]
+    order = torch.argsort(flat, stable=True)                       # [R] sorted by expert = by owner
+    counts = torch.bincount(flat, minlength=E_l * P)               # [E]
+    if counts.numel() != E_l * P:
+        raise ValueError(f"indices hold expert ids up to {int(flat.max())}, but the group has "
+                         f"{P} ranks x {E_l} local experts = {E_l * P}; pass this rank's expert shard")
+    recv_counts = exchange_counts(counts.view(P, E_l), group).cpu()  # [P, E_l]
+    send_splits = counts.view(P, E_l).sum(1).tolist()
+    token = order // k                                             # [R]
+    out = exchange_and_compute(x[token], weights.reshape(-1)[order], send_splits, recv_counts,
+                               w1, w2, w3, group)                  # [R, H]
+    return torch.zeros_like(x).index_add(0, token, out)           # [N, H]
+
+
+__all__ = ["ep_experts_forward", "exchange_and_compute", "inverse_permutation", "receive_order",
+           "weighted_experts"]
