@@ -1,0 +1,225 @@
+"""Offline data: a tokenizer and a dataloader of packed token sequences, with no network needed.
+
+    tokenizer = build_tokenizer(cfg.model.hf_assets_path, cache_dir=...)
+    dataloader = build_dataloader(cfg.training, tokenizer, dp_rank, dp_world_size, cache_dir=...)
+
+Sources (`[training] dataset`, with `dataset_path`):
+  "embedded"                   a corpus built from the Python standard library's own .py sources
+                               (ships with every Python; no file outside the install is read)
+  "jsonl" | "parquet" | "text" local files: one file, a directory of them, or a glob
+  "hub"                        `datasets.load_dataset(dataset_path)`: a hub id or a local dataset repo
+Tokenizer (`[model] hf_assets_path`): "embedded" (a byte-level BPE of 2048 tokens trained once on the
+embedded corpus) or a directory holding `tokenizer.json` (HF tokenizers), as torchtitan expects.
+The embedded assets are built deterministically at first use into `<cache_dir>/embedded-<hash>`.
+
+Documents are tokenized with BOS/EOS and concatenated; every sample is a window of seq_len + 1
+tokens (input = first S, labels = last S), by torchtitan's HuggingFaceTextDataset, whose resumable
+position (sample index + token buffer) goes into the checkpoint through the StatefulDataLoader.
+Each data-parallel rank reads a disjoint shard of the documents.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import operator
+import os
+import shutil
+import sysconfig
+import tempfile
+from dataclasses import asdict
+
+from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
+
+EMBEDDED = "embedded"
+EMBEDDED_VOCAB_SIZE = 2048
+BOS, EOS = "<|bos|>", "<|eos|>"
+LOCAL_FORMATS = {"jsonl": ("json", (".jsonl", ".json", ".jsonl.gz", ".json.gz")),
+                 "parquet": ("parquet", (".parquet",)),
+                 "text": ("text", (".txt", ".text", ".md"))}
+SOURCES = (EMBEDDED, *LOCAL_FORMATS, "hub")
+_ASSETS_VERSION = "1"  # bump when the corpus or tokenizer recipe changes
+
+
+def default_cache_dir() -> str:
+    """Where the embedded corpus and tokenizer are cached: $MOP_TRAIN_CACHE or ~/.cache/mop_train."""
+    return os.environ.get("MOP_TRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mop_train")
+
+
+# ------------------------------------------------------------------------------------------------
+# The embedded corpus and tokenizer
+# ------------------------------------------------------------------------------------------------
+
+def _stdlib_documents() -> list[str]:
+    """Top-level .py files of this Python's standard library, in sorted order (one per document)."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    docs = []
+    for path in sorted(glob.glob(os.path.join(stdlib, "*.py"))):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        if text.strip():
+            docs.append(text)
+    if not docs:
+        raise ValueError(f"found no .py sources under the standard library folder {stdlib!r}; "
+                         f"use [training] dataset = \"jsonl\" with a dataset_path instead")
+    return docs
+
+
+def _train_bpe(docs: list[str], out_dir: str) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=EMBEDDED_VOCAB_SIZE, special_tokens=[BOS, EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(docs, trainer)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": BOS, "eos_token": EOS}, f)
+
+
+def embedded_assets(cache_dir: str) -> str:
+    """Build (once) and return the folder holding corpus.jsonl, tokenizer.json, tokenizer_config.json.
+
+    The folder name hashes the corpus, so another Python version gets its own folder. The build
+    writes to a temporary folder and renames it into place, so concurrent builders are safe.
+    """
+    docs = _stdlib_documents()
+    digest = hashlib.sha256(_ASSETS_VERSION.encode())
+    for doc in docs:
+        digest.update(doc.encode())
+    folder = os.path.join(cache_dir, f"embedded-{digest.hexdigest()[:16]}")
+    if os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        return folder
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".embedded-", dir=cache_dir)
+    try:
+        with open(os.path.join(tmp, "corpus.jsonl"), "w") as f:
+            for doc in docs:
+                f.write(json.dumps({"text": doc}) + "\n")
+        _train_bpe(docs, tmp)
+        os.rename(tmp, folder)
+    except OSError:
+        if not os.path.isfile(os.path.join(folder, "tokenizer.json")):  # not a lost race: a real error
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+# ------------------------------------------------------------------------------------------------
+# Tokenizer
+# ------------------------------------------------------------------------------------------------
+
+def build_tokenizer(hf_assets_path: str, *, cache_dir: str) -> HuggingFaceTokenizer:
+    """torchtitan's HF tokenizer from `hf_assets_path` ("embedded" or a folder with tokenizer.json)."""
+    path = embedded_assets(cache_dir) if hf_assets_path == EMBEDDED else hf_assets_path
+    if not os.path.isdir(path):
+        raise ValueError(f"model.hf_assets_path = {path!r} is not a folder; point it at a folder holding "
+                         f"tokenizer.json, or set it to \"{EMBEDDED}\" for the built-in tokenizer")
+    tokenizer_json = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tokenizer_json):
+        raise ValueError(f"no tokenizer.json in model.hf_assets_path = {path!r} (files: "
+                         f"{sorted(os.listdir(path))[:10]}); copy the model's tokenizer.json there")
+    try:
+        return HuggingFaceTokenizer(path)
+    except Exception as err:  # tokenizers raises its own Exception types for unreadable files
+        raise ValueError(f"could not load the tokenizer {tokenizer_json!r} (corrupt or not an HF "
+                         f"tokenizers file?): {err}") from None
+
+
+# ------------------------------------------------------------------------------------------------
+# Dataset
+# ------------------------------------------------------------------------------------------------
+
+def _local_files(path: str, fmt: str) -> list[str]:
+    _, suffixes = LOCAL_FORMATS[fmt]
+    if os.path.isdir(path):
+        files = sorted(p for p in glob.glob(os.path.join(path, "**", "*"), recursive=True)
+                       if p.endswith(suffixes) and os.path.isfile(p))
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        files = sorted(glob.glob(path))
+    if not files:
+        raise ValueError(f"training.dataset_path = {path!r} names no {fmt} file (looked for "
+                         f"{', '.join(suffixes)}); pass an existing file, folder or glob")
+    return files
+
+
+def load_documents(source: str, path: str | None, *, cache_dir: str, text_column: str = "text"):
+    """Load the raw documents as a `datasets` Dataset (or IterableDataset for "hub")."""
+    from datasets import load_dataset
+
+    if source not in SOURCES:
+        raise ValueError(f"training.dataset = {source!r} is not a known source; use one of {SOURCES}")
+    if source != EMBEDDED and not path:
+        raise ValueError(f"training.dataset = {source!r} needs training.dataset_path "
+                         f"(a file, folder or glob{'; or a hub id' if source == 'hub' else ''})")
+    if source == "hub":
+        files = None
+    elif source == EMBEDDED:
+        files = [os.path.join(embedded_assets(cache_dir), "corpus.jsonl")]
+    else:
+        files = _local_files(path, source)
+    try:
+        if files is None:
+            ds = load_dataset(path, split="train", streaming=True)
+        else:
+            builder = "json" if source == EMBEDDED else LOCAL_FORMATS[source][0]
+            ds = load_dataset(builder, data_files=files, split="train")
+    except Exception as err:  # datasets reports parse failures through several exception types
+        raise ValueError(f"could not read training.dataset_path = {path or files[0]!r} as {source}: "
+                         f"{type(err).__name__}: {err}") from None
+    columns = ds.column_names
+    if columns is not None and text_column not in columns:
+        raise ValueError(f"dataset {path or source!r} has no {text_column!r} column (columns: {columns})")
+    if columns is not None and hasattr(ds, "__len__") and len(ds) == 0:
+        raise ValueError(f"dataset {path or source!r} holds no documents")
+    return ds
+
+
+class PackedTextDataset(HuggingFaceTextDataset):
+    """torchtitan's packing and resumable position over documents we loaded ourselves.
+
+    torchtitan's own constructor looks names up in its fixed registry; this one takes the loaded
+    dataset and sets the same fields its `__iter__`, `state_dict` and `load_state_dict` use.
+    """
+
+    def __init__(self, docs, tokenizer, *, seq_len: int, dp_rank: int, dp_world_size: int,
+                 text_column: str = "text", name: str = "documents"):
+        from datasets import Dataset
+        from datasets.distributed import split_dataset_by_node
+
+        self.dataset_name = name
+        self._data = split_dataset_by_node(docs, dp_rank, dp_world_size)
+        if isinstance(self._data, Dataset) and len(self._data) == 0:
+            raise ValueError(f"dataset {name!r} has {len(docs)} documents, fewer than the "
+                             f"{dp_world_size} data-parallel ranks; use more documents or fewer ranks")
+        self._tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.infinite = True
+        self._text_processor = operator.itemgetter(text_column)
+        self._sample_idx = 0
+        self._token_buffer: list[int] = []
+
+
+def build_dataloader(training, tokenizer, dp_rank: int, dp_world_size: int, *,
+                     cache_dir: str) -> ParallelAwareDataloader:
+    """A resumable dataloader yielding ({"input": tokens [B, S]}, labels [B, S]) for this rank.
+
+    Args:
+        training: the `[training]` config section (dataset, dataset_path, seq_len,
+            local_batch_size, dataloader).
+    """
+    docs = load_documents(training.dataset, training.dataset_path, cache_dir=cache_dir)
+    dataset = PackedTextDataset(docs, tokenizer, seq_len=training.seq_len, dp_rank=dp_rank,
+                                dp_world_size=dp_world_size,
+                                name=training.dataset_path or training.dataset)
+    return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,
+                                   batch_size=training.local_batch_size, **asdict(training.dataloader))

@@ -1,0 +1,240 @@
+"""The training loop, launched by torchrun on CPU (gloo) or GPU (NCCL) through the same code:
+
+    torchrun --standalone --nproc_per_node=2 -m mop_train.train --job.config_file configs/debug_cpu.toml \
+        --training.steps 8 --job.dump_folder outputs/x --metrics.log_freq 1 --debug.seed 7
+
+One step: every rank reads its own B sequences of S tokens; the FSDP2-sharded model returns the
+summed token loss; the loop divides by the global count of target tokens (all-reduced), runs
+backward (gradients are summed over ranks), clips the global gradient norm, steps the optimizer
+and LR schedule, then moves the router biases from the all-reduced expert loads. Checkpoints
+(DCP) save and restore every piece of that state, so a resumed run repeats the same losses.
+Build order: config -> layout -> data -> model (meta, checkpointing, FSDP2, init) -> optimizer ->
+checkpoint (resume) -> steps.
+
+Legend: W ranks, B local batch, S sequence length.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+import warnings
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchtitan.distributed.utils import clip_grad_norm_
+from torchtitan.tools.logging import init_logger, logger
+
+from mop_train.config import load_job_config
+from mop_train.layout import RankLayout, plan_layout
+from mop_train.models import zoo
+from mop_train.models.model import MoETransformer
+from mop_train.train.checkpoint import TrainState, build_checkpointer
+from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir
+from mop_train.train.loss import IGNORE_INDEX, LanguageModelLoss
+from mop_train.train.metrics import MetricLogger, flops_per_token, peak_tflops
+from mop_train.train.optim import OFFLOAD_ADAMW, build_lr_schedulers, build_optimizers
+from mop_train.train.parallelize import apply_activation_checkpointing, apply_fsdp, check_layout_wired
+from mop_train.train.plan import MemoryPlanInputs, format_plan, memory_plan
+
+
+def init_distributed() -> torch.device:
+    """Join the torchrun world (or a world of one when launched with plain python)."""
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517")):
+        os.environ.setdefault(key, value)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device
+
+
+def seed_everything(seed: int | None, device: torch.device) -> int:
+    """Same seed on every rank (rank 0 draws one when none is given); returns it."""
+    if seed is None:
+        drawn = torch.randint(0, 2**31 - 1, (1,), device=device)
+        dist.broadcast(drawn, src=0)
+        seed = int(drawn.item())
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    return seed
+
+
+def build_model(cfg, mesh, device: torch.device):
+    """The zoo model on meta -> per-block checkpointing -> FSDP2 (with the loss as root) -> init."""
+    args = zoo.get_model_args(cfg.model.flavor)
+    with torch.device("meta"):
+        model = MoETransformer(args)
+    sco = build_sco(cfg.mop.sco, device)
+    checkpointed = apply_activation_checkpointing(model, cfg.activation_checkpoint, sco)
+    module = LanguageModelLoss(model)
+    on_gpu_bf16 = device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
+    apply_fsdp(module, model, mesh, param_dtype=torch.bfloat16 if on_gpu_bf16 else torch.float32,
+               reduce_dtype=torch.float32)
+    module.to_empty(device=device)
+    model.init_weights(buffer_device=device)
+    return module, model, sco, checkpointed
+
+
+def build_sco(sco_cfg, device: torch.device):
+    """A SelectiveCheckpointOffload for a nonzero `[mop.sco] host_budget`, else None."""
+    if sco_cfg.host_budget.strip() == "0":
+        return None
+    try:
+        from mop_train.ops.sco import SelectiveCheckpointOffload, resolve_host_budget
+    except ImportError as err:
+        raise ValueError(f"mop.sco.host_budget = {sco_cfg.host_budget!r} but mop_train.ops.sco is not "
+                         f"available ({err}); set it to \"0\"") from None
+    budget = resolve_host_budget(sco_cfg.host_budget, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return SelectiveCheckpointOffload(budget, device=device)
+
+
+def train_step(module, model, batch, optimizers, lr_schedulers, *, max_norm: float,
+               bias_rate: float, device: torch.device) -> dict:
+    """One optimizer step on this rank's batch; returns this step's tensors for logging."""
+    inputs, labels = batch
+    tokens, labels = inputs["input"].to(device), labels.to(device)   # [B, S], [B, S]
+    n_tokens = (labels != IGNORE_INDEX).sum()
+    dist.all_reduce(n_tokens)                                          # global target count
+    loss_sum = module(tokens, labels)                                  # fp32 sum over local tokens
+    loss = loss_sum / n_tokens
+    if model.args.aux_loss_coef > 0:
+        loss = loss + model.aux_loss() / dist.get_world_size()         # gradients sum over ranks
+    loss.backward()
+    grad_norm = clip_grad_norm_(list(module.parameters()), max_norm if max_norm > 0 else float("inf"))
+    lr = lr_schedulers.schedulers[0].get_last_lr()[0]
+    optimizers.step()
+    lr_schedulers.step()
+    optimizers.zero_grad()
+    model.update_router_biases(bias_rate, reduce_fn=dist.all_reduce)
+    return {"loss_sum": loss_sum.detach(), "n_tokens": n_tokens, "grad_norm": grad_norm, "lr": lr}
+
+
+def describe_run(cfg, layout, module, checkpointed: list[int], seed: int, device) -> str:
+    args, counts = zoo.get_model_args(cfg.model.flavor), zoo.param_counts(cfg.model.flavor)
+    # DTensor parameters report their global (unsharded) numel.
+    blocks = [sum(p.numel() for p in b.parameters()) for b in module.model.layers.values()]
+    t = cfg.training
+    plan = memory_plan(MemoryPlanInputs(
+        total_params=counts["total"], largest_block_params=max(blocks), world_size=layout.plan.world_size,
+        local_batch=t.local_batch_size, seq_len=t.seq_len, hidden=args.dim, vocab=args.vocab_size,
+        top_k=args.top_k, n_layers=args.n_layers, checkpointed_layers=len(checkpointed),
+        act_bytes=2 if device.type == "cuda" and t.mixed_precision_param == "bfloat16" else 4,
+        loss_chunk=module.chunk_size, optimizer_on_device=cfg.optimizer.name != OFFLOAD_ADAMW))
+    return "\n".join([
+        f"model {cfg.model.flavor}: {counts['total']:,} parameters ({counts['active']:,} active per token), "
+        f"{args.n_layers} blocks, H={args.dim}, V={args.vocab_size}",
+        layout.plan.describe().splitlines()[0],
+        f"device {device}, W={layout.plan.world_size}, B={t.local_batch_size}, S={t.seq_len}, "
+        f"steps={t.steps}, seed={seed}, checkpointed blocks {checkpointed}",
+        format_plan(plan)])
+
+
+def train(cfg, device: torch.device) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lay = cfg.mop.layout
+    layout = RankLayout.build(plan_layout(world, lay.seq_degree, lay.expert_degree, lay.vocab_degree),
+                              device_type=device.type)
+    check_layout_wired(cfg.mop)
+    if cfg.debug.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=cfg.debug.deterministic_warn_only)
+    seed = seed_everything(cfg.debug.seed, device)
+
+    cache_dir = default_cache_dir()
+    tokenizer = build_tokenizer(cfg.model.hf_assets_path, cache_dir=cache_dir)
+    vocab = zoo.get_model_args(cfg.model.flavor).vocab_size
+    if tokenizer.get_vocab_size() > vocab:
+        raise ValueError(f"the tokenizer at model.hf_assets_path = {cfg.model.hf_assets_path!r} has "
+                         f"{tokenizer.get_vocab_size()} tokens but model {cfg.model.flavor!r} has vocab_size "
+                         f"{vocab}; use a model with a larger vocabulary or a smaller tokenizer")
+    dataloader = build_dataloader(cfg.training, tokenizer, layout.data_rank, layout.data_size,
+                                  cache_dir=cache_dir)
+
+    module, model, sco, checkpointed = build_model(cfg, layout.mesh, device)
+    optimizers = build_optimizers([module], cfg.optimizer, cfg.mop.offload_adamw, world_size=world)
+    lr_schedulers = build_lr_schedulers(optimizers, cfg.lr_scheduler, cfg.training.steps)
+    train_state = TrainState(rank)
+    checkpointer = build_checkpointer(cfg.checkpoint, cfg.job.dump_folder, model=model,
+                                      optimizers=optimizers, lr_schedulers=lr_schedulers,
+                                      dataloader=dataloader, train_state=train_state)
+    checkpointer.load(step=cfg.checkpoint.load_step)
+    if rank == 0:
+        print(describe_run(cfg, layout, module, checkpointed, seed, device), flush=True)
+        if train_state.step:
+            print(f"resumed from step {train_state.step} in {checkpointer.folder}", flush=True)
+
+    metrics = MetricLogger(cfg.metrics, cfg.job.dump_folder, rank=rank, device=device,
+                           run_config=cfg.to_dict())
+    counts, args = zoo.param_counts(cfg.model.flavor), model.args
+    flops = flops_per_token(counts["active"], args.vocab_size * args.dim, args.n_layers, args.n_heads,
+                            args.qk_head_dim, cfg.training.seq_len)
+    run_steps(cfg, module, model, dataloader, optimizers, lr_schedulers, checkpointer, train_state,
+              metrics, device=device, flops_per_token=flops, sco=sco)
+    metrics.close()
+    checkpointer.close()
+    if rank == 0:
+        where = checkpointer.folder if cfg.checkpoint.enable else "(checkpointing off)"
+        print(f"done: metrics in {metrics.jsonl_path}"
+              + (f", TensorBoard events in {metrics.tb_dir}" if cfg.metrics.enable_tensorboard else "")
+              + f", checkpoints in {where}", flush=True)
+
+
+def run_steps(cfg, module, model, dataloader, optimizers, lr_schedulers, checkpointer, train_state,
+              metrics, *, device, flops_per_token: float, sco) -> None:
+    steps, peak = cfg.training.steps, peak_tflops(device)
+    batches = iter(dataloader)
+    window_start, window_tokens = time.perf_counter(), 0
+    while train_state.step < steps:
+        train_state.step += 1
+        step = train_state.step
+        if sco is not None and hasattr(sco, "begin_step"):
+            sco.begin_step()
+        out = train_step(module, model, next(batches), optimizers, lr_schedulers,
+                         max_norm=cfg.training.max_norm, bias_rate=cfg.mop.moe.bias_update_rate,
+                         device=device)
+        n_tokens = int(out["n_tokens"].item())
+        train_state.tokens_seen += n_tokens
+        window_tokens += n_tokens
+        last = step == steps
+        if metrics.should_log(step, last):
+            loss_sum = out["loss_sum"].clone()
+            dist.all_reduce(loss_sum)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed = time.perf_counter() - window_start
+            tokens_per_s = window_tokens / elapsed
+            values = {"loss": (loss_sum / n_tokens).item(), "grad_norm": float(out["grad_norm"]),
+                      "lr": out["lr"], "tokens_per_s": tokens_per_s,
+                      "tokens_per_s_per_rank": tokens_per_s / dist.get_world_size(),
+                      "tokens_seen": train_state.tokens_seen, "elapsed_s": elapsed}
+            if device.type == "cuda":
+                tflops = flops_per_token * tokens_per_s / dist.get_world_size() / 1e12
+                values["tflops"] = tflops
+                values["mfu_pct"] = 100.0 * tflops / peak if peak else None
+            if sco is not None:
+                values.update({f"sco_{k}": v for k, v in sco.last_step_stats().items()})
+            metrics.log(step, values)
+            window_start, window_tokens = time.perf_counter(), 0
+        checkpointer.save(step, last_step=last)
+
+
+def main(argv: list[str] | None = None) -> None:
+    init_logger()
+    logger.setLevel("ERROR")  # torchtitan warns that hf_assets_path = "embedded" is not a folder
+    cfg = load_job_config(argv)
+    logger.setLevel("INFO")
+    warnings.filterwarnings("ignore", message=".*set_vital.*")
+    device = init_distributed()
+    if dist.get_rank() != 0:
+        logger.setLevel("WARNING")
+    try:
+        train(cfg, device)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,115 @@
+"""Training metrics: one console line, one `metrics.jsonl` record, TensorBoard and W&B per logged step.
+
+    metrics = MetricLogger(cfg.metrics, dump_folder, rank=rank, device=device, run_config=cfg.to_dict())
+    metrics.log(step, {"loss": ..., "grad_norm": ..., "lr": ..., "tokens_per_s": ..., ...})
+
+`{dump_folder}/metrics.jsonl` (rank 0) holds one JSON object per logged step with at least
+step, loss, grad_norm, lr, tokens_per_s, peak_mem_gib: scripts, sweeps and tests read it.
+TensorBoard events go to `{dump_folder}/{metrics.save_tb_folder}` when enabled; W&B (torchtitan's
+WandBLogger, offline when WANDB_MODE=offline) when enabled. Peak memory is the device allocator's
+peak on GPU and the process's peak resident set on CPU (`peak_mem_kind` says which).
+MFU divides achieved TFLOP/s by the device's dense bf16 peak (known devices only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+
+import torch
+from torchtitan.components.metrics import TensorBoardLogger, WandBLogger
+
+GIB = 2**30
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+"""Dense bf16 peak TFLOP/s per device, matched against the CUDA device name."""
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def peak_memory_gib(device: torch.device) -> tuple[float, str]:
+    """(peak GiB, kind): CUDA allocator peak on GPU, peak resident set of this process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GIB, "cuda_max_allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss * (1 if sys.platform == "darwin" else 1024) / GIB, "host_max_rss"
+
+
+def flops_per_token(active_params: int, embedding_params: int, n_layers: int, n_heads: int,
+                    qk_head_dim: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per active non-embedding parameter (forward + backward), plus
+    causal attention's score and value matmuls: 6 * L * h * d * S (half of the full 12 * L * h * d * S)."""
+    return 6.0 * (active_params - embedding_params) + 6.0 * n_layers * n_heads * qk_head_dim * seq_len
+
+
+class MetricLogger:
+    """Console + metrics.jsonl (rank 0) + TensorBoard + W&B for one run."""
+
+    def __init__(self, metrics, dump_folder: str, *, rank: int, device: torch.device, run_config: dict):
+        """Args:
+            metrics: the `[metrics]` section (log_freq, enable_tensorboard, save_tb_folder,
+                save_for_all_ranks, enable_wandb).
+        """
+        self.rank, self.device = rank, device
+        self.log_freq = metrics.log_freq
+        self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
+        self.tb_dir = os.path.join(dump_folder, metrics.save_tb_folder)
+        if metrics.save_for_all_ranks:
+            self.tb_dir = os.path.join(self.tb_dir, f"rank_{rank}")
+        writes = rank == 0 or metrics.save_for_all_ranks
+        self.loggers = []
+        if writes and metrics.enable_tensorboard:
+            self.loggers.append(TensorBoardLogger(self.tb_dir))
+        if writes and metrics.enable_wandb:
+            self.loggers.append(WandBLogger(os.path.join(dump_folder, "wandb"), _AsDict(run_config)))
+        self._jsonl = None
+        if rank == 0:
+            os.makedirs(dump_folder, exist_ok=True)
+            self._jsonl = open(self.jsonl_path, "a")
+
+    def should_log(self, step: int, last_step: bool) -> bool:
+        return step == 1 or last_step or step % self.log_freq == 0
+
+    def log(self, step: int, values: dict) -> None:
+        """Write one record (all ranks call this; rank 0 prints and writes the jsonl)."""
+        peak, kind = peak_memory_gib(self.device)
+        record = {"step": step, **values, "peak_mem_gib": peak, "peak_mem_kind": kind}
+        for logger in self.loggers:
+            logger.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step)
+        if self._jsonl is None:
+            return
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        print(format_line(record), flush=True)
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            logger.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+
+
+def format_line(r: dict) -> str:
+    line = (f"step {r['step']:>5}  loss {r['loss']:.4f}  grad_norm {r['grad_norm']:.4f}  "
+            f"lr {r['lr']:.3e}  tokens/s {r['tokens_per_s']:,.0f}")
+    if r.get("tflops") is not None:
+        line += f"  TFLOP/s {r['tflops']:.1f}"
+    if r.get("mfu_pct") is not None:
+        line += f"  MFU {r['mfu_pct']:.1f}%"
+    return line + f"  peak_mem {r['peak_mem_gib']:.2f} GiB"
+
+
+class _AsDict:
+    """What torchtitan's WandBLogger reads from a job config: `to_dict()`."""
+
+    def __init__(self, config: dict):
+        self._config = config
+
+    def to_dict(self) -> dict:
+        return self._config

@@ -1,0 +1,86 @@
+"""Parallelism applied to the model from outside: per-layer activation checkpointing, FSDP2.
+
+    check_layout_wired(cfg.mop)                          # D = E_p = P = 1 only, for now
+    apply_activation_checkpointing(model, cfg.activation_checkpoint, sco)
+    apply_fsdp(train_module, model, layout.mesh, param_dtype=..., reduce_dtype=...)
+
+Activation checkpointing wraps each decoder block (non-reentrant): its input is the retained
+boundary and everything inside is recomputed in backward. With an SCO host budget the block is
+wrapped by `SelectiveCheckpointOffload.wrap` instead, which also offloads boundaries to host.
+FSDP2 shards each block as one unit and the root (embeddings, final norm, output projection) as
+another, over all W ranks. Gradients are summed over ranks, not averaged: the loop divides the
+summed token loss by the global token count, so the sum is the exact gradient of the mean.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def check_layout_wired(mop) -> None:
+    """Reject the MoP features the loop does not wire yet, naming the key and the fix."""
+    for key in ("seq_degree", "expert_degree", "vocab_degree"):
+        value = getattr(mop.layout, key)
+        if value != 1:
+            raise ValueError(f"mop.layout.{key} = {value}: the training loop does not wire this "
+                             f"parallelism yet (pure data parallel only); set it to 1")
+    if mop.ring_dtp.enable:
+        raise ValueError("mop.ring_dtp.enable = true: Ring-DTP is not wired into the training loop yet; "
+                         "set it to false (the loop uses the chunked cross-entropy)")
+    if mop.moe.dispatch != "local":
+        raise ValueError(f"mop.moe.dispatch = {mop.moe.dispatch!r}: only 'local' is wired into the "
+                         f"training loop yet; set it to 'local'")
+
+
+def _checkpointed_layer_ids(ac, n_layers: int) -> list[int]:
+    if ac.mode == "none":
+        return []
+    if ac.mode == "full":
+        return list(range(n_layers))
+    if ac.mode == "selective" and ac.selective_ac_option.isdigit() and int(ac.selective_ac_option) >= 1:
+        every = int(ac.selective_ac_option)
+        return [i for i in range(n_layers) if i % every == 0]
+    raise ValueError(f"activation_checkpoint.mode = {ac.mode!r} with selective_ac_option = "
+                     f"{ac.selective_ac_option!r} is not supported; use mode \"full\", \"none\", or "
+                     f"\"selective\" with an integer option N (checkpoint every N-th block)")
+
+
+def apply_activation_checkpointing(model: nn.Module, ac, sco=None) -> list[int]:
+    """Wrap the chosen blocks of `model.layers` in place; return their indices.
+
+    Args:
+        ac: the `[activation_checkpoint]` section (mode "full" | "selective" N | "none").
+        sco: a `SelectiveCheckpointOffload` or None; when given it wraps the blocks instead.
+    """
+    ids = _checkpointed_layer_ids(ac, len(model.layers))
+    for i, (name, block) in enumerate(list(model.layers.items())):
+        if i not in ids:
+            continue
+        if sco is not None:
+            wrapped = sco.wrap(block)
+        else:
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=ac.preserve_rng_state)
+        model.layers.register_module(name, wrapped)
+    return ids
+
+
+def apply_fsdp(root: nn.Module, model: nn.Module, mesh, *, param_dtype: torch.dtype,
+               reduce_dtype: torch.dtype) -> None:
+    """FSDP2 over `mesh`: one unit per block of `model.layers`, then `root` (which holds `model`).
+
+    `root` must be the module whose forward also uses `model.output.weight`, so that the root
+    unit has every remaining parameter unsharded during its forward.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block is needed again first in backward: keep it unsharded after forward.
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(root, mesh=mesh, mp_policy=mp)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM/AVG

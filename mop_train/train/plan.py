@@ -1,0 +1,72 @@
+"""Pre-launch memory plan: a term-by-term estimate of one rank's device memory.
+
+    terms = memory_plan(MemoryPlanInputs(...))
+    print(format_plan(terms))
+
+Each term is (name, bytes, how it was computed). The estimate is simple on purpose, one line
+per live set, so that each operator can replace its own line with its bound:
+  parameters   FSDP shard of the fp32 master weights              4 * P / W
+  gradients    FSDP shard of the fp32 gradients                   4 * P / W
+  optimizer    AdamW's two fp32 moments (0 on device when offloaded)  8 * P / W
+  gathered     one block's weights unsharded in the compute dtype, x2 for prefetch
+  boundaries   retained checkpoint inputs: L_ckpt * B * S * H * act bytes
+  block        one block's recomputed activations (rough: 16 * B * S * H act bytes + routed copies)
+  logits       one chunk of the loss: chunk * V * 4 bytes, x3 (logits, softmax, grad)
+
+Legend: P parameters, W ranks, L blocks, B local batch, S sequence, H hidden, V vocab, k top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryPlanInputs:
+    total_params: int
+    """P: every parameter of the model."""
+    largest_block_params: int
+    """Parameters of the largest decoder block (what FSDP gathers at once)."""
+    world_size: int
+    local_batch: int
+    seq_len: int
+    hidden: int
+    vocab: int
+    top_k: int
+    n_layers: int
+    checkpointed_layers: int
+    """Blocks under activation checkpointing (their inputs are the retained boundaries)."""
+    act_bytes: int = 4
+    """Bytes per activation / compute-dtype weight element (2 for bf16, 4 for fp32)."""
+    loss_chunk: int = 1024
+    optimizer_on_device: bool = True
+    """False when OffloadStreamAdamW keeps the moments in host memory."""
+
+
+def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
+    """Per-rank device bytes, term by term: [(name, bytes, formula)]."""
+    P, W, tokens = x.total_params, x.world_size, x.local_batch * x.seq_len
+    plain_layers = x.n_layers - x.checkpointed_layers
+    return [
+        ("parameters", 4 * P // W, "fp32 shard: 4 * P / W"),
+        ("gradients", 4 * P // W, "fp32 shard: 4 * P / W"),
+        ("optimizer", 8 * P // W if x.optimizer_on_device else 0,
+         "AdamW moments: 8 * P / W" if x.optimizer_on_device else "moments in host memory"),
+        ("gathered", 2 * x.largest_block_params * x.act_bytes, "2 blocks unsharded (prefetch)"),
+        ("boundaries", x.checkpointed_layers * tokens * x.hidden * x.act_bytes,
+         f"{x.checkpointed_layers} checkpointed block inputs: B*S*H each"),
+        ("block", (max(plain_layers, 1) * 16 + 2 * x.top_k) * tokens * x.hidden * x.act_bytes,
+         f"{max(plain_layers, 1)} block(s) of live activations, ~16 B*S*H + 2k routed copies"),
+        ("logits", 3 * min(x.loss_chunk, tokens) * x.vocab * 4, "one loss chunk: 3 * chunk * V fp32"),
+    ]
+
+
+def format_plan(terms: list[tuple[str, int, str]], *, title: str = "per-rank memory plan") -> str:
+    total = sum(b for _, b, _ in terms)
+    width = max(len(n) for n, _, _ in terms)
+    lines = [f"{title} (estimate):"]
+    lines += [f"  {name:<{width}}  {b / GIB:>10.3f} GiB  {how}" for name, b, how in terms]
+    lines.append(f"  {'total':<{width}}  {total / GIB:>10.3f} GiB")
+    return "\n".join(lines)
