@@ -34,7 +34,7 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tenso
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate consecutive pairs of x [B, S, h, r] by rope [S, r/2, 2] (fp32 math, x's dtype out)."""
-    pairs = x.float().unflatten(-1, (-1, 2))                        # [B, S, h, r/2, 2]
+    pairs = x.float().unflatten(-1, (x.shape[-1] // 2, 2))          # [B, S, h, r/2, 2]
     x0, x1 = pairs[..., 0], pairs[..., 1]
     cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]  # [1, S, 1, r/2]
     out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
@@ -74,7 +74,7 @@ class GroupedQueryAttention(nn.Module):
         k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)  # [B, S, h_kv, d]
         v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)  # [B, S, h_kv, d]
         out = self.sdpa(apply_rope(q, rope), apply_rope(k, rope), v)
-        return self.wo(out.reshape(B, S, -1))                      # [B, S, H]
+        return self.wo(out.reshape(B, S, self.n_heads * self.head_dim))  # [B, S, H]
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -110,17 +110,17 @@ class MultiHeadLatentAttention(nn.Module):
             q = self.wq(x)
         else:
             q = self.wq_b(self.q_norm(self.wq_a(x)))
-        q = q.view(B, S, self.n_heads, -1)                                # [B, S, h, d_qk]
+        q = q.view(B, S, self.n_heads, self.nope_dim + self.rope_dim)     # [B, S, h, d_qk]
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_pe, rope)], dim=-1)
 
         kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_pe = apply_rope(k_pe.unsqueeze(2), rope)                        # [B, S, 1, r]
-        kv = self.wkv_b(self.kv_norm(kv)).view(B, S, self.n_heads, -1)    # [B, S, h, d_nope + d_v]
+        kv = self.wkv_b(self.kv_norm(kv)).view(B, S, self.n_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)  # [B, S, h, d_qk]
         out = self.sdpa(q, k, v)                                          # [B, S, h, d_v]
-        return self.wo(out.reshape(B, S, -1))                             # [B, S, H]
+        return self.wo(out.reshape(B, S, self.n_heads * self.v_dim))      # [B, S, H]
 
     def init_weights(self, init_std: float) -> None:
         linears = [self.wkv_a, self.wkv_b] + ([self.wq] if hasattr(self, "wq") else [self.wq_a, self.wq_b])
