@@ -74,6 +74,11 @@ class GroupedExperts(nn.Module):
 Routing = tuple[torch.Tensor, torch.Tensor]
 
 
+def _in_backward() -> bool:
+    # True while autograd runs a backward pass (where checkpoints recompute); FSDP2 uses the same test.
+    return torch._C._current_graph_task_id() != -1
+
+
 class MoE(nn.Module):
     """Routed experts (+ optional shared expert) on [B, S, H] -> [B, S, H].
 
@@ -115,14 +120,19 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, H = x.shape
         x = x.reshape(B * S, H)                                       # [N, H]
+        # An activation-checkpoint recompute runs inside backward: it must not count the same
+        # routes twice nor replace the aux loss that the training loss already holds.
+        first_pass = not _in_backward()
         if self.forced_routing is not None:
             indices, weights = self._forced(x)
-            self.last_aux_loss = None
+            aux = None
         else:
             indices, weights, scores = self.router(x)                 # [N, k], [N, k], [N, E]
-            self.last_aux_loss = (self.router.aux_loss(scores, indices, self.aux_loss_coef)
-                                  if self.aux_loss_coef > 0 else None)
-        self.router.record_load(indices)
+            aux = (self.router.aux_loss(scores, indices, self.aux_loss_coef)
+                   if self.aux_loss_coef > 0 else None)
+        if first_pass:
+            self.last_aux_loss = aux
+            self.router.record_load(indices)
         y = self.experts(x, indices, weights, dispatch=self.dispatch, group=self.dispatch_group,
                          options=self.dispatch_options)               # [N, H]
         if self.shared_expert is not None:

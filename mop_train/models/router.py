@@ -6,10 +6,10 @@
 
 Each forward adds the selected experts' counts to `tokens_per_expert`; after the optimizer step
 the training loop calls `MoETransformer.update_router_biases`, which moves every bias by
-`rate * sign(mean_load - load)` and zeroes the counters. The sign makes the update invariant to
-a uniform scaling of the counts (so a layer recomputed under activation checkpointing, which
-counts twice, updates identically). The optional auxiliary loss is the Switch/DeepSeek batch
-form `coef * E * sum_e f_e * P_e` (f_e share of routes, P_e mean normalised score).
+`rate * sign(mean_load - load)` and zeroes the counters (the MoE layer skips counting while an
+activation checkpoint recomputes it, so each route counts once). The optional auxiliary loss is
+the Switch/DeepSeek batch form `coef * E * sum_e f_e * P_e` (f_e share of routes, P_e mean
+normalised score).
 
 Legend: N tokens, H hidden, E experts, k top-k.
 """

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mop_train.models import zoo
+from mop_train.models.attention import rope_cos_sin
 from mop_train.models.moe import MoE
 from mop_train.models.router import TopKRouter
 from mop_train.ops.moe_dispatch import reference_experts_forward
@@ -188,3 +189,18 @@ def test_aux_loss_value_and_gradient():
     assert_close(on.aux_loss(), parts[0] + parts[1])
     on.aux_loss().backward()
     assert all(m.router.gate.weight.grad.abs().sum() > 0 for m in on.moe_layers())
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_recompute_counts_routes_once(use_reentrant):
+    torch.manual_seed(71)
+    model = zoo.build_model(replace(zoo.get_model_args("debug"), aux_loss_coef=0.01))
+    block, moe = model.layers["1"], model.layers["1"].moe
+    x = torch.randn(2, 6, 64, requires_grad=True)
+    rope = rope_cos_sin(torch.arange(6), model.rope_inv_freq)
+    out = torch.utils.checkpoint.checkpoint(block, x, rope, use_reentrant=use_reentrant)
+    counts, aux = moe.router.tokens_per_expert.clone(), moe.last_aux_loss
+    assert counts.sum() == 2 * 6 * 2
+    out.backward(torch.randn_like(out))
+    assert_bitwise_equal(moe.router.tokens_per_expert, counts)
+    assert moe.last_aux_loss is aux
