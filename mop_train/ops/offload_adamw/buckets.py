@@ -1,0 +1,107 @@
+"""Where every parameter lives in the flat host state, how the step cuts it into buckets, and the
+staging-memory bound that follows from the cut.
+
+All local parameter shards are laid end to end in one flat fp32 index space of N elements
+(group order, then parameter order). The host keeps three rows over that space, [3, N]: master
+weights, exp_avg, exp_avg_sq. A bucket is a contiguous range of at most `bucket_params` elements of
+the flat space; a bucket may start or end inside a tensor, so it is described by segments, each one
+piece of one parameter. The device holds `slots` buffers of [3, bucket] fp32 plus one [bucket] fp32
+buffer for the gradients upcast to fp32.
+
+Legend: N local elements over all parameters, B bucket capacity (elements), s slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+STATE_ROWS = 3  # master, exp_avg, exp_avg_sq (fp32 each)
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of one parameter inside a bucket."""
+
+    param: int         # index in the optimizer's flat parameter list
+    param_start: int   # first element inside the parameter's (local, flattened) shard
+    bucket_start: int  # first element inside the bucket / staging slot
+    numel: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    start: int  # first element in the flat host index space
+    numel: int
+    segments: tuple[Segment, ...]
+
+
+def param_offsets(numels: list[int]) -> list[int]:
+    """Start of each parameter in the flat index space (exclusive prefix sum)."""
+    offsets, total = [], 0
+    for n in numels:
+        offsets.append(total)
+        total += n
+    return offsets
+
+
+def plan_buckets(numels: list[int], bucket_params: int) -> list[Bucket]:
+    """Cut the flat space of `numels` (elements per parameter) into buckets of <= bucket_params.
+
+    Every bucket but the last holds exactly `bucket_params` elements; empty parameters own no
+    segment. Segments of one bucket are in flat order and tile [0, bucket.numel) without gaps.
+    """
+    if bucket_params < 1:
+        raise ValueError(f"bucket_params ({bucket_params}) must be >= 1")
+    offsets = param_offsets(numels)
+    total = sum(numels)
+    buckets = []
+    param = 0
+    for start in range(0, total, bucket_params):
+        end = min(start + bucket_params, total)
+        segments = []
+        while param < len(numels) and offsets[param] + numels[param] <= start:
+            param += 1  # parameters wholly before this bucket (or empty)
+        p = param
+        while p < len(numels) and offsets[p] < end:
+            lo = max(start, offsets[p])
+            hi = min(end, offsets[p] + numels[p])
+            if hi > lo:
+                segments.append(Segment(p, lo - offsets[p], lo - start, hi - lo))
+            p += 1
+        buckets.append(Bucket(start, end - start, tuple(segments)))
+    return buckets
+
+
+def staging_bytes_bound(bucket_params: int, slots: int) -> int:
+    """Device bytes the optimizer may hold for staging: s x B x 12 (slots) + B x 4 (grad upcast)."""
+    return slots * bucket_params * STATE_ROWS * FP32_BYTES + bucket_params * FP32_BYTES
+
+
+def host_state_bytes(numel: int) -> int:
+    """Host bytes of the fp32 master, exp_avg and exp_avg_sq of `numel` local elements."""
+    return numel * STATE_ROWS * FP32_BYTES
+
+
+def allocate_host_state(numel: int, pin: bool) -> tuple[torch.Tensor, bool]:
+    """A [3, N] fp32 host buffer, page-locked for the device's copy engines when `pin`.
+
+    The buffer is allocated by the ordinary CPU allocator and then registered with CUDA
+    (cudaHostRegister), because torch's pinned allocator rounds each block up to a power of two
+    (a 17 GB state would pin 32 GB). Returns (buffer, registered); the caller must unregister
+    (`unregister_host_state`) before the buffer's storage is freed.
+    """
+    state = torch.empty(STATE_ROWS, numel, dtype=torch.float32)
+    if not pin or numel == 0:
+        return state, False
+    err = int(torch.cuda.cudart().cudaHostRegister(state.data_ptr(), state.nbytes, 0))
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of {state.nbytes} host bytes failed (cudaError {err}); "
+                           "free host memory or lower the parameters per rank")
+    return state, True
+
+
+def unregister_host_state(data_ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(data_ptr)

@@ -1,0 +1,388 @@
+"""OffloadStreamAdamW: AdamW whose fp32 master weights and moments live in host memory and stream
+through the device in buckets, so the device never holds more than a few buckets of optimizer state.
+
+One step:
+  1. each parameter with a gradient advances its own step count (as torch.optim.AdamW does); on its
+     first update its master is re-read from the working weight (so weights loaded after
+     construction are picked up);
+  2. bucket b (<= bucket_params flat elements; may split tensors) goes host -> device slot b % s on
+     the H2D stream: three contiguous copies (master, exp_avg, exp_avg_sq);
+  3. on the current (compute) stream: gradients upcast to fp32, torch's fused AdamW over the slot,
+     working weights (bf16 or fp32, on the device) refreshed in place from the updated masters;
+  4. the slot goes device -> host on the D2H stream. With s >= 2 the copy-in of b+1 and the
+     write-back of b-1 overlap the update of b; the host link (12 B/param each way) is the floor.
+On a CPU-only build the "device" is the CPU and the same code runs in program order.
+Paper: section 3.4 (OffloadStreamAdamW) and Appendix E.1 (bucket and slot sweep).
+Legend: N local elements (all parameters), B bucket capacity, s slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.optim import Optimizer
+
+from mop_train.ops.offload_adamw.buckets import (
+    allocate_host_state, param_offsets, plan_buckets, unregister_host_state)
+
+_ROW = {"master": 0, "exp_avg": 1, "exp_avg_sq": 2}  # rows of the [3, N] host state
+
+
+@dataclass
+class OffloadStepStats:
+    """What the last step moved. `seconds` spans first copy-in to last write-back (see step_seconds)."""
+
+    buckets: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    params_updated: int = 0
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of an FSDP2 / DTensor parameter or gradient; plain tensors as they are."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _as_param_state(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """View one parameter's slice of a host row with the parameter's shape (a DTensor for DTensors).
+
+    DTensor.from_local would copy a host tensor to the mesh's device, so the wrapper is built from
+    the parameter's own sharding spec with an fp32 tensor meta.
+    """
+    local = flat.view(_local(param).shape)
+    if not isinstance(param, DTensor):
+        return local
+    meta = TensorMeta(param.shape, param.stride(), torch.float32)
+    return DTensor(local, DTensorSpec(param.device_mesh, param.placements, tensor_meta=meta),
+                   requires_grad=False)
+
+
+def _check_staging(bucket_params, slots) -> None:
+    if isinstance(bucket_params, bool) or not isinstance(bucket_params, int) or bucket_params < 1:
+        raise ValueError(f"bucket_params ({bucket_params!r}) must be an int >= 1, e.g. 100_000_000; "
+                         "set [mop.offload_adamw] bucket_params")
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"slots ({slots!r}) must be an int >= 1 (2 overlaps copies with the update); "
+                         "set [mop.offload_adamw] slots")
+
+
+def _check_group(group: dict) -> None:
+    lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    if not float(lr) >= 0.0:
+        raise ValueError(f"lr ({lr}) must be >= 0")
+    if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
+        raise ValueError(f"betas ({betas}) must be two numbers in [0, 1), e.g. (0.9, 0.95)")
+    if not float(eps) >= 0.0:
+        raise ValueError(f"eps ({eps}) must be >= 0")
+    if not float(wd) >= 0.0:
+        raise ValueError(f"weight_decay ({wd}) must be >= 0")
+    for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+        if group.get(flag):
+            raise ValueError(f"{flag}=True is not supported by OffloadStreamAdamW; drop it")
+
+
+class _Streams:
+    """The H2D and D2H copy streams beside the current (compute) stream; on CPU, program order."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.h2d = torch.cuda.Stream(device) if self.cuda else None
+        self.d2h = torch.cuda.Stream(device) if self.cuda else None
+
+    def use(self, stream):
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+
+    def record(self, timing: bool = False):
+        """An event on the current stream (None on CPU, where everything has already happened)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=timing)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def wait(self, event) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            self.h2d.synchronize()
+            self.d2h.synchronize()
+
+
+def _release_host(data_ptr: int, streams: _Streams) -> None:
+    streams.synchronize()  # no copy may still target the buffer
+    unregister_host_state(data_ptr)
+
+
+class OffloadStreamAdamW(Optimizer):
+    """AdamW (torch.optim.AdamW's math) with fp32 masters and moments in (pinned) host memory.
+
+    Build it like torch.optim.AdamW, from parameters or param groups (each group may set lr,
+    betas, eps, weight_decay); every group must be given here, add_param_group is refused later:
+
+        opt = OffloadStreamAdamW([{"params": decay, "weight_decay": 0.1},
+                                  {"params": no_decay, "weight_decay": 0.0}],
+                                 lr=3e-4, betas=(0.9, 0.95), bucket_params=100_000_000, slots=2)
+        # torchtitan: OptimizersContainer(model_parts, OffloadStreamAdamW,
+        #     {"lr": .., "betas": (b1, b2), "eps": .., "weight_decay": .., "bucket_params": .., "slots": ..})
+
+    Args:
+        params: parameters or param-group dicts; plain tensors or FSDP2 DTensors (the local shard
+            is updated), contiguous, all on one device; bf16 or fp32 working weights.
+        lr, betas, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay).
+        bucket_params: flat elements per streamed bucket (B); buckets may split tensors.
+        slots: device staging buffers (s); device staging is s*B*12 + B*4 bytes.
+
+    State per parameter (state_dict, DCP): "step" (fp32 scalar, per parameter), "exp_avg",
+    "exp_avg_sq", "master" (fp32, host; DTensors with the parameter's sharding for DTensor
+    params). The tensors are live views of the host buffer, so DCP loads restore in place.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, *, bucket_params: int = 100_000_000, slots: int = 2):
+        _check_staging(bucket_params, slots)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        shards = [_local(p) for p in self._params]
+        self.device = self._check_params(shards)
+        self._numels = [t.numel() for t in shards]
+        self._offsets = param_offsets(self._numels)
+        self._streams = _Streams(self.device)
+        self._host, registered = allocate_host_state(sum(self._numels), pin=self._streams.cuda)
+        if registered:
+            weakref.finalize(self, _release_host, self._host.data_ptr(), self._streams)
+        self._host[1:].zero_()
+        self._steps = torch.zeros(len(self._params), dtype=torch.float32)  # torch keeps fp32 steps
+        for i, p in enumerate(self._params):
+            self._host_slice(_ROW["master"], i).copy_(shards[i].reshape(-1))
+            self.state[p] = {"step": self._steps[i]} | {
+                key: _as_param_state(self._host_slice(row, i), p)
+                for key, row in (("exp_avg", 1), ("exp_avg_sq", 2), ("master", 0))}
+        self._writeback_done = None
+        self._timing = (None, None, 0.0)
+        self.last_step = OffloadStepStats()
+        self.resize_staging(bucket_params, slots)
+
+    # ---- construction helpers -------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "_host"):
+            raise ValueError("OffloadStreamAdamW lays out its host state once; pass every param group "
+                             "to the constructor instead of calling add_param_group later")
+        super().add_param_group(param_group)
+        _check_group(self.param_groups[-1])
+
+    @staticmethod
+    def _check_params(shards: list[torch.Tensor]) -> torch.device:
+        devices = {t.device for t in shards}
+        if len(devices) != 1:
+            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}; "
+                             "build one optimizer per device")
+        for t in shards:
+            if not t.is_floating_point() or not t.is_contiguous():
+                raise ValueError(f"parameters must be contiguous floating-point tensors, got "
+                                 f"{t.dtype} {tuple(t.shape)} with strides {t.stride()}; "
+                                 "make the parameter's data contiguous before building the optimizer")
+        device = devices.pop()
+        if device.type not in ("cuda", "cpu"):
+            raise ValueError(f"parameters on {device} are not supported; use cuda or cpu")
+        return device
+
+    def _host_slice(self, row: int, i: int) -> torch.Tensor:
+        return self._host[row, self._offsets[i]:self._offsets[i] + self._numels[i]]
+
+    def resize_staging(self, bucket_params: int, slots: int) -> None:
+        """Re-cut the buckets and reallocate the device staging (s*B*12 + B*4 bytes)."""
+        _check_staging(bucket_params, slots)
+        self.wait_for_writeback()
+        self._streams.synchronize()
+        self.bucket_params, self.slots = bucket_params, slots
+        self._buckets = plan_buckets(self._numels, bucket_params)
+        capacity = max((b.numel for b in self._buckets), default=0)
+        self._slot_buffers = self._grad_buffer = None  # free the old staging first
+        self._slot_buffers = [torch.empty(3, capacity, dtype=torch.float32, device=self.device)
+                              for _ in range(slots)]  # [3, B] each: master, exp_avg, exp_avg_sq
+        self._grad_buffer = torch.empty(capacity, dtype=torch.float32, device=self.device)  # [B]
+        self._slot_free = [None] * slots
+        self.staging_bytes = (3 * slots + 1) * capacity * 4
+
+    # ---- the step -------------------------------------------------------------------------
+    def _flat_grad(self, i: int):
+        grad = self._params[i].grad
+        if grad is None:
+            return None
+        if grad.is_sparse:
+            raise ValueError("OffloadStreamAdamW does not support sparse gradients")
+        grad = _local(grad)
+        if grad.shape != _local(self._params[i]).shape:
+            raise ValueError(f"gradient shape {tuple(grad.shape)} != local parameter shape "
+                             f"{tuple(_local(self._params[i]).shape)} (parameter {i})")
+        return grad.reshape(-1)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = [self._flat_grad(i) for i in range(len(self._params))]
+        active = [g is not None for g in grads]
+        if not any(active):
+            return loss
+        fresh = [a and float(self._steps[i]) == 0.0 for i, a in enumerate(active)]
+        self._steps += torch.tensor(active, dtype=torch.float32)
+        hparams = [(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]),
+                    float(g["weight_decay"]), float(g["eps"])) for g in self.param_groups]
+        self._stream_buckets(grads, fresh, hparams)
+        moved = sum(b.numel for b in self._buckets) * 12
+        self.last_step = OffloadStepStats(len(self._buckets), moved, moved, sum(active))
+        return loss
+
+    def _stream_buckets(self, grads, fresh, hparams) -> None:
+        s = self._streams
+        work = [_local(p).view(-1) for p in self._params]  # FSDP2 may swap local tensors: re-read
+        steps = self._steps.to(self.device)
+        wall = time.perf_counter()
+        with s.use(s.h2d):
+            start = s.record(timing=True)
+        for b, bucket in enumerate(self._buckets):
+            k = b % self.slots
+            staged = self._slot_buffers[k][:, :bucket.numel]                   # [3, n] device
+            host = self._host[:, bucket.start:bucket.start + bucket.numel]     # [3, n] host
+            with s.use(s.h2d):
+                s.wait(self._slot_free[k])
+                for row in range(3):
+                    staged[row].copy_(host[row], non_blocking=True)
+                loaded = s.record()
+            s.wait(loaded)
+            self._update_bucket(bucket, staged, grads, work, fresh, steps, hparams)
+            updated = s.record()
+            with s.use(s.d2h):
+                s.wait(updated)
+                for row in range(3):
+                    host[row].copy_(staged[row], non_blocking=True)
+                self._slot_free[k] = s.record(timing=b == len(self._buckets) - 1)
+        if self._buckets:
+            self._writeback_done = self._slot_free[(len(self._buckets) - 1) % self.slots]
+        self._timing = (start, self._writeback_done, time.perf_counter() - wall)
+
+    def _update_bucket(self, bucket, staged, grads, work, fresh, steps, hparams) -> None:
+        grad32 = self._grad_buffer[:bucket.numel]  # [n] fp32
+        per_group: dict[int, tuple[list, list, list, list, list]] = {}
+        live = []
+        for seg in bucket.segments:
+            grad = grads[seg.param]
+            if grad is None:
+                continue  # no gradient: master, moments and step stay as they are
+            dst = slice(seg.bucket_start, seg.bucket_start + seg.numel)
+            src = slice(seg.param_start, seg.param_start + seg.numel)
+            grad32[dst].copy_(grad[src])
+            if fresh[seg.param]:
+                staged[0, dst].copy_(work[seg.param][src])
+            lists = per_group.setdefault(self._group_of[seg.param], ([], [], [], [], []))
+            for lst, t in zip(lists, (staged[0, dst], grad32[dst], staged[1, dst], staged[2, dst],
+                                      steps[seg.param])):
+                lst.append(t)
+            live.append((seg.param, src, dst))
+        for group, (masters, g32, exp_avgs, exp_avg_sqs, step_list) in per_group.items():
+            lr, beta1, beta2, weight_decay, eps = hparams[group]
+            torch._fused_adamw_(masters, g32, exp_avgs, exp_avg_sqs, [], step_list, lr=lr,
+                                beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+                                amsgrad=False, maximize=False)
+        for param, src, dst in live:
+            work[param][src].copy_(staged[0, dst])  # refresh the working weight (bf16 or fp32)
+
+    # ---- stats and synchronisation ----------------------------------------------------------
+    def wait_for_writeback(self) -> None:
+        """Block the host until the last step's state is back in host memory."""
+        if self._writeback_done is not None:
+            self._writeback_done.synchronize()
+
+    def step_seconds(self) -> float:
+        """Seconds from the last step's first copy-in to its last write-back (waits for it on CUDA)."""
+        start, end, wall = self._timing
+        if start is None or end is None:
+            return wall
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    # ---- checkpointing ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        self.wait_for_writeback()
+        out = super().state_dict()
+        out["state"] = {k: dict(v) for k, v in out["state"].items()}  # callers may edit entries
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Copy a state dict (ours, torch.optim.AdamW's, or DCP's) into the host buffers.
+
+        Parameters missing from state_dict["state"] start afresh; a missing "master" is taken from
+        the current working weight (so a torch.optim.AdamW checkpoint can be resumed).
+        """
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = hook(self, state_dict) or state_dict
+        saved_groups = state_dict["param_groups"]
+        sizes = [len(g["params"]) for g in self.param_groups]
+        saved_sizes = [len(g["params"]) for g in saved_groups]
+        if saved_sizes != sizes:
+            raise ValueError(f"state_dict has param groups of sizes {saved_sizes}, this optimizer "
+                             f"{sizes}; build the optimizer with the same param groups")
+        self.wait_for_writeback()
+        i = 0
+        for saved, group in zip(saved_groups, self.param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            _check_group(group)
+            for key in saved["params"]:
+                self._load_param_state(i, state_dict["state"].get(key))
+                i += 1
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _load_param_state(self, i: int, entry) -> None:
+        if entry is None:
+            self._steps[i] = 0.0
+            self._host_slice(1, i).zero_()
+            self._host_slice(2, i).zero_()
+            self._host_slice(0, i).copy_(_local(self._params[i]).reshape(-1))
+            return
+        self._steps[i] = float(entry["step"])
+        for key, row in _ROW.items():
+            if key in entry:
+                self._host_slice(row, i).copy_(self._local_value(entry[key], i).reshape(-1))
+            elif key == "master":
+                self._host_slice(row, i).copy_(_local(self._params[i]).reshape(-1))
+            else:
+                raise ValueError(f"optimizer state of parameter {i} lacks {key!r} "
+                                 f"(has {sorted(entry)}); load an AdamW state dict")
+
+    def _local_value(self, value: torch.Tensor, i: int) -> torch.Tensor:
+        """This rank's part of a saved state tensor (DTensor, local shard, or full tensor)."""
+        param = self._params[i]
+        local_shape = _local(param).shape
+        if isinstance(value, DTensor):
+            if isinstance(param, DTensor) and tuple(value.placements) != tuple(param.placements):
+                value = value.redistribute(param.device_mesh, param.placements)
+            value = value._local_tensor
+        elif isinstance(param, DTensor) and value.shape == param.shape != local_shape:
+            shape, offset = compute_local_shape_and_global_offset(
+                param.shape, param.device_mesh, param.placements)
+            value = value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        if value.shape != local_shape:
+            raise ValueError(f"saved state of shape {tuple(value.shape)} does not fit parameter {i} "
+                             f"(local shape {tuple(local_shape)})")
+        return value
+
+    def reset_masters_from_params(self) -> None:
+        """Re-read every master from its working weight (after loading weights without optimizer state)."""
+        self.wait_for_writeback()
+        for i, p in enumerate(self._params):
+            self._host_slice(0, i).copy_(_local(p).reshape(-1))

@@ -1,0 +1,375 @@
+"""OffloadStreamAdamW against torch.optim.AdamW: values, state, resume (incl. DCP and FSDP2), staging."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+    set_optimizer_state_dict)
+
+from mop_train.ops.offload_adamw import (
+    OffloadStreamAdamW, adamw_reference_step, plan_buckets, reference_adamw, staging_bytes_bound)
+from tests.dist_utils import run_distributed
+from tests.utils import assert_bitwise_equal, assert_close
+
+SHAPES = [(3, 5), (7,), (), (0, 4), (11, 3), (2, 2, 3), (13,)]
+HP = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+RTOL, ATOL = 1e-6, 1e-9
+
+
+def _groups(params):
+    return [{"params": params[:4], "weight_decay": 0.1},
+            {"params": params[4:], "lr": 5e-3}]
+
+
+def _grads(step: int, shapes, dtype, seed: int):
+    """Fresh random gradients; parameter 1 has none at step 1, parameter 5 none before step 2."""
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    out = []
+    for i, shape in enumerate(shapes):
+        skip = (i == 1 and step == 1) or (i == 5 and step < 2)
+        out.append(None if skip else torch.randn(shape, generator=gen).to(dtype))
+    return out
+
+
+def _params(seed: int, dtype=torch.float32, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(s, generator=gen).to(device=device, dtype=dtype)) for s in SHAPES]
+
+
+def _run(opt, params, steps, seed, sched=None, start=0):
+    for step in range(start, steps):
+        for p, g in zip(params, _grads(step, SHAPES, params[0].dtype, seed)):
+            p.grad = None if g is None else g.to(p.device)
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
+def _lambda(step):
+    return 1.0 / (1 + step)
+
+
+def _assert_state_close(ours, ref, rtol=RTOL, atol=ATOL):
+    assert set(ours["state"]) == set(ref["state"])
+    for i, b in ref["state"].items():
+        a = ours["state"][i]
+        assert float(a["step"]) == float(b["step"]), f"param {i}: step {a['step']} != {b['step']}"
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_close(a[key], b[key], rtol=rtol, atol=atol, name=f"param {i} {key}")
+
+
+@pytest.mark.parametrize("bucket_params,slots", [(7, 1), (7, 2), (7, 3), (1, 2), (5, 3), (10_000, 2)])
+def test_matches_torch_adamw_fp32(bucket_params, slots):
+    seed = 11 + bucket_params + slots
+    ours_p, ref_p = _params(seed), _params(seed)
+    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=bucket_params, slots=slots)
+    ref = reference_adamw(_groups(ref_p), **HP)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lambda)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, _lambda)
+    _run(opt, ours_p, 5, seed, sched)
+    _run(ref, ref_p, 5, seed, ref_sched)
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref.param_groups]
+    for i, (a, b) in enumerate(zip(ours_p, ref_p)):
+        assert_close(a, b, rtol=RTOL, atol=ATOL, name=f"param {i}")
+    ours, ref_sd = opt.state_dict(), ref.state_dict()
+    _assert_state_close(ours, ref_sd)
+    for i, p in enumerate(ours_p):
+        assert_bitwise_equal(ours["state"][i]["master"], p.detach(), name=f"master {i}")
+
+
+def test_reference_math_matches_torch():
+    seed = 5
+    ref_p = _params(seed)
+    ref = reference_adamw(ref_p, **HP)
+    mine = [p.detach().clone() for p in ref_p]
+    m = [torch.zeros_like(p) for p in mine]
+    v = [torch.zeros_like(p) for p in mine]
+    for step in range(3):
+        grads = [torch.randn(s, generator=torch.Generator().manual_seed(step * 7 + i))
+                 for i, s in enumerate(SHAPES)]
+        for p, g in zip(ref_p, grads):
+            p.grad = g
+        ref.step()
+        adamw_reference_step(mine, grads, m, v, [step + 1] * len(mine), **HP)
+    for i, (a, b) in enumerate(zip(mine, ref_p)):
+        assert_close(a, b, rtol=RTOL, atol=ATOL, name=f"param {i}")
+
+
+def test_bf16_working_weights_masters_match_fp32_adamw():
+    seed = 23
+    ours_p = _params(seed, torch.bfloat16)
+    ref_p = [nn.Parameter(p.detach().float()) for p in ours_p]
+    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2)
+    ref = reference_adamw(_groups(ref_p), **HP)
+    for step in range(5):
+        for p, q, g in zip(ours_p, ref_p, _grads(step, SHAPES, torch.bfloat16, seed)):
+            p.grad = g
+            q.grad = None if g is None else g.float()  # the same gradients, in fp32
+        opt.step()
+        ref.step()
+    ours = opt.state_dict()
+    for i, (p, q) in enumerate(zip(ours_p, ref_p)):
+        master = ours["state"][i]["master"]
+        assert_close(master, q, rtol=RTOL, atol=ATOL, name=f"master {i}")
+        assert_bitwise_equal(p.detach(), master.to(torch.bfloat16), name=f"bf16 weight {i}")
+    _assert_state_close(ours, ref.state_dict())
+
+
+def _assert_same_run(params_a, opt_a, params_b, opt_b):
+    for i, (a, b) in enumerate(zip(params_a, params_b)):
+        assert_bitwise_equal(a.detach(), b.detach(), name=f"param {i}")
+    sa, sb = opt_a.state_dict(), opt_b.state_dict()
+    for key in sa["state"]:
+        for name in ("exp_avg", "exp_avg_sq", "master"):
+            assert_bitwise_equal(sa["state"][key][name], sb["state"][key][name], name=f"{key} {name}")
+        assert float(sa["state"][key]["step"]) == float(sb["state"][key]["step"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_resume_from_state_dict_is_exact(dtype):
+    seed = 31
+    full_p = _params(seed, dtype)
+    full = OffloadStreamAdamW(_groups(full_p), **HP, bucket_params=7, slots=2)
+    full_sched = torch.optim.lr_scheduler.LambdaLR(full, _lambda)
+    _run(full, full_p, 5, seed, full_sched)
+
+    first_p = _params(seed, dtype)
+    first = OffloadStreamAdamW(_groups(first_p), **HP, bucket_params=7, slots=2)
+    first_sched = torch.optim.lr_scheduler.LambdaLR(first, _lambda)
+    _run(first, first_p, 3, seed, first_sched)
+    buf = io.BytesIO()
+    torch.save({"opt": first.state_dict(), "sched": first_sched.state_dict(),
+                "params": [p.detach() for p in first_p]}, buf)
+    buf.seek(0)
+    saved = torch.load(buf)
+
+    resumed_p = _params(seed + 1, dtype)  # different weights: everything must come from the save
+    for p, q in zip(resumed_p, saved["params"]):
+        p.data.copy_(q)
+    resumed = OffloadStreamAdamW(_groups(resumed_p), **HP, bucket_params=5, slots=1)
+    resumed_sched = torch.optim.lr_scheduler.LambdaLR(resumed, _lambda)
+    resumed.load_state_dict(saved["opt"])
+    resumed_sched.load_state_dict(saved["sched"])
+    _run(resumed, resumed_p, 5, seed, resumed_sched, start=3)
+    _assert_same_run(full_p, full, resumed_p, resumed)
+
+
+class _Tiny(nn.Module):
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = nn.Linear(5, 7)
+        self.b = nn.Linear(7, 1)
+        self.c = nn.Linear(1, 3)
+
+    def forward(self, x):
+        return self.c(self.b(torch.tanh(self.a(x))))
+
+
+def _train(model, opt, steps, start=0, rank=0):
+    for step in range(start, steps):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + rank))
+        opt.zero_grad()
+        model(x).square().sum().backward()
+        opt.step()
+
+
+def test_resume_through_dcp_and_torchtitan_container(tmp_path):
+    from torchtitan.components.optimizer import OptimizersContainer
+    kwargs = dict(**HP, bucket_params=4, slots=2)
+    full = _Tiny(0)
+    full_opt = OptimizersContainer([full], OffloadStreamAdamW, kwargs)
+    _train(full, full_opt, 5)
+
+    first = _Tiny(0)
+    first_opt = OptimizersContainer([first], OffloadStreamAdamW, kwargs)
+    _train(first, first_opt, 3)
+    dcp.save({"model": get_model_state_dict(first), "optimizer": first_opt}, checkpoint_id=str(tmp_path))
+
+    resumed = _Tiny(1)
+    resumed_opt = OptimizersContainer([resumed], OffloadStreamAdamW, dict(kwargs, slots=3))
+    target = {"model": get_model_state_dict(resumed), "optimizer": resumed_opt}
+    dcp.load(target, checkpoint_id=str(tmp_path))
+    set_model_state_dict(resumed, target["model"])
+    _train(resumed, resumed_opt, 5, start=3)
+    _assert_same_run(list(full.parameters()), full_opt.optimizers[0],
+                     list(resumed.parameters()), resumed_opt.optimizers[0])
+    flat = get_optimizer_state_dict(full, full_opt.optimizers[0],
+                                    options=StateDictOptions(flatten_optimizer_state_dict=True))
+    assert {"state.a.weight.master", "state.a.weight.exp_avg", "state.c.bias.step"} <= set(flat)
+
+
+def _fsdp2_worker(rank, world_size, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchtitan.components.optimizer import OptimizersContainer
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def build(seed, cls, kwargs):
+        model = _Tiny(seed)
+        for layer in (model.a, model.b, model.c):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, OptimizersContainer([model], cls, kwargs)
+
+    ours_kwargs = dict(**HP, bucket_params=3, slots=2)
+    ref_kwargs = dict(**HP, foreach=False)
+    full, full_opt = build(0, OffloadStreamAdamW, ours_kwargs)
+    ref, ref_opt = build(0, torch.optim.AdamW, ref_kwargs)
+    _train(full, full_opt, 5, rank=rank)
+    _train(ref, ref_opt, 5, rank=rank)
+    for (name, p), q in zip(full.named_parameters(), ref.parameters()):
+        assert_close(p.to_local(), q.to_local(), rtol=RTOL, atol=ATOL, name=f"rank {rank} {name}")
+    ours_sd = full_opt.optimizers[0].state_dict()
+    _assert_state_close(ours_sd, ref_opt.optimizers[0].state_dict())
+    for entry, p in zip(ours_sd["state"].values(), full.parameters()):
+        assert entry["exp_avg"].placements == p.placements and entry["master"].shape == p.shape
+
+    first, first_opt = build(0, OffloadStreamAdamW, ours_kwargs)
+    _train(first, first_opt, 3, rank=rank)
+    dcp.save({"model": get_model_state_dict(first), "optimizer": first_opt}, checkpoint_id=path)
+    resumed, resumed_opt = build(1, OffloadStreamAdamW, dict(ours_kwargs, bucket_params=2))
+    target = {"model": get_model_state_dict(resumed), "optimizer": resumed_opt}
+    dcp.load(target, checkpoint_id=path)
+    set_model_state_dict(resumed, target["model"])
+    _train(resumed, resumed_opt, 5, start=3, rank=rank)
+    for (name, p), q in zip(full.named_parameters(), resumed.parameters()):
+        assert_bitwise_equal(p.to_local(), q.to_local(), name=f"rank {rank} {name}")
+    full_sd, resumed_sd = full_opt.optimizers[0].state_dict(), resumed_opt.optimizers[0].state_dict()
+    for a, b in zip(full_sd["state"].values(), resumed_sd["state"].values()):
+        for key in ("exp_avg", "exp_avg_sq", "master"):
+            assert_bitwise_equal(a[key].to_local(), b[key].to_local(), name=f"rank {rank} {key}")
+
+    # a full (unsharded) optimizer state dict loads into the sharded optimizer too
+    full_osd = get_optimizer_state_dict(full, full_opt.optimizers[0],
+                                        options=StateDictOptions(full_state_dict=True))
+    fresh, fresh_opt = build(2, OffloadStreamAdamW, ours_kwargs)
+    set_optimizer_state_dict(fresh, fresh_opt.optimizers[0], full_osd,
+                             options=StateDictOptions(full_state_dict=True))
+    for a, b in zip(full_sd["state"].values(), fresh_opt.optimizers[0].state_dict()["state"].values()):
+        assert_bitwise_equal(a["exp_avg_sq"].to_local(), b["exp_avg_sq"].to_local(), name="full load")
+
+
+@pytest.mark.slow
+def test_fsdp2_dtensor_params_two_ranks(tmp_path):
+    run_distributed(_fsdp2_worker, 2, str(tmp_path))
+
+
+def test_staging_bound_and_bytes_moved():
+    params = _params(3)
+    numel = sum(p.numel() for p in params)
+    for bucket_params, slots in [(1, 1), (7, 2), (8, 3), (numel + 5, 4)]:
+        opt = OffloadStreamAdamW(params, bucket_params=bucket_params, slots=slots)
+        assert opt.staging_bytes <= staging_bytes_bound(bucket_params, slots)
+        assert opt.staging_bytes == staging_bytes_bound(min(bucket_params, numel), slots)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        assert opt.last_step.h2d_bytes == opt.last_step.d2h_bytes == 12 * numel
+        assert opt.last_step.buckets == -(-numel // bucket_params)
+        assert opt.step_seconds() >= 0.0
+
+
+@pytest.mark.parametrize("bucket_params", [1, 3, 7, 64])
+def test_bucket_plan_tiles_every_parameter_once(bucket_params):
+    gen = torch.Generator().manual_seed(bucket_params)
+    numels = torch.randint(0, 20, (9,), generator=gen).tolist()
+    covered = [[0] * n for n in numels]
+    buckets = plan_buckets(numels, bucket_params)
+    for b in buckets:
+        assert 0 < b.numel <= bucket_params
+        assert sum(s.numel for s in b.segments) == b.numel
+        pos = 0
+        for s in b.segments:
+            assert s.bucket_start == pos and s.numel > 0
+            pos += s.numel
+            for j in range(s.param_start, s.param_start + s.numel):
+                covered[s.param][j] += 1
+    assert all(c == 1 for row in covered for c in row)
+
+
+def test_no_gradients_leaves_everything_unchanged():
+    params = _params(4)
+    opt = OffloadStreamAdamW(params, bucket_params=5)
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    for a, b in zip(params, before):
+        assert_bitwise_equal(a.detach(), b)
+    assert all(float(s["step"]) == 0.0 for s in opt.state_dict()["state"].values())
+
+
+def test_bad_arguments_raise_value_error():
+    params = _params(6)
+    bad = [
+        (dict(bucket_params=0), r"bucket_params \(0\)"),
+        (dict(bucket_params=2.5), r"bucket_params \(2.5\)"),
+        (dict(bucket_params=True), r"bucket_params \(True\)"),
+        (dict(slots=0), r"slots \(0\)"),
+        (dict(lr=-1.0), r"lr \(-1.0\)"),
+        (dict(betas=(1.0, 0.9)), r"betas \(\(1.0, 0.9\)\)"),
+        (dict(eps=-1e-8), r"eps \(-1e-08\)"),
+        (dict(weight_decay=-0.1), r"weight_decay \(-0.1\)"),
+    ]
+    for kwargs, match in bad:
+        with pytest.raises(ValueError, match=match):
+            OffloadStreamAdamW(params, **kwargs)
+    with pytest.raises(ValueError, match="amsgrad"):
+        OffloadStreamAdamW([{"params": params, "amsgrad": True}])
+    with pytest.raises(ValueError, match="contiguous"):
+        OffloadStreamAdamW([nn.Parameter(torch.randn(4, 3).t())])
+    with pytest.raises(ValueError, match="one device"):
+        OffloadStreamAdamW([nn.Parameter(torch.randn(2)), nn.Parameter(torch.empty(2, device="meta"))])
+    opt = OffloadStreamAdamW(params[:2])
+    with pytest.raises(ValueError, match="add_param_group"):
+        opt.add_param_group({"params": params[2:]})
+    with pytest.raises(ValueError, match=r"slots \(-2\)"):
+        opt.resize_staging(10, -2)
+    with pytest.raises(ValueError, match=r"sizes \[1\]"):
+        opt.load_state_dict({"state": {}, "param_groups": [{"params": [0], **HP}]})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_torch_fused_adamw(dtype):
+    seed = 41
+    ours_p = _params(seed, dtype, "cuda")
+    ref_p = [nn.Parameter(p.detach().float()) for p in ours_p]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2)
+    assert torch.cuda.memory_allocated() - before <= staging_bytes_bound(7, 2)
+    assert opt._host.is_pinned()
+    ref = torch.optim.AdamW(_groups(ref_p), **HP, fused=True)
+    for step in range(5):
+        for p, q, g in zip(ours_p, ref_p, _grads(step, SHAPES, dtype, seed)):
+            p.grad = None if g is None else g.cuda()
+            q.grad = None if g is None else g.float().cuda()
+        opt.step()
+        ref.step()
+    ours = opt.state_dict()
+    for i, (p, q) in enumerate(zip(ours_p, ref_p)):
+        assert_close(ours["state"][i]["master"], q, rtol=RTOL, atol=ATOL, name=f"master {i}")
+        assert_bitwise_equal(p.detach(), ours["state"][i]["master"].cuda().to(dtype), name=f"weight {i}")
+    _assert_state_close(ours, ref.state_dict())
+
+
+@pytest.mark.gpu
+def test_cuda_resume_is_exact():
+    seed = 43
+    full_p = _params(seed, torch.bfloat16, "cuda")
+    full = OffloadStreamAdamW(_groups(full_p), **HP, bucket_params=6, slots=3)
+    _run(full, full_p, 5, seed)
+    first_p = _params(seed, torch.bfloat16, "cuda")
+    first = OffloadStreamAdamW(_groups(first_p), **HP, bucket_params=6, slots=3)
+    _run(first, first_p, 3, seed)
+    saved = {k: v for k, v in first.state_dict().items()}
+    resumed = OffloadStreamAdamW(_groups(first_p), **HP, bucket_params=4, slots=2)
+    resumed.load_state_dict(saved)
+    _run(resumed, first_p, 5, seed, start=3)
+    _assert_same_run(full_p, full, first_p, resumed)
