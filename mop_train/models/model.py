@@ -121,8 +121,15 @@ class MoETransformer(nn.Module):
 
     def aux_loss(self) -> torch.Tensor:
         """Sum of the MoE layers' auxiliary losses of the last forward (a 0-dim fp32 tensor; zero
-        when aux_loss_coef == 0). Requires the last forward to have run with grad for backward."""
-        losses = [moe.last_aux_loss for moe in self.moe_layers() if moe.last_aux_loss is not None]
-        if not losses:
+        when aux_loss_coef == 0). Backpropagates through plain or non-reentrant checkpointed
+        blocks; a reentrant checkpoint runs its forward without autograd, which raises here."""
+        moes = [moe for moe in self.moe_layers() if moe.last_aux_loss is not None]
+        if not moes:
             return torch.zeros((), device=self.rope_inv_freq.device)
-        return torch.stack(losses).sum()
+        if torch.is_grad_enabled():
+            for moe in moes:
+                if moe.router.gate.weight.requires_grad and not moe.last_aux_loss.requires_grad:
+                    raise ValueError("aux_loss_coef > 0 but the last forward built no autograd graph for "
+                                     "the aux loss (a reentrant activation checkpoint?); use "
+                                     "non-reentrant checkpointing or set aux_loss_coef = 0")
+        return torch.stack([moe.last_aux_loss for moe in moes]).sum()

@@ -204,3 +204,40 @@ def test_checkpoint_recompute_counts_routes_once(use_reentrant):
     out.backward(torch.randn_like(out))
     assert_bitwise_equal(moe.router.tokens_per_expert, counts)
     assert moe.last_aux_loss is aux
+
+
+def test_aux_loss_gradient_through_checkpoint():
+    grads = []
+    for mode in ("plain", "non-reentrant", "reentrant"):
+        torch.manual_seed(81)
+        model = zoo.build_model(replace(zoo.get_model_args("debug"), aux_loss_coef=0.1))
+        block = model.layers["1"]
+        x = torch.randn(2, 6, 64, requires_grad=True, generator=torch.Generator().manual_seed(82))
+        rope = rope_cos_sin(torch.arange(6), model.rope_inv_freq)
+        out = (block(x, rope) if mode == "plain"
+               else torch.utils.checkpoint.checkpoint(block, x, rope, use_reentrant=mode == "reentrant"))
+        if mode == "reentrant":
+            with pytest.raises(ValueError, match="non-reentrant"):
+                model.aux_loss()
+            continue
+        loss = (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(83))).sum() + model.aux_loss()
+        loss.backward()
+        grads.append((x.grad, block.moe.router.gate.weight.grad))
+    for a, b in zip(*grads):
+        assert_bitwise_equal(a, b)
+
+
+def test_bf16_error_no_worse_than_reference_in_bf16():
+    moe = _moe(91, n_shared_experts=0)
+    N, H, E = 40, 64, moe.router.num_experts
+    x = torch.randn(N, H, generator=torch.Generator().manual_seed(92))
+    indices = torch.randint(0, E, (N, 2), generator=torch.Generator().manual_seed(93))
+    weights = torch.rand(N, 2, generator=torch.Generator().manual_seed(94))
+    w = [moe.experts.w1, moe.experts.w2, moe.experts.w3]
+    truth = reference_experts_forward(x.double(), indices, weights.double(), *(t.double() for t in w))
+    ref_bf16 = reference_experts_forward(x.bfloat16(), indices, weights, *(t.bfloat16() for t in w))
+    moe.to(torch.bfloat16)
+    moe.forced_routing = (indices, weights)
+    ours = moe(x.bfloat16().view(1, N, H)).view(N, H)
+    ref_err = (ref_bf16.double() - truth).abs().max()
+    assert (ours.double() - truth).abs().max() <= 2 * ref_err + 1e-3, ((ours.double() - truth).abs().max(), ref_err)
