@@ -1,0 +1,124 @@
+"""One meeting of Ring-DTP: a set of tokens against one vocabulary shard, one block of rows at a time.
+
+forward  (`fold_shard`):     for each block of b shard rows, z = X W_blk^T [n, b] (input dtype, fp32
+                             accumulation inside the matmul), folded into the per-token accumulators
+                             stats [3, n] = (running max, running sum-exp, target logit), all fp32.
+backward (`shard_backward`): the same blocks are recomputed; z becomes g = scale * (softmax - onehot)
+                             using the saved per-token log-sum-exp; dX += g W_blk and dW_blk += g^T X,
+                             both accumulated in fp32 (dW_blk is written directly when this meeting is
+                             the shard's only one, i.e. P = 1).
+The largest temporary is one logits block [n, b]; `impl` picks Triton kernels (GPU) or torch ops.
+
+Paper section 3.2. Legend: n tokens in the meeting, H hidden, b block rows, V_r shard rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mop_train.ops.ring_dtp import kernels
+
+_LOW_PRECISION_ROWS = 2048  # rows per fp32 partial product when the cuBLAS fp32-output addmm is missing
+_FUSED_FP32_ADDMM: dict[str, bool] = {}  # device type -> whether addmm(out_dtype=fp32, out=acc) works
+
+
+def new_stats(n: int, device: torch.device) -> torch.Tensor:
+    """Empty accumulators [3, n] fp32: running max -inf, running sum 0, target logit 0."""
+    stats = torch.zeros(3, n, dtype=torch.float32, device=device)
+    stats[0].fill_(float("-inf"))
+    return stats
+
+
+def _torch_lse_update(z: torch.Tensor, targets: torch.Tensor, offset: int, stats: torch.Tensor) -> None:
+    z = z.float()                                                       # [n, b]
+    block_max = z.amax(dim=1)                                           # [n]
+    new_max = torch.maximum(stats[0], block_max)
+    block_sum = torch.exp(z - new_max[:, None]).sum(dim=1)              # [n]
+    stats[1].mul_(torch.exp(stats[0] - new_max)).add_(block_sum)
+    stats[0].copy_(new_max)
+    local = targets - offset
+    hit = (local >= 0) & (local < z.shape[1])
+    picked = z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1)
+    stats[2].copy_(torch.where(hit, picked, stats[2]))
+
+
+def _torch_softmax_grad(z: torch.Tensor, targets: torch.Tensor, offset: int, lse: torch.Tensor,
+                        scale: torch.Tensor) -> torch.Tensor:
+    grad = torch.exp(z.float() - lse[:, None])                          # [n, b] softmax columns
+    local = targets - offset
+    hit = (local >= 0) & (local < z.shape[1])
+    rows = torch.nonzero(hit).squeeze(1)
+    grad[rows, local[rows]] -= 1.0
+    return (grad * scale[:, None]).to(z.dtype)
+
+
+def fold_shard(x: torch.Tensor, w: torch.Tensor, offset: int, targets: torch.Tensor, stats: torch.Tensor, *,
+               block_size: int, impl: str) -> None:
+    """Fold logits x [n, H] @ w [V_r, H]^T (global columns offset..offset+V_r) into stats [3, n]."""
+    if x.shape[0] == 0:
+        return
+    for start in range(0, w.shape[0], block_size):
+        z = x @ w[start:start + block_size].t()                         # [n, b] the only logits block
+        if impl == "triton":
+            kernels.lse_update_(z, targets, offset + start, stats)
+        else:
+            _torch_lse_update(z, targets, offset + start, stats)
+        del z
+
+
+def _fused_addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """acc += a @ b with one fp32-output cuBLAS call, if this torch build supports it on acc's device."""
+    kind = acc.device.type
+    if _FUSED_FP32_ADDMM.get(kind) is False:
+        return False
+    try:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError, NotImplementedError):
+        _FUSED_FP32_ADDMM[kind] = False
+        return False
+    _FUSED_FP32_ADDMM[kind] = True
+    return True
+
+
+def matmul_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc [M, K] fp32 += a [M, J] @ b [J, K], accumulating in fp32 whatever the dtype of a and b."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    if acc.is_cuda and _fused_addmm_fp32(acc, a, b):
+        return
+    for start in range(0, a.shape[0], _LOW_PRECISION_ROWS):             # bounded fp32 partial products
+        rows = slice(start, start + _LOW_PRECISION_ROWS)
+        if acc.is_cuda:
+            acc[rows].add_(torch.mm(a[rows], b, out_dtype=torch.float32))
+        else:
+            acc[rows].addmm_(a[rows].float(), b.float())
+
+
+def shard_backward(x: torch.Tensor, w: torch.Tensor, offset: int, targets: torch.Tensor, lse: torch.Tensor,
+                   scale: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor, *, accumulate_dw: bool,
+                   block_size: int, impl: str) -> None:
+    """Add this meeting's gradients: dx [n, H] fp32 += g @ w; dw [V_r, H] (+)= g^T @ x.
+
+    lse [n] and scale [n] are fp32 (scale = upstream gradient, 0 for ignored tokens). With
+    accumulate_dw=False, dw (w's dtype) is overwritten block by block: the meeting is its only term.
+    """
+    if x.shape[0] == 0:
+        if not accumulate_dw:
+            dw.zero_()
+        return
+    for start in range(0, w.shape[0], block_size):
+        w_blk = w[start:start + block_size]                             # [b, H]
+        z = x @ w_blk.t()                                               # [n, b] recomputed logits
+        if impl == "triton":
+            kernels.softmax_grad_(z, targets, offset + start, lse, scale)
+            g = z                                                       # gradient written in place
+        else:
+            g = _torch_softmax_grad(z, targets, offset + start, lse, scale)
+        del z
+        matmul_accumulate(dx, g, w_blk)
+        if accumulate_dw:
+            matmul_accumulate(dw[start:start + block_size], g.t(), x)
+        else:
+            torch.mm(g.t(), x, out=dw[start:start + block_size])
+        del g

@@ -1,0 +1,84 @@
+"""Per-rank memory bound of Ring-DTP (bytes the op allocates beyond its inputs), for the planner.
+
+The op's live set is fixed by (N, H, V, P, dtype, mode, block size), never by N x V:
+  - one logits block [n_meet, b] (n_meet = N when weights move, N_max when activations move),
+    plus fp32 temporaries of that block for the torch implementation;
+  - two moving-operand buffers (the one in use and the one arriving): [S, H] or [N_max, H];
+  - backward: the fp32 gradient of what stays (dW_r [S, H] or dX [N, H]) and two fp32 buffers of the
+    travelling gradient, the final casts to the input dtype, bounded fp32 partial products;
+  - O(N_max) per-token fp32 accumulators.
+`ring_dtp_peak_bytes` sums every term that can be alive at once (an upper bound, not a prediction);
+`ring_dtp_largest_tensor_bytes` is the largest single allocation, checked on CPU by the tests.
+
+Paper section 3.2. Legend: N tokens (this rank), N_max (largest in the group), H hidden, V vocab,
+P vocab-group size, S = ceil(V/P), b = min(block_size, S).
+"""
+
+from __future__ import annotations
+
+import torch
+
+MODES = ("auto", "move_activations", "move_weights")
+_PARTIAL_ROWS = 2048      # rows of one fp32 partial product (see local.matmul_accumulate)
+_PER_TOKEN_BYTES = 96     # stats, lse, loss, scale, targets and their in-flight copies, per token
+
+
+def resolve_mode(mode: str, n_max: int, vocab_size: int, group_size: int) -> str:
+    """'auto' moves the weights exactly when the largest local token count exceeds ceil(V/P)."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not one of {MODES}")
+    if mode != "auto":
+        return mode
+    shard_rows = -(-vocab_size // group_size)
+    return "move_weights" if n_max > shard_rows else "move_activations"
+
+
+def _terms(n, h, v, p, dtype, mode, block_size, n_max, impl) -> dict[str, int]:
+    it = torch.empty((), dtype=dtype).element_size()
+    n_max = n if n_max is None else max(n_max, n)
+    mode = resolve_mode(mode, n_max, v, p)
+    s = -(-v // p)
+    b = min(block_size, s)
+    n_meet = n if mode == "move_weights" else n_max
+    moving_rows = s if mode == "move_weights" else n_max
+    per_elem = it if impl == "triton" else 2 * it + 12                  # torch: fp32 copies of the block
+    terms = {
+        "tokens": _PER_TOKEN_BYTES * n_max,
+        "logits_block": n_meet * b * per_elem,
+        "moving_operand": 2 * moving_rows * h * it if p > 1 else 0,
+        "grad_stays": (s if mode == "move_activations" else n) * h * 4,
+        "grad_travels": (2 if p > 1 else 1) * (n_max if mode == "move_activations" else s) * h * 4,
+        "grad_casts": (n + s) * h * it,
+        "partials": (_PARTIAL_ROWS * h * 4 if it < 4 else 0),
+    }
+    if impl != "triton":  # CPU fp32 upcasts of one block's operands (local.matmul_accumulate)
+        terms["partials"] += (_PARTIAL_ROWS * max(n_meet, b) + (n_meet + b) * h) * 4
+    return terms
+
+
+def ring_dtp_peak_bytes(n: int, h: int, v: int, p: int, *, dtype: torch.dtype, mode: str = "auto",
+                        block_size: int = 8192, n_max: int | None = None, impl: str = "triton") -> int:
+    """Upper bound on the bytes one rank allocates in forward + backward (inputs excluded).
+
+    Args:
+        n: this rank's tokens; n_max: the largest count in the group (defaults to n).
+        h, v, p: hidden size, vocabulary size, vocab-group size.
+        dtype: dtype of hidden and weight; mode: as for `ring_dtp_cross_entropy` ("auto" resolved
+            with n_max); block_size: vocabulary rows per logits block; impl: "triton" or "torch".
+    """
+    return sum(_terms(n, h, v, p, dtype, mode, block_size, n_max, impl).values())
+
+
+def ring_dtp_largest_tensor_bytes(n: int, h: int, v: int, p: int, *, dtype: torch.dtype, mode: str = "auto",
+                                  block_size: int = 8192, n_max: int | None = None,
+                                  impl: str = "triton") -> int:
+    """The largest single tensor the op may allocate (same arguments as `ring_dtp_peak_bytes`)."""
+    n_max = n if n_max is None else max(n_max, n)
+    s = -(-v // p)
+    b = min(block_size, s)
+    resolved = resolve_mode(mode, n_max, v, p)
+    n_meet = n if resolved == "move_weights" else n_max
+    candidates = [n_meet * b * 4, n_max * h * 4, s * h * 4, _PARTIAL_ROWS * h * 4, 12 * n_max]
+    if impl != "triton":
+        candidates += [_PARTIAL_ROWS * max(n_meet, b) * 4, n_meet * h * 4, b * h * 4]
+    return max(candidates)
