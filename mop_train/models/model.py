@@ -22,7 +22,8 @@ from torch import nn
 
 from mop_train.models.args import MoEModelArgs
 from mop_train.models.attention import build_attention, rope_cos_sin, rope_inv_freq
-from mop_train.models.moe import MoE, FeedForward
+from mop_train.models.fp32_buffers import KeepFp32Buffers
+from mop_train.models.moe import FeedForward, MoE
 
 
 class TransformerBlock(nn.Module):
@@ -53,8 +54,11 @@ class TransformerBlock(nn.Module):
         (self.moe if hasattr(self, "moe") else self.feed_forward).init_weights(self.init_std)
 
 
-class MoETransformer(nn.Module):
-    """The decoder family of `MoEModelArgs`; see the module docstring."""
+class MoETransformer(KeepFp32Buffers):
+    """The decoder family of `MoEModelArgs`; see the module docstring. RoPE's `rope_inv_freq`
+    buffer stays fp32 under `.to(dtype)`."""
+
+    fp32_buffers = ("rope_inv_freq",)
 
     def __init__(self, args: MoEModelArgs):
         super().__init__()

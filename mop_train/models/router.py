@@ -19,10 +19,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mop_train.models.fp32_buffers import KeepFp32Buffers
 
-class TopKRouter(nn.Module):
+
+class TopKRouter(KeepFp32Buffers):
     """Gate `nn.Linear(H, E)`; fp32 buffers `expert_bias [E]` (persistent, in the state dict) and
     `tokens_per_expert [E]` (non-persistent load counters). Both stay fp32 under `.to(dtype)`."""
+
+    fp32_buffers = ("expert_bias", "tokens_per_expert")
 
     def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str = "sigmoid",
                  route_norm: bool = True, route_scale: float = 1.0):
@@ -84,14 +88,3 @@ class TopKRouter(nn.Module):
         with torch.no_grad():
             self.expert_bias.zero_()
             self.tokens_per_expert.zero_()
-
-    def _apply(self, fn, recurse=True):
-        # Keep the balancing state fp32 (a bf16 bias cannot absorb small updates): if `fn` casts
-        # the buffers, re-derive them from the fp32 originals on the new device.
-        before = {name: buf for name, buf in self._buffers.items()}
-        super()._apply(fn, recurse)
-        for name, old in before.items():
-            new = self._buffers[name]
-            if new is not None and new.dtype != torch.float32:
-                self._buffers[name] = old.to(device=new.device, dtype=torch.float32)
-        return self
