@@ -212,7 +212,8 @@ class OffloadStreamAdamW(Optimizer):
         self._slot_buffers = [torch.empty(3, capacity, dtype=torch.float32, device=self.device)
                               for _ in range(slots)]  # [3, B] each: master, exp_avg, exp_avg_sq
         self._grad_buffer = torch.empty(capacity, dtype=torch.float32, device=self.device)  # [B]
-        self._slot_free = [None] * slots
+        self._slot_free = [None] * slots  # write-back done, per slot
+        self._slot_read = [None] * slots  # weight refresh done, per slot
         self.staging_bytes = (3 * slots + 1) * capacity * 4
 
     # ---- the step -------------------------------------------------------------------------
@@ -250,7 +251,7 @@ class OffloadStreamAdamW(Optimizer):
     def _stream_buckets(self, grads, fresh, hparams) -> None:
         s = self._streams
         work = [_local(p).view(-1) for p in self._params]  # FSDP2 may swap local tensors: re-read
-        steps = self._steps.to(self.device)
+        steps = self._steps.pin_memory().to(self.device, non_blocking=True) if s.cuda else self._steps
         wall = time.perf_counter()
         with s.use(s.h2d):
             start = s.record(timing=True)
@@ -259,25 +260,30 @@ class OffloadStreamAdamW(Optimizer):
             staged = self._slot_buffers[k][:, :bucket.numel]                   # [3, n] device
             host = self._host[:, bucket.start:bucket.start + bucket.numel]     # [3, n] host
             with s.use(s.h2d):
-                s.wait(self._slot_free[k])
+                s.wait(self._slot_free[k])  # the slot's last write-back ...
+                s.wait(self._slot_read[k])  # ... and its last weight refresh are done
                 for row in range(3):
                     staged[row].copy_(host[row], non_blocking=True)
                 loaded = s.record()
+            live = self._upcast_grads(bucket, grads)  # needs no slot: overlaps the copy-in
             s.wait(loaded)
-            self._update_bucket(bucket, staged, grads, work, fresh, steps, hparams)
+            self._adamw(staged, live, work, fresh, steps, hparams)
             updated = s.record()
             with s.use(s.d2h):
                 s.wait(updated)
                 for row in range(3):
                     host[row].copy_(staged[row], non_blocking=True)
                 self._slot_free[k] = s.record(timing=b == len(self._buckets) - 1)
+            for param, src, dst in live:  # refresh the working weights while the write-back runs
+                work[param][src].copy_(staged[0, dst])
+            self._slot_read[k] = s.record()
         if self._buckets:
             self._writeback_done = self._slot_free[(len(self._buckets) - 1) % self.slots]
         self._timing = (start, self._writeback_done, time.perf_counter() - wall)
 
-    def _update_bucket(self, bucket, staged, grads, work, fresh, steps, hparams) -> None:
-        grad32 = self._grad_buffer[:bucket.numel]  # [n] fp32
-        per_group: dict[int, tuple[list, list, list, list, list]] = {}
+    def _upcast_grads(self, bucket, grads) -> list[tuple[int, slice, slice]]:
+        """fp32 gradients of the bucket's updated segments; returns (param, src, dst) per segment."""
+        grad32 = self._grad_buffer  # [B] fp32
         live = []
         for seg in bucket.segments:
             grad = grads[seg.param]
@@ -286,20 +292,24 @@ class OffloadStreamAdamW(Optimizer):
             dst = slice(seg.bucket_start, seg.bucket_start + seg.numel)
             src = slice(seg.param_start, seg.param_start + seg.numel)
             grad32[dst].copy_(grad[src])
-            if fresh[seg.param]:
-                staged[0, dst].copy_(work[seg.param][src])
-            lists = per_group.setdefault(self._group_of[seg.param], ([], [], [], [], []))
-            for lst, t in zip(lists, (staged[0, dst], grad32[dst], staged[1, dst], staged[2, dst],
-                                      steps[seg.param])):
-                lst.append(t)
             live.append((seg.param, src, dst))
-        for group, (masters, g32, exp_avgs, exp_avg_sqs, step_list) in per_group.items():
+        return live
+
+    def _adamw(self, staged, live, work, fresh, steps, hparams) -> None:
+        """torch's fused AdamW over the live segments of a staged bucket, one call per group."""
+        per_group: dict[int, tuple[list, list, list, list, list]] = {}
+        for param, src, dst in live:
+            if fresh[param]:  # first update: the master is the current working weight
+                staged[0, dst].copy_(work[param][src])
+            lists = per_group.setdefault(self._group_of[param], ([], [], [], [], []))
+            for lst, t in zip(lists, (staged[0, dst], self._grad_buffer[dst], staged[1, dst],
+                                      staged[2, dst], steps[param])):
+                lst.append(t)
+        for group, (masters, grads32, exp_avgs, exp_avg_sqs, step_list) in per_group.items():
             lr, beta1, beta2, weight_decay, eps = hparams[group]
-            torch._fused_adamw_(masters, g32, exp_avgs, exp_avg_sqs, [], step_list, lr=lr,
+            torch._fused_adamw_(masters, grads32, exp_avgs, exp_avg_sqs, [], step_list, lr=lr,
                                 beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
                                 amsgrad=False, maximize=False)
-        for param, src, dst in live:
-            work[param][src].copy_(staged[0, dst])  # refresh the working weight (bf16 or fp32)
 
     # ---- stats and synchronisation ----------------------------------------------------------
     def wait_for_writeback(self) -> None:
