@@ -42,7 +42,7 @@ _CONFIGS: dict[str, MoEModelArgs] = {
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=2048,
         n_dense_layers=1, dense_ffn_dim=192, num_experts=8, top_k=2, moe_inter_dim=32,
         n_shared_experts=1, score_func="sigmoid", route_norm=True, route_scale=1.0,
-        rope_theta=10000.0, max_seq_len=4096),
+        rope_theta=10000.0, max_seq_len=1 << 17),
     "small": MoEModelArgs(
         dim=1536, n_layers=12, attention="mla", n_heads=16, q_lora_rank=768, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=200_000,
@@ -53,7 +53,7 @@ _CONFIGS: dict[str, MoEModelArgs] = {
         dim=2880, n_layers=24, attention="gqa", n_heads=64, n_kv_heads=8, head_dim=64,
         vocab_size=201_088, n_dense_layers=0, num_experts=32, top_k=4, moe_inter_dim=2880,
         n_shared_experts=0, score_func="softmax", route_norm=True, route_scale=1.0,
-        rope_theta=150000.0, max_seq_len=1 << 17, norm_eps=1e-5),
+        rope_theta=150000.0, max_seq_len=1 << 20, norm_eps=1e-5),
     "mop-37b": MoEModelArgs(n_layers=2, **_PAPER),
     "mop-120b": MoEModelArgs(n_layers=7, **_PAPER),
     "mop-241b": MoEModelArgs(n_layers=14, **_PAPER),
