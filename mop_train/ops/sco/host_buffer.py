@@ -1,19 +1,28 @@
-"""Host storage for one offloaded checkpoint boundary, reused from step to step.
+"""Host memory for offloaded checkpoint boundaries: one arena per rank, reused from step to step.
 
-A boundary's bytes are kept in a few host chunks whose sizes are the powers of two in the binary
-expansion of its byte count, largest first (e.g. 360 MiB = 256 + 64 + 32 + 8 MiB). torch's pinned
-memory allocator rounds every block up to a power of two, so one block per boundary could pin
-almost twice the budget; power-of-two chunks pin exactly the bytes asked for. Largest-first order
-keeps every chunk's offset inside the boundary aligned to that chunk's size.
+The arena is a sequence of host chunks totalling exactly the host budget, allocated lazily (only
+up to the highest byte a step has used) and never freed. Boundaries are placed one after another
+in forward order (a bump pointer) and the pointer returns to 0 once no offloaded boundary is alive,
+so the greedy rule "offload iff it still fits" is exact and the host footprint never exceeds the
+budget. A boundary may straddle chunks; its copy is then split at the chunk edges.
 
-On a CUDA run the chunks are pinned and the copies are asynchronous on the caller's current
-stream; on a CPU run (where pin_memory() raises on a CPU-only torch build) they are plain host
-tensors and the copies are synchronous, through the same code.
+Chunks are powers of two (CHUNK_BYTES, then the binary expansion of the remainder, largest
+first) because torch's pinned-memory allocator rounds every block up to a power of two: one
+block of the budget's size could pin almost twice the budget.
+
+On a CUDA run the chunks are pinned and copies are asynchronous on the caller's current stream; on
+a CPU run (pin_memory() raises on a CPU-only torch build) they are plain host tensors and the
+copies are synchronous, through the same code.
 """
 
 from __future__ import annotations
 
+import bisect
+
 import torch
+
+CHUNK_BYTES = 1 << 28
+"""Size of the arena's full chunks (256 MiB); the last chunks split the remainder."""
 
 
 def power_of_two_parts(nbytes: int) -> list[int]:
@@ -21,42 +30,60 @@ def power_of_two_parts(nbytes: int) -> list[int]:
     return [1 << bit for bit in reversed(range(nbytes.bit_length())) if (nbytes >> bit) & 1]
 
 
+def chunk_plan(budget: int, chunk_bytes: int = CHUNK_BYTES) -> list[int]:
+    """Chunk sizes of an arena of exactly `budget` bytes, all powers of two."""
+    if chunk_bytes < 1 or chunk_bytes & (chunk_bytes - 1):
+        raise ValueError(f"chunk_bytes = {chunk_bytes} must be a power of two >= 1")
+    return [chunk_bytes] * (budget // chunk_bytes) + power_of_two_parts(budget % chunk_bytes)
+
+
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a contiguous tensor as a flat uint8 view (no copy). [numel * element_size]"""
     return t.reshape(-1).view(torch.uint8)
 
 
-class HostBuffer:
-    """`capacity` host bytes in power-of-two chunks (pinned when `pinned`).
+class HostArena:
+    """Up to `budget` host bytes in power-of-two chunks, allocated on first use and kept."""
 
-    `busy` is set while the buffer holds a boundary that some autograd graph may still read back.
-    """
+    def __init__(self, budget: int, chunk_bytes: int = CHUNK_BYTES):
+        self._plan = chunk_plan(budget, chunk_bytes)
+        self.chunks: list[torch.Tensor] = []
+        self._starts: list[int] = []   # arena offset of each allocated chunk
+        self.capacity = 0
+        self.pinned = False
 
-    def __init__(self, capacity: int, pinned: bool):
-        self.capacity = capacity
+    def grow_to(self, end: int, pinned: bool) -> None:
+        """Make bytes [0, end) exist (end <= budget); chunks are pinned when `pinned`."""
+        if self.chunks and pinned != self.pinned:
+            raise ValueError("boundaries from a CUDA device and from the CPU cannot share one "
+                             "SelectiveCheckpointOffload; use one per device")
         self.pinned = pinned
-        self.busy = False
-        self.chunks = [torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
-                       for size in power_of_two_parts(capacity)]
+        while self.capacity < end:
+            size = self._plan[len(self.chunks)]
+            self.chunks.append(torch.empty(size, dtype=torch.uint8, pin_memory=pinned))
+            self._starts.append(self.capacity)
+            self.capacity += size
 
-    def _spans(self, nbytes: int):
-        """(chunk, start, length) covering bytes [0, nbytes) of the boundary, in order."""
-        start = 0
-        for chunk in self.chunks:
-            if start >= nbytes:
-                return
-            length = min(chunk.numel(), nbytes - start)
-            yield chunk, start, length
-            start += length
+    def _spans(self, offset: int, nbytes: int):
+        """(chunk slice, start within the boundary, length) covering arena bytes [offset, offset+nbytes)."""
+        index = bisect.bisect_right(self._starts, offset) - 1
+        done = 0
+        while done < nbytes:
+            chunk, start = self.chunks[index], self._starts[index]
+            inside = offset + done - start
+            length = min(chunk.numel() - inside, nbytes - done)
+            yield chunk[inside:inside + length], done, length
+            done += length
+            index += 1
 
-    def write(self, src: torch.Tensor) -> None:
-        """Copy the contiguous `src` (any device, nbytes <= capacity) into the chunks."""
+    def write(self, offset: int, src: torch.Tensor) -> None:
+        """Copy the contiguous `src` (any device) to arena bytes starting at `offset`."""
         flat = byte_view(src)
-        for chunk, start, length in self._spans(flat.numel()):
-            chunk[:length].copy_(flat[start:start + length], non_blocking=self.pinned)
+        for part, start, length in self._spans(offset, flat.numel()):
+            part.copy_(flat[start:start + length], non_blocking=self.pinned)
 
-    def read_into(self, dst: torch.Tensor) -> None:
-        """Copy the first dst.nbytes bytes back into the contiguous `dst` (any device)."""
+    def read_into(self, offset: int, dst: torch.Tensor) -> None:
+        """Copy dst.nbytes arena bytes starting at `offset` into the contiguous `dst` (any device)."""
         flat = byte_view(dst)
-        for chunk, start, length in self._spans(flat.numel()):
-            flat[start:start + length].copy_(chunk[:length], non_blocking=self.pinned)
+        for part, start, length in self._spans(offset, flat.numel()):
+            flat[start:start + length].copy_(part, non_blocking=self.pinned)

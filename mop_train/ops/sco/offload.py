@@ -4,9 +4,9 @@ Under non-reentrant activation checkpointing a checkpointed layer keeps one tens
 from its forward until its recompute in backward: its input h_l [N, H], the checkpoint boundary.
 SCO leaves the checkpoint itself untouched and intercepts only that saved input, through a
 saved-tensor hook around the checkpoint call:
-  1. forward, wrapped calls in order: if the boundary still fits in the host budget (bytes of
-     offloaded boundaries alive + its bytes <= budget), copy it into a reusable host buffer on a
-     side stream. The device copy is dropped at the next wrapped call (or when backward starts),
+  1. forward, wrapped calls in order: if the boundary still fits in what is left of the host
+     budget, copy it into the next free bytes of a host arena (host_buffer.py: allocated once,
+     reused every step) on a side stream. The device copy is dropped at the next wrapped call (or when backward starts),
      after the compute stream has been told to wait for that copy (a stream wait, no host sync).
   2. backward: when call l's boundary is unpacked (its recompute starts), call l-1's boundary is
      copied host->device on the side stream, so it is resident one layer ahead; the compute stream
@@ -14,10 +14,12 @@ saved-tensor hook around the checkpoint call:
 Bytes go through both copies unchanged and the recompute sees the same shape, dtype and strides,
 so every gradient is bitwise that of plain checkpointing (reference.py).
 
-Steps. The budget is spent in forward order and restarts with each step. A step starts at
-`begin_step()`, or by itself at the first wrapped forward after a backward has begun, or when no
-boundary of the current step is referenced by autograd any more (the previous graph was freed).
-With gradient accumulation a step is therefore one micro-batch's forward + backward.
+Steps. The budget is spent in forward order; it is whole again as soon as no offloaded boundary
+is referenced by autograd (the previous step's graph was freed by its backward), so it restarts
+with every step and is never exceeded, even with a retained graph. The per-step records
+(offloaded_layers, host_bytes, waits) restart at `begin_step()`, or by themselves at the first
+wrapped forward after a backward has begun, or when no boundary of the current step is alive any
+more. With gradient accumulation a step is therefore one micro-batch's forward + backward.
 
 Exposed wait (`last_step_stats()["wait_s"]`): on CUDA, the time the compute stream spent stalled
 in SCO's stream waits (forward: a boundary's device->host copy not finished when the next wrapped
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mop_train.ops.sco.host_buffer import HostBuffer
+from mop_train.ops.sco.host_buffer import CHUNK_BYTES, HostArena
 from mop_train.ops.sco.reference import CheckpointedLayer
 
 
@@ -56,7 +58,7 @@ class _BoundaryState:
     device: torch.device
     nbytes: int
     device_tensor: torch.Tensor | None = None   # kept on the device (not offloaded)
-    host: HostBuffer | None = None              # offloaded here
+    offset: int | None = None                   # offloaded: its bytes start here in the arena
     fetched: torch.Tensor | None = None         # device copy brought back (maybe still in flight)
     ready: torch.cuda.Event | None = None       # side-stream event after the host->device copy
     fetch_stream: torch.cuda.Stream | None = None   # compute stream `fetched` was allocated on
@@ -75,8 +77,9 @@ class _Boundary:
 class OffloadedCheckpoint(CheckpointedLayer):
     """`layer` under non-reentrant checkpointing, its first positional input managed by `sco`."""
 
-    def __init__(self, layer: nn.Module, sco: "SelectiveCheckpointOffload", layer_index: int):
-        super().__init__(layer)
+    def __init__(self, layer: nn.Module, sco: "SelectiveCheckpointOffload", layer_index: int,
+                 preserve_rng_state: bool = True):
+        super().__init__(layer, preserve_rng_state)
         self.sco = sco
         self.layer_index = layer_index
 
@@ -91,9 +94,11 @@ class SelectiveCheckpointOffload:
     Args:
         host_budget_bytes: host bytes per rank for boundaries (0: plain checkpointing).
         device: the device the wrapped layers' inputs live on (None: whatever they are on).
+        chunk_bytes: size of the host arena's chunks (a power of two).
     """
 
-    def __init__(self, host_budget_bytes: int, device: torch.device | str | None = None):
+    def __init__(self, host_budget_bytes: int, device: torch.device | str | None = None, *,
+                 chunk_bytes: int = CHUNK_BYTES):
         if isinstance(host_budget_bytes, bool) or not isinstance(host_budget_bytes, int) or host_budget_bytes < 0:
             raise ValueError(f"host_budget_bytes = {host_budget_bytes!r} must be an int >= 0; "
                              "resolve [mop.sco] host_budget with resolve_host_budget()")
@@ -101,9 +106,9 @@ class SelectiveCheckpointOffload:
         self.device = torch.device(device) if device is not None else None
         self._lock = threading.RLock()
         self._num_wrapped = 0
-        self._pool: dict[tuple[int, int], HostBuffer] = {}  # (layer, call in step) -> buffer
-        self._pool_bytes = 0
-        self._live_bytes = 0             # bytes of offloaded boundaries autograd still holds
+        self._arena = HostArena(host_budget_bytes, chunk_bytes)
+        self._arena_used = 0             # bump pointer: end of the last offloaded boundary
+        self._live_offloaded = 0         # offloaded boundaries autograd still holds (any step)
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pending: list[tuple[torch.Tensor, torch.cuda.Stream, torch.cuda.Event]] = []
         self._step = 0
@@ -111,9 +116,13 @@ class SelectiveCheckpointOffload:
 
     # ---- public API -------------------------------------------------------------------------
 
-    def wrap(self, layer: nn.Module) -> OffloadedCheckpoint:
-        """Checkpoint `layer` (non-reentrant) and let SCO manage its input; call in forward order."""
-        wrapped = OffloadedCheckpoint(layer, self, self._num_wrapped)
+    def wrap(self, layer: nn.Module, preserve_rng_state: bool = True) -> OffloadedCheckpoint:
+        """Checkpoint `layer` (non-reentrant) and let SCO manage its input; call in forward order.
+
+        The layer must take its input hidden state (the boundary) as its first positional argument;
+        other arguments (positions, RoPE tables, masks) are kept as plain checkpointing keeps them.
+        """
+        wrapped = OffloadedCheckpoint(layer, self, self._num_wrapped, preserve_rng_state)
         self._num_wrapped += 1
         return wrapped
 
@@ -134,8 +143,8 @@ class SelectiveCheckpointOffload:
 
     @property
     def pinned_bytes(self) -> int:
-        """Host bytes allocated for boundaries (buffers are kept for reuse; <= host_budget_bytes)."""
-        return self._pool_bytes
+        """Host bytes allocated for boundaries (the arena's high-water mark; <= host_budget_bytes)."""
+        return self._arena.capacity
 
     def last_step_stats(self) -> dict:
         """{offloaded_layers: int, host_bytes: int, wait_s: float} of the last step.
@@ -169,17 +178,21 @@ class SelectiveCheckpointOffload:
                              "layers run on, or device=None")
         # A boundary that is also passed elsewhere stays referenced on the device: moving it frees nothing.
         shared = any(a is boundary for a in args[1:]) or any(v is boundary for v in kwargs.values())
-        packed = False
+        # autograd keeps `pack` as long as the saved tensor: it must not keep the boundary alive.
+        target = [boundary]
+        del boundary
 
         def pack(t: torch.Tensor):
-            nonlocal packed
-            if t is not boundary or packed:
+            if not target or t is not target[0]:
                 return t  # other saved inputs are kept exactly as plain checkpointing keeps them
-            packed = True
+            target.clear()
             return self._save(layer_index, t, offloadable=not shared)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, self._load):
-            yield
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, self._load):
+                yield
+        finally:
+            target.clear()
 
     # ---- forward: saving ------------------------------------------------------------------------
 
@@ -187,7 +200,6 @@ class SelectiveCheckpointOffload:
         self._release_pending()
         self._step += 1
         self._records: list[weakref.ref] = []   # this step's _Boundary objects, forward order
-        self._calls: dict[int, int] = {}        # layer -> wrapped calls so far this step
         self._offloaded: list[int] = []
         self._host_bytes = 0
         self._alive = 0                          # this step's boundaries still held by autograd
@@ -199,13 +211,11 @@ class SelectiveCheckpointOffload:
             if self._alive == 0 or self._backward_started:
                 self._start_step()
             self._release_pending()
-            call = self._calls.get(layer_index, 0)
-            self._calls[layer_index] = call + 1
             state = _BoundaryState(step=self._step, seq=len(self._records), layer=layer_index,
                                    shape=x.shape, stride=x.stride(), dtype=x.dtype, device=x.device,
                                    nbytes=x.numel() * x.element_size())
-            state.host = self._reserve((layer_index, call), x) if offloadable else None
-            if state.host is None:
+            state.offset = self._reserve(x) if offloadable else None
+            if state.offset is None:
                 state.device_tensor = x
             else:
                 self._copy_out(state, x)
@@ -217,52 +227,31 @@ class SelectiveCheckpointOffload:
             weakref.finalize(saved, self._on_release, state).atexit = False
             return saved
 
-    def _reserve(self, key: tuple[int, int], x: torch.Tensor) -> HostBuffer | None:
-        """A free host buffer for `x` if it fits in the budget, else None (x stays on the device)."""
+    def _reserve(self, x: torch.Tensor) -> int | None:
+        """Arena offset for `x` if it still fits in the budget, else None (x stays on the device)."""
         nbytes = x.numel() * x.element_size()
-        if nbytes == 0 or self._live_bytes + nbytes > self.host_budget_bytes:
+        if nbytes == 0 or self._arena_used + nbytes > self.host_budget_bytes:
             return None
         # Only plain dense tensors that own the start of their storage: the copy brought back
         # then has the same layout, so the recompute runs the same kernels.
         if type(x) is not torch.Tensor or not x.is_contiguous() or x.storage_offset() != 0:
             return None
-        buffer = self._pool.get(key)
-        if buffer is not None and buffer.busy:
-            return None  # still holds a boundary of a graph that is alive (e.g. retain_graph)
-        if buffer is None or buffer.capacity < nbytes:
-            buffer = self._allocate(key, nbytes, pinned=x.is_cuda)
-            if buffer is None:
-                return None
-        buffer.busy = True
-        self._live_bytes += nbytes
-        return buffer
-
-    def _allocate(self, key: tuple[int, int], nbytes: int, pinned: bool) -> HostBuffer | None:
-        """(Re)allocate the buffer of `key`, evicting idle buffers so the pool stays in budget."""
-        old = self._pool.pop(key, None)
-        if old is not None:
-            self._pool_bytes -= old.capacity
-        for other in [k for k, b in self._pool.items() if not b.busy]:
-            if self._pool_bytes + nbytes <= self.host_budget_bytes:
-                break
-            self._pool_bytes -= self._pool.pop(other).capacity
-        if self._pool_bytes + nbytes > self.host_budget_bytes:
-            return None
-        buffer = HostBuffer(nbytes, pinned)
-        self._pool[key] = buffer
-        self._pool_bytes += nbytes
-        return buffer
+        offset = self._arena_used
+        self._arena.grow_to(offset + nbytes, pinned=x.is_cuda)
+        self._arena_used += nbytes
+        self._live_offloaded += 1
+        return offset
 
     def _copy_out(self, state: _BoundaryState, x: torch.Tensor) -> None:
         """Device -> host copy of `x`; on CUDA async on the side stream, `x` kept until waited on."""
         if not x.is_cuda:
-            state.host.write(x)
+            self._arena.write(state.offset, x)
             return
         compute = torch.cuda.current_stream(x.device)
         copy = self._copy_stream(x.device)
         copy.wait_stream(compute)  # x is written by work already queued on the compute stream
         with torch.cuda.stream(copy):
-            state.host.write(x)
+            self._arena.write(state.offset, x)
             done = torch.cuda.Event()
             done.record(copy)
         self._pending.append((x, compute, done))
@@ -286,7 +275,7 @@ class SelectiveCheckpointOffload:
                 self._backward_started = True
                 self._release_pending()
             state.loads += 1
-            if state.host is None:
+            if state.offset is None:
                 self._prefetch_previous(state)
                 return state.device_tensor
             started = time.perf_counter()
@@ -310,21 +299,21 @@ class SelectiveCheckpointOffload:
         if previous is None:
             return
         prev = previous.state
-        if prev.host is not None and prev.fetched is None and prev.loads == 0:
+        if prev.offset is not None and prev.fetched is None and prev.loads == 0:
             self._fetch(prev)
 
     def _fetch(self, state: _BoundaryState) -> None:
         """Host -> device copy into a new tensor allocated on the current (compute) stream."""
         dst = torch.empty_strided(state.shape, state.stride, dtype=state.dtype, device=state.device)
         if not dst.is_cuda:
-            state.host.read_into(dst)
+            self._arena.read_into(state.offset, dst)
             state.fetched = dst
             return
         compute = torch.cuda.current_stream(dst.device)
         copy = self._copy_stream(dst.device)
         copy.wait_stream(compute)  # dst's block may have been used by compute work still queued
         with torch.cuda.stream(copy):
-            state.host.read_into(dst)
+            self._arena.read_into(state.offset, dst)
             ready = torch.cuda.Event()
             ready.record(copy)
         state.fetched, state.ready, state.fetch_stream = dst, ready, compute
@@ -337,9 +326,10 @@ class SelectiveCheckpointOffload:
                 # that stream must not run past the copy into it.
                 state.fetch_stream.wait_event(state.ready)
             state.fetched = state.device_tensor = None
-            if state.host is not None:
-                state.host.busy = False
-                self._live_bytes -= state.nbytes
+            if state.offset is not None:
+                self._live_offloaded -= 1
+                if self._live_offloaded == 0:
+                    self._arena_used = 0  # every boundary in the arena is dead: reuse it from the start
             if state.step == self._step:
                 self._alive -= 1
 

@@ -16,12 +16,20 @@ from torch.utils.checkpoint import checkpoint
 
 
 class CheckpointedLayer(ActivationWrapper):
-    """`layer(*args, **kwargs)` under non-reentrant checkpointing (the wrapper adds no parameters)."""
+    """`layer(*args, **kwargs)` under non-reentrant checkpointing (the wrapper adds no parameters).
+
+    preserve_rng_state: replay the forward's RNG state in the recompute (needed for dropout).
+    """
+
+    def __init__(self, layer: nn.Module, preserve_rng_state: bool = True):
+        super().__init__(layer)
+        self.preserve_rng_state = preserve_rng_state
 
     def forward(self, *args, **kwargs):
-        return checkpoint(self._checkpoint_wrapped_module, *args, use_reentrant=False, **kwargs)
+        return checkpoint(self._checkpoint_wrapped_module, *args, use_reentrant=False,
+                          preserve_rng_state=self.preserve_rng_state, **kwargs)
 
 
-def checkpointed(layer: nn.Module) -> CheckpointedLayer:
+def checkpointed(layer: nn.Module, preserve_rng_state: bool = True) -> CheckpointedLayer:
     """Wrap `layer` in plain non-reentrant activation checkpointing."""
-    return CheckpointedLayer(layer)
+    return CheckpointedLayer(layer, preserve_rng_state)

@@ -1,0 +1,365 @@
+"""SCO against plain non-reentrant checkpointing: bitwise outputs and gradients, greedy selection,
+per-step budgets, the host data path, nested reentrant checkpoints, FSDP2 (2 gloo ranks), and on
+GPU: no default-stream synchronisation, memory back to baseline, a lower peak."""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mop_train.ops.sco import (SelectiveCheckpointOffload, boundary_bytes, checkpointed,
+                               resolve_host_budget, retained_boundary_bytes, select_offloaded)
+from mop_train.ops.sco.host_buffer import power_of_two_parts
+from tests.dist_utils import run_distributed
+from tests.utils import assert_bitwise_equal
+
+
+class ToyLayer(nn.Module):
+    """[N, H_in] -> [N, H_out] with a positional table (second positional input, shared by all
+    layers, no grad) and a learnable per-layer `scale` passed as a keyword tensor."""
+
+    def __init__(self, h_in: int, h_out: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(h_in)
+        self.proj = nn.Linear(h_in, h_out)
+        self.gate = nn.Linear(h_in, h_out, bias=False)
+
+    def forward(self, x, pos, *, scale):
+        y = self.proj(self.norm(x)) * torch.sigmoid(self.gate(x)) * scale + pos[:, : self.proj.out_features]
+        if x.shape[-1] == y.shape[-1]:
+            y = y + x
+        return torch.tanh(y)
+
+
+class ChunkedExpertLayer(nn.Module):
+    """Tokens cut into K strided chunks; each chunk's SwiGLU runs in a reentrant checkpoint nested
+    in the layer's own (non-reentrant) checkpoint, as PipelinedLLEP runs its expert matmuls."""
+
+    def __init__(self, h: int, inner: int, chunks: int):
+        super().__init__()
+        self.norm = nn.RMSNorm(h)
+        self.w1 = nn.Parameter(torch.randn(inner, h) * h ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(h, inner) * inner ** -0.5)
+        self.w3 = nn.Parameter(torch.randn(inner, h) * h ** -0.5)
+        self.chunks = chunks
+
+    @staticmethod
+    def _swiglu(x, w1, w2, w3):
+        return (nn.functional.silu(x @ w1.t()) * (x @ w3.t())) @ w2.t()
+
+    def forward(self, x, pos, *, scale):
+        h = self.norm(x)
+        out = torch.zeros_like(h)
+        for i in range(self.chunks):
+            rows = h[i::self.chunks]
+            out = out.index_add(0, torch.arange(i, h.shape[0], self.chunks),
+                                checkpoint(self._swiglu, rows, self.w1, self.w2, self.w3, use_reentrant=True))
+        return x + out * scale + pos[:, : x.shape[-1]]
+
+
+def _widths_stack(widths, seed):
+    torch.manual_seed(seed)
+    return [ToyLayer(a, b) for a, b in zip(widths[:-1], widths[1:])]
+
+
+def _step(mods, x, pos, scales, grad_seed):
+    """Forward through `mods`, backward a random upstream gradient; return output and all grads."""
+    for t in [x, *scales, *(p for m in mods for p in m.parameters())]:
+        t.grad = None
+    h = x
+    for mod, s in zip(mods, scales):
+        h = mod(h, pos, scale=s)
+    g = torch.randn(h.shape, generator=torch.Generator().manual_seed(grad_seed), dtype=h.dtype)
+    h.backward(g.to(h.device))
+    return [h.detach(), x.grad, *(s.grad for s in scales), *(p.grad for m in mods for p in m.parameters())]
+
+
+def _inputs(n, widths, seed, dtype=torch.float32, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, widths[0], generator=gen).to(device, dtype).requires_grad_()
+    pos = torch.randn(n, max(widths), generator=gen).to(device, dtype)
+    scales = [(1 + 0.1 * torch.randn(w, generator=gen)).to(device, dtype).requires_grad_() for w in widths[1:]]
+    return x, pos, scales
+
+
+def _assert_all_equal(ours, ref, label):
+    assert len(ours) == len(ref)
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        assert_bitwise_equal(a, b, name=f"{label} tensor {i}")
+
+
+def test_budget_helpers():
+    assert select_offloaded([288, 480, 192, 384, 576], 500) == [0, 2]
+    assert select_offloaded([288, 480, 192, 384, 576], 800) == [0, 1]
+    assert select_offloaded([288, 0, 192], 10_000) == [0, 2]
+    assert select_offloaded([288, 480], 0) == []
+    assert retained_boundary_bytes([288, 480, 192, 384, 576], 500) == 480 + 384 + 576
+    assert boundary_bytes(4096, 2880, torch.bfloat16) == 4096 * 2880 * 2
+    for n in (0, 1, 96, 377_487_360, (1 << 33) + 5):
+        parts = power_of_two_parts(n)
+        assert sum(parts) == n and parts == sorted(parts, reverse=True)
+        assert all(p & (p - 1) == 0 for p in parts)
+    assert resolve_host_budget("0", 8) == 0
+    assert resolve_host_budget("24GiB", 8) == 24 << 30
+    assert resolve_host_budget("512MiB", 1) == 512 << 20
+    assert resolve_host_budget(" AUTO ", 4, available_bytes=100 << 30) == (50 << 30) // 4
+    assert resolve_host_budget("auto", 3, available_bytes=1000) == 500 // 3
+    assert resolve_host_budget("auto", 1) > 0  # reads /proc/meminfo on this machine
+    for bad_text, bad_world in (("lots", 1), ("-1GiB", 1), ("1GiB", 0), ("auto", True)):
+        with pytest.raises(ValueError):
+            resolve_host_budget(bad_text, bad_world)
+    for bad in (-1, 1.5, "1GiB", True):
+        with pytest.raises(ValueError, match="host_budget_bytes"):
+            SelectiveCheckpointOffload(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bitwise_gradients_and_greedy_selection_across_budgets(dtype):
+    widths = [12, 20, 8, 16, 24, 24]
+    n = 6
+    sizes = [boundary_bytes(n, w, dtype) for w in widths[:-1]]
+    budgets = [0, min(sizes) - 1, sizes[0] + sizes[2] + 1, sizes[0] + sizes[1], sum(sizes) - 1, sum(sizes)]
+    layers = _widths_stack(widths, seed=1)
+    ref = [checkpointed(copy.deepcopy(m)).to(dtype) for m in layers]
+    for b, budget in enumerate(budgets):
+        sco = SelectiveCheckpointOffload(budget)
+        ours = [sco.wrap(copy.deepcopy(m)).to(dtype) for m in layers]
+        expected = select_offloaded(sizes, budget)
+        for step in range(2):  # the budget restarts each step (auto-detected in step 0, explicit in 1)
+            if step == 1:
+                sco.begin_step()
+            seed = 100 * b + step
+            x, pos, scales = _inputs(n, widths, seed, dtype)
+            want = _step(ref, x, pos, scales, seed)
+            got = _step(ours, x, pos, scales, seed)
+            _assert_all_equal(got, want, f"budget {budget} step {step}")
+            assert sco.offloaded_layers == expected
+            stats = sco.last_step_stats()
+            assert stats["offloaded_layers"] == len(expected)
+            assert stats["host_bytes"] == sco.host_bytes == sum(sizes[i] for i in expected)
+            assert stats["wait_s"] >= 0.0
+            assert sco.pinned_bytes <= budget
+    assert budgets[1] < min(sizes) and select_offloaded(sizes, budgets[1]) == []
+    assert select_offloaded(sizes, budgets[2]) == [0, 2]
+    assert select_offloaded(sizes, budgets[-1]) == list(range(len(sizes)))
+
+
+def test_offloaded_boundaries_leave_device_and_come_back_from_host():
+    widths = [16, 16, 16, 16, 16]
+    n = 8
+    size = boundary_bytes(n, 16, torch.float32)
+    layers = _widths_stack(widths, seed=2)
+    ref = [checkpointed(copy.deepcopy(m)) for m in layers]
+    sco = SelectiveCheckpointOffload(2 * size)
+    ours = [sco.wrap(copy.deepcopy(m)) for m in layers]
+    x, pos, scales = _inputs(n, widths, seed=3)
+    want = _step(ref, x, pos, scales, 3)
+
+    # Layer l's boundary is the output of layer l-1: only non-offloaded ones stay referenced.
+    h, boundary_refs = x, []
+    for mod, s in zip(ours, scales):
+        boundary_refs.append(weakref.ref(h))
+        h = mod(h, pos, scale=s)
+    assert sco.offloaded_layers == [0, 1]
+    assert boundary_refs[1]() is None
+    assert all(r() is not None for r in boundary_refs[2:])
+    g = torch.randn(h.shape, generator=torch.Generator().manual_seed(3))
+    for t in [x, *scales, *(p for m in ours for p in m.parameters())]:
+        t.grad = None
+    h.backward(g)
+    _assert_all_equal([h.detach(), x.grad, *(s.grad for s in scales),
+                       *(p.grad for m in ours for p in m.parameters())], want, "offload path")
+
+    # The recompute reads the host copy: corrupting it after forward changes the gradients.
+    h = x
+    for mod, s in zip(ours, scales):
+        h = mod(h, pos, scale=s)
+    for chunk in sco._arena.chunks:
+        chunk.copy_(torch.randint(0, 256, chunk.shape, dtype=torch.uint8))
+    for m in ours:
+        m.zero_grad(set_to_none=True)
+    h.backward(g)
+    assert not torch.equal(ours[0].proj.weight.grad, want[2 + len(scales)])
+
+
+def test_reuse_retain_graph_and_changing_sizes():
+    """A layer called twice per forward, a second backward over a retained graph, and boundary
+    sizes that change between steps (the host arena never exceeds the budget)."""
+    widths = [16, 16, 16]
+    layers = _widths_stack(widths, seed=4)
+    ref = [checkpointed(copy.deepcopy(m)) for m in layers]
+    budget = boundary_bytes(12, 16, torch.float32) * 2
+    sco = SelectiveCheckpointOffload(budget)
+    ours = [sco.wrap(copy.deepcopy(m)) for m in layers]
+    twice = lambda mods: [mods[0], mods[1], mods[0]]  # noqa: E731
+    for step, n in enumerate([8, 12, 5]):
+        x, pos, scales = _inputs(n, [16, 16, 16, 16], seed=10 + step)
+        want = _step(twice(ref), x, pos, scales, step)
+        got = _step(twice(ours), x, pos, scales, step)
+        _assert_all_equal(got, want, f"reuse step {step}")
+        assert sco.offloaded_layers == ([0, 1] if n == 12 else [0, 1, 0])
+        assert sco.pinned_bytes <= budget
+
+    x, pos, scales = _inputs(8, widths, seed=20)
+    results = []
+    for mods in (ref, ours):
+        for t in [x, *scales, *(p for m in mods for p in m.parameters())]:
+            t.grad = None
+        h = x
+        for mod, s in zip(mods, scales):
+            h = mod(h, pos, scale=s)
+        g = torch.randn(h.shape, generator=torch.Generator().manual_seed(5))
+        h.backward(g, retain_graph=True)
+        h.backward(2 * g)
+        results.append([x.grad, *(s.grad for s in scales), *(p.grad for m in mods for p in m.parameters())])
+    _assert_all_equal(results[1], results[0], "retain_graph")
+
+
+def test_boundary_must_be_first_positional_tensor():
+    sco = SelectiveCheckpointOffload(1 << 20)
+    layer = sco.wrap(ToyLayer(4, 4))
+    x, pos, _ = _inputs(3, [4, 4], seed=6)
+    with pytest.raises(ValueError, match="first positional argument"):
+        layer(x=x, pos=pos, scale=torch.ones(4))
+    with pytest.raises(ValueError, match="device"):
+        SelectiveCheckpointOffload(1 << 20, device="meta").wrap(ToyLayer(4, 4))(x, pos, scale=torch.ones(4))
+
+
+def test_nested_reentrant_checkpoint():
+    h, n = 16, 10
+    torch.manual_seed(7)
+    layers = [ChunkedExpertLayer(h, 24, chunks=3) for _ in range(4)]
+    ref = [checkpointed(copy.deepcopy(m)) for m in layers]
+    budget = 2 * boundary_bytes(n, h, torch.float32)
+    sco = SelectiveCheckpointOffload(budget)
+    ours = [sco.wrap(copy.deepcopy(m)) for m in layers]
+    for step in range(2):
+        x, pos, scales = _inputs(n, [h] * 5, seed=30 + step)
+        want = _step(ref, x, pos, scales, step)
+        got = _step(ours, x, pos, scales, step)
+        _assert_all_equal(got, want, f"nested step {step}")
+        assert sco.offloaded_layers == [0, 1]
+
+
+def _fsdp_case(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    widths, n = [16, 16, 16, 16, 16], 6
+    size = boundary_bytes(n, 16, torch.float32)
+
+    class Stack(nn.Module):
+        def __init__(self, mods):
+            super().__init__()
+            self.layers = nn.ModuleList(mods)
+
+        def forward(self, x, pos, scales):
+            for mod, s in zip(self.layers, scales):
+                x = mod(x, pos, scale=s)
+            return x
+
+    def build(wrap_fn, shard_inside):
+        mods = []
+        for m in _widths_stack(widths, seed=8):
+            if shard_inside:
+                mods.append(wrap_fn(fully_shard(m, mesh=mesh)))
+            else:
+                mods.append(fully_shard(wrap_fn(m), mesh=mesh))
+        return fully_shard(Stack(mods), mesh=mesh)
+
+    for shard_inside in (False, True):
+        sco = SelectiveCheckpointOffload(2 * size + 1)
+        ref, ours = build(checkpointed, shard_inside), build(sco.wrap, shard_inside)
+        for step in range(2):
+            x, pos, scales = _inputs(n, widths, seed=40 + 10 * rank + step)
+            outs = []
+            for model in (ref, ours):
+                model.zero_grad(set_to_none=True)
+                x.grad = None
+                y = model(x, pos, scales)
+                y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(rank + step)))
+                outs.append([y.detach(), x.grad.clone(), *(p.grad.to_local().clone() for p in model.parameters())])
+            _assert_all_equal(outs[1], outs[0], f"fsdp rank {rank} inside={shard_inside} step {step}")
+            assert sco.offloaded_layers == [0, 1]
+
+
+@pytest.mark.slow
+def test_fsdp2_two_ranks():
+    run_distributed(_fsdp_case, 2)
+
+
+# ---- GPU --------------------------------------------------------------------------------------
+
+def _gpu_stack(n_layers=6, h=512, seed=9):
+    torch.manual_seed(seed)
+    return [ToyLayer(h, h) for _ in range(n_layers)]
+
+
+@pytest.mark.gpu
+def test_gpu_bitwise_no_default_stream_sync_memory_baseline():
+    dev, dtype, n, h = torch.device("cuda"), torch.bfloat16, 4096, 512
+    layers = _gpu_stack(h=h)
+    size = boundary_bytes(n, h, dtype)
+    ref = [checkpointed(copy.deepcopy(m)).to(dev, dtype) for m in layers]
+    for budget in (0, 3 * size, len(layers) * size):
+        sco = SelectiveCheckpointOffload(budget, device=dev)
+        ours = [sco.wrap(copy.deepcopy(m)).to(dev, dtype) for m in layers]
+        for step in range(3):  # step 0 allocates the pinned buffers; later steps reuse them
+            x, pos, scales = _inputs(n, [h] * (len(layers) + 1), seed=50 + step, dtype=dtype, device=dev)
+            want = _step(ref, x, pos, scales, step)
+            for t in [x, *scales, *(p for m in ours for p in m.parameters())]:
+                t.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            baseline = torch.cuda.memory_allocated()
+            g = torch.randn(x.shape, generator=torch.Generator().manual_seed(step)).to(dev, dtype)
+            sco.begin_step()
+            if step > 0:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                hid = x
+                for mod, s in zip(ours, scales):
+                    hid = mod(hid, pos, scale=s)
+                hid.backward(g)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            got = [hid.detach(), x.grad, *(s.grad for s in scales), *(p.grad for m in ours for p in m.parameters())]
+            _assert_all_equal(got, want, f"gpu budget {budget} step {step}")
+            assert sco.offloaded_layers == select_offloaded([size] * len(layers), budget)
+            assert sco.last_step_stats()["wait_s"] >= 0.0
+            del got, hid
+            grads = [x.grad, *(s.grad for s in scales), *(p.grad for m in ours for p in m.parameters())]
+            grad_bytes = sum(t.numel() * t.element_size() for t in grads)
+            del grads
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            assert torch.cuda.memory_allocated() == baseline + grad_bytes, f"budget {budget} step {step}"
+
+
+@pytest.mark.gpu
+def test_gpu_peak_drops_by_the_offloaded_boundaries():
+    dev, dtype, n, h, n_layers = torch.device("cuda"), torch.bfloat16, 8192, 1024, 8
+    layers = _gpu_stack(n_layers, h)
+    size = boundary_bytes(n, h, dtype)
+    peaks = {}
+    for budget in (0, 4 * size, n_layers * size):
+        sco = SelectiveCheckpointOffload(budget, device=dev)
+        ours = [sco.wrap(copy.deepcopy(m)).to(dev, dtype) for m in layers]
+        for step in range(2):
+            x, pos, scales = _inputs(n, [h] * (n_layers + 1), seed=60 + step, dtype=dtype, device=dev)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            _step(ours, x, pos, scales, step)
+            torch.cuda.synchronize()
+            peaks[budget] = torch.cuda.max_memory_allocated() - base
+        del ours
+    # Offloading k boundaries lowers the peak by about k boundaries (one comes back ahead of time).
+    assert peaks[4 * size] <= peaks[0] - 3 * size, peaks
+    assert peaks[n_layers * size] <= peaks[4 * size] - 3 * size, peaks
