@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from mop_train.ops.moe_dispatch.ep import ep_experts_forward
+from mop_train.ops.moe_dispatch.llep import DispatchStats, llep_experts_forward
+from mop_train.ops.moe_dispatch.pipelined_llep import max_received_bound, pipelined_llep_experts_forward
 from mop_train.ops.moe_dispatch.local import grouped_swiglu, local_experts_forward
 from mop_train.ops.moe_dispatch.reference import reference_experts_forward
 
@@ -34,7 +36,9 @@ def moe_experts_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.T
             shard of E / group_size experts otherwise.
         dispatch: one of DISPATCH_MODES.
         group: the expert process group (ignored by "local").
-        options: schedule options (see each schedule).
+        options: schedule options: none for "local" and "ep"; "llep" takes alpha,
+            min_tokens_per_gemm, imbalance_threshold and stats (a DispatchStats to fill);
+            "pipelined_llep" takes those plus token_budget, max_chunks, membership.
     Returns:
         y: [N, H]
     """
@@ -46,7 +50,11 @@ def moe_experts_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.T
         if options:
             raise ValueError(f"dispatch='ep' takes no options, got {sorted(options)}")
         return ep_experts_forward(x, indices, weights, w1, w2, w3, group)
+    if dispatch == "llep":
+        return llep_experts_forward(x, indices, weights, w1, w2, w3, group, **options)
+    if dispatch == "pipelined_llep":
+        return pipelined_llep_experts_forward(x, indices, weights, w1, w2, w3, group, **options)
     raise ValueError(f"unknown dispatch {dispatch!r}; expected one of {DISPATCH_MODES}")
 
 
-__all__ = ["DISPATCH_MODES", "grouped_swiglu", "moe_experts_forward", "reference_experts_forward"]
+__all__ = ["DISPATCH_MODES", "DispatchStats", "grouped_swiglu", "max_received_bound", "moe_experts_forward", "reference_experts_forward"]

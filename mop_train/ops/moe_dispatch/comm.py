@@ -11,7 +11,7 @@ expert matmul of chunk i):
     outs = AllToAllWait.apply(ticket, *bufs)                                      # ready
 
 Backward is the inverse exchange (splits swapped), issued synchronously. `all_to_all` does both
-halves at once. Every tensor in one exchange shares the same row splits (rows, routing weights, ...).
+halves at once. In a single-rank group (None or size 1) every exchange is the identity. Every tensor in one exchange shares the same row splits (rows, routing weights, ...).
 
 Legend: P expert-group size, R routes (rows) sent, R' routes received.
 """
@@ -39,18 +39,22 @@ class Ticket:
 
     def __init__(self):
         self.works = []
+        self.sent = []      # send buffers stay referenced until the exchange has completed
 
     def wait(self) -> None:
         for work in self.works:
             work.wait()
-        self.works = []
+        self.works, self.sent = [], []
 
 
 def _launch(tensors, send_splits, recv_splits, group, ticket: Ticket):
     """Start one all-to-all per tensor; returns the (not yet filled) receive buffers."""
+    if group_size(group) == 1:          # nothing to exchange: the rows stay here
+        return [t.contiguous() for t in tensors]
     outs = []
     for t in tensors:
         t = t.contiguous()
+        ticket.sent.append(t)
         out = t.new_empty((sum(recv_splits),) + tuple(t.shape[1:]))
         ticket.works.append(dist.all_to_all_single(out, t, list(recv_splits), list(send_splits),
                                                    group=group, async_op=True))
@@ -103,6 +107,8 @@ def all_to_all(tensors: Sequence[torch.Tensor], send_splits: Sequence[int],
 
 def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
     """counts [P, ...] int64, row g meant for rank g -> [P, ...], row s sent by rank s (no grad)."""
+    if group_size(group) == 1:
+        return counts.clone()
     out = torch.empty_like(counts)
     dist.all_to_all_single(out, counts.contiguous(), group=group)
     return out
@@ -110,6 +116,8 @@ def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
 
 def all_gather_counts(counts: torch.Tensor, group) -> torch.Tensor:
     """counts [...] int64 on each rank -> [P, ...] stacked in group-rank order (no grad)."""
+    if group_size(group) == 1:
+        return counts.unsqueeze(0).clone()
     parts = [torch.empty_like(counts) for _ in range(group_size(group))]
     dist.all_gather(parts, counts.contiguous(), group=group)
     return torch.stack(parts)

@@ -16,7 +16,8 @@ R = N*k routes, P expert-group size, S expert slots on the receiver (E_l for EP)
 
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+from typing import Callable, Sequence
 
 import torch
 
@@ -24,18 +25,26 @@ from mop_train.ops.moe_dispatch.comm import all_to_all, exchange_counts, group_s
 from mop_train.ops.moe_dispatch.local import grouped_swiglu, local_experts_forward
 
 
-def receive_order(recv_counts: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Received rows arrive source-major, slot-ascending within each source; regroup them by slot.
+def receive_order(recv_counts: torch.Tensor, slot_of_col: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Received rows arrive source-major and column-ascending within a source; regroup by slot.
 
     Args:
-        recv_counts: [P, S] int64 (CPU): rows source s sends for slot j.
+        recv_counts: [P, X] int64 (CPU): rows source s sends for column x (a local expert for EP,
+            a global expert id for LLEP).
+        slot_of_col: [X] int64 slot each column maps to (identity if None); columns with rows
+            must map to a slot in [0, S).
     Returns:
-        perm [R'] (received row ids in slot-major order, stable in source), slot_counts [S].
+        perm [R'] (CPU; received row ids in slot-major order, stable in source), slot_counts [S].
     """
-    P, S = recv_counts.shape
-    slot_of_row = torch.repeat_interleave(torch.arange(S).repeat(P), recv_counts.reshape(-1))  # [R']
+    P, X = recv_counts.shape
+    if slot_of_col is None:
+        slot_of_col = torch.arange(X)
+    slot_of_row = torch.repeat_interleave(slot_of_col.repeat(P), recv_counts.reshape(-1))  # [R']
     perm = torch.argsort(slot_of_row, stable=True)
-    return perm.to(device), recv_counts.sum(0)
+    num_slots = int(slot_of_col.max()) + 1 if X else 0
+    slot_counts = torch.bincount(slot_of_row, minlength=num_slots)
+    return perm, slot_counts
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -52,21 +61,23 @@ def weighted_experts(rows: torch.Tensor, route_w: torch.Tensor, slot_counts: tor
 
 
 def exchange_and_compute(rows: torch.Tensor, route_w: torch.Tensor, send_splits: Sequence[int],
-                         recv_counts: torch.Tensor, w1, w2, w3, group) -> torch.Tensor:
-    """Dispatch -> weighted grouped SwiGLU on the receiver -> combine, all in one go.
+                         recv_counts: torch.Tensor, expert_fn: Callable, group,
+                         slot_of_col: torch.Tensor | None = None) -> torch.Tensor:
+    """Dispatch -> weighted experts on the receiver -> combine, all in one go.
 
     Args:
-        rows: [R, H] ordered by (destination rank, slot); route_w: [R] routing weights.
+        rows: [R, H] ordered by (destination rank, column); route_w: [R] routing weights.
         send_splits: [P] rows for each destination.
-        recv_counts: [P, S] int64 (CPU): rows each source sends this rank for each of its slots.
-        w1, w3: [S, I, H]; w2: [S, H, I] the experts behind this rank's slots.
+        recv_counts, slot_of_col: what this rank receives, as in `receive_order`.
+        expert_fn: (rows [R', H] sorted by slot, route_w [R'], slot_counts [S]) -> [R', H].
     Returns:
         [R, H] weighted expert output of every route, in the order of `rows`.
     """
     recv_splits = recv_counts.sum(1).tolist()
     recv_rows, recv_w = all_to_all((rows, route_w), send_splits, recv_splits, group)  # [R', H], [R']
-    perm, slot_counts = receive_order(recv_counts, rows.device)
-    out = weighted_experts(recv_rows[perm], recv_w[perm], slot_counts, w1, w2, w3)  # [R', H]
+    perm, slot_counts = receive_order(recv_counts, slot_of_col)
+    perm = perm.to(rows.device)
+    out = expert_fn(recv_rows[perm], recv_w[perm], slot_counts)    # [R', H]
     out = out[inverse_permutation(perm)]                           # back to arrival order
     (back,) = all_to_all((out,), recv_splits, send_splits, group)  # [R, H]
     return back
@@ -89,8 +100,9 @@ def ep_experts_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
     recv_counts = exchange_counts(counts.view(P, E_l), group).cpu()  # [P, E_l]
     send_splits = counts.view(P, E_l).sum(1).tolist()
     token = order // k                                             # [R]
+    expert_fn = functools.partial(weighted_experts, w1=w1, w2=w2, w3=w3)
     out = exchange_and_compute(x[token], weights.reshape(-1)[order], send_splits, recv_counts,
-                               w1, w2, w3, group)                  # [R, H]
+                               expert_fn, group)                   # [R, H]
     return torch.zeros_like(x).index_add(0, token, out)           # [N, H]
 
 

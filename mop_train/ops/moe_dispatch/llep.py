@@ -1,0 +1,257 @@
+"""Least-loaded expert parallelism: `dispatch="llep"`, and the chunk engine PipelinedLLEP reuses.
+
+Every route keeps its expert; only the rank that computes it may change:
+  1. count routes per expert, all-gather the [P, E] count matrix, build the LLEP plan (`llep_plan`);
+  2. migrate each relocated expert's w1/w2/w3 owner -> helper by point-to-point, once per layer;
+     backward returns each copy's gradient to its owner once per layer, where it adds to the
+     owner's own gradient (a zero "anchor" added to the output makes every rank run that backward);
+  3. send every route to the rank whose plan range holds its position (all-to-all, uneven splits);
+     the receiver runs its native experts and the migrated copies (two grouped matmuls, no stacking
+     of native weights), scales by the routing weight, and the reverse all-to-all brings outputs back.
+`run_chunks` does step 3 over K chunks of the token axis with the exchanges of neighbouring chunks
+in flight during a chunk's expert matmul; LLEP is the K = 1 case. Paper: section 3.1, Appendix B.
+
+Legend: N tokens, H hidden, I expert hidden width, E experts, M = E / P native experts per rank,
+F foreign (migrated) experts on this rank, S = M + F slots, k top-k, R = N*k routes, P group size,
+K chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from mop_train.ops.moe_dispatch.comm import (AllToAllStart, AllToAllWait, Ticket, all_gather_counts,
+                                             exchange_counts, group_rank, group_size)
+from mop_train.ops.moe_dispatch.ep import inverse_permutation, receive_order, weighted_experts
+from mop_train.ops.moe_dispatch.llep_plan import LLEPPlan, llep_plan
+from mop_train.ops.moe_dispatch.local import local_experts_forward
+
+
+@dataclass
+class DispatchStats:
+    """Filled by one call of an LLEP schedule (pass `stats=DispatchStats()`); read it afterwards."""
+
+    num_chunks: int = 0                                  # K
+    relocated_routes: int = 0                            # routes computed off their owner (group total)
+    migrated_experts: int = 0                            # (expert, helper) weight copies
+    chunk_received: list[int] = field(default_factory=list)  # routes this rank received, per chunk
+    last_chunk_max_received: int = 0                     # max over chunks and destinations (group)
+    received_bound: int = 0                              # E_p * k * c_eff, the receiver bound
+
+
+class MigrateExperts(torch.autograd.Function):
+    """Copy relocated experts owner -> helper; backward sends the copies' grads back to the owner.
+
+    Returns (f1, f2, f3, anchor): [F, ...] foreign copies in this rank's slot order, and a zero
+    scalar to add to the layer output so this backward runs on every rank."""
+
+    @staticmethod
+    def forward(ctx, transfers, rank, experts_per_rank, group, w1, w2, w3):
+        ctx.transfers, ctx.rank, ctx.M, ctx.group = transfers, rank, experts_per_rank, group
+        foreign = [e for e, h in transfers if h == rank]
+        outs = [w.new_empty((len(foreign),) + tuple(w.shape[1:])) for w in (w1, w2, w3)]
+        ops = []
+        for e, h in transfers:
+            owner = e // experts_per_rank
+            if owner == rank:
+                ops += [dist.P2POp(dist.isend, w[e - owner * experts_per_rank].contiguous(),
+                                   dist.get_global_rank(group, h), group) for w in (w1, w2, w3)]
+            elif h == rank:
+                slot = foreign.index(e)
+                ops += [dist.P2POp(dist.irecv, o[slot], dist.get_global_rank(group, owner), group)
+                        for o in outs]
+        _run_p2p(ops)
+        ctx.weight_meta = [(w.shape, w.dtype, w.device) for w in (w1, w2, w3)]
+        return (*outs, w1.new_zeros(()))
+
+    @staticmethod
+    def backward(ctx, g1, g2, g3, g_anchor):
+        rank, M, group = ctx.rank, ctx.M, ctx.group
+        foreign = [e for e, h in ctx.transfers if h == rank]
+        grads = []
+        for g, (shape, dtype, device) in zip((g1, g2, g3), ctx.weight_meta):
+            grads.append(g if g is not None else torch.zeros((len(foreign),) + tuple(shape[1:]),
+                                                             dtype=dtype, device=device))
+        sent = [(e, h) for e, h in ctx.transfers if e // M == rank]
+        bufs = [torch.empty((len(sent),) + tuple(s[1:]), dtype=d, device=dev)
+                for s, d, dev in ctx.weight_meta]
+        ops = []
+        for e, h in ctx.transfers:
+            owner = e // M
+            if owner == rank:
+                j = sent.index((e, h))
+                ops += [dist.P2POp(dist.irecv, b[j], dist.get_global_rank(group, h), group) for b in bufs]
+            elif h == rank:
+                slot = foreign.index(e)
+                ops += [dist.P2POp(dist.isend, g[slot].contiguous(), dist.get_global_rank(group, owner),
+                                   group) for g in grads]
+        _run_p2p(ops)
+        if not sent:
+            return (None,) * 7
+        local = torch.tensor([e - rank * M for e, _ in sent], device=bufs[0].device)
+        dw = [torch.zeros(s, dtype=d, device=dev).index_add_(0, local, b)
+              for (s, d, dev), b in zip(ctx.weight_meta, bufs)]
+        return (None, None, None, None, *dw)
+
+
+def _run_p2p(ops) -> None:
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def slot_swiglu(rows, route_w, slot_counts, w1, w2, w3, f1, f2, f3, num_native: int):
+    """Weighted SwiGLU over slots: native experts (w*) first, then the foreign copies (f*).
+
+    rows [R', H] sorted by slot, route_w [R'], slot_counts [M + F] -> [R', H]."""
+    if f1.shape[0] == 0:
+        return weighted_experts(rows, route_w, slot_counts, w1, w2, w3)
+    n = int(slot_counts[:num_native].sum())
+    native = weighted_experts(rows[:n], route_w[:n], slot_counts[:num_native], w1, w2, w3)
+    foreign = weighted_experts(rows[n:], route_w[n:], slot_counts[num_native:], f1, f2, f3)
+    return torch.cat([native, foreign])
+
+
+def slot_of_expert(plan: LLEPPlan, rank: int) -> torch.Tensor:
+    """[E] slot of each global expert on `rank` (native e -> e - rank*M, foreign -> M + j), else -1."""
+    M = plan.experts_per_rank
+    slots = torch.full((plan.num_ranks * M,), -1, dtype=torch.int64)
+    slots[rank * M:(rank + 1) * M] = torch.arange(M)
+    for j, e in enumerate(plan.foreign_experts(rank)):
+        slots[e] = M + j
+    return slots
+
+
+def build_plan(indices: torch.Tensor, num_experts: int, group, options: dict):
+    """All-gather the count matrix and build the plan. Returns (plan, counts C [P, E] on CPU)."""
+    counts = torch.bincount(indices.reshape(-1), minlength=num_experts)       # [E]
+    if counts.numel() != num_experts:
+        raise ValueError(f"indices hold expert ids up to {int(indices.max())}, but the group holds "
+                         f"{num_experts} experts; pass this rank's expert shard as w1/w2/w3")
+    C = all_gather_counts(counts, group).cpu()                                 # [P, E]
+    return llep_plan(C, **options), C
+
+
+@dataclass
+class _Chunk:
+    ids: torch.Tensor            # [R_i] route ids (token * k + slot) in send order
+    send_splits: list[int]       # [P] rows to each destination
+    recv_splits: list[int]       # [P] rows from each source
+    perm: torch.Tensor           # [R'_i] arrival order -> slot order
+    inv_perm: torch.Tensor       # [R'_i] slot order -> arrival order
+    slot_counts: torch.Tensor    # [S] rows per slot (CPU)
+
+
+def _plan_chunks(indices, plan, C, chunk_of_token, num_chunks, group) -> list[_Chunk]:
+    """Route ids, split sizes and receive order of every chunk (one count exchange per layer)."""
+    N, k = indices.shape
+    P, rank = group_size(group), group_rank(group)
+    E, device = C.shape[1], indices.device
+    flat = indices.reshape(-1)                                               # [R]
+    order = torch.argsort(flat, stable=True)                                 # expert-sorted routes
+    dest = torch.empty_like(flat)
+    dest[order] = plan.route_destinations(C, rank).to(device)                # [R] plan destination
+    chunk = chunk_of_token.to(device).repeat_interleave(k)                   # [R]
+    key = (chunk * P + dest) * E + flat                                      # (chunk, dest, expert)
+    send_order = torch.argsort(key, stable=True)                             # [R]
+    send_counts = torch.bincount(key, minlength=num_chunks * P * E).view(num_chunks, P, E)
+    recv_counts = exchange_counts(send_counts.permute(1, 0, 2).contiguous(), group)  # [P(src), K, E]
+    send_counts, recv_counts = send_counts.cpu(), recv_counts.cpu()
+    slots = slot_of_expert(plan, rank)
+    chunks, start = [], 0
+    for i in range(num_chunks):
+        n = int(send_counts[i].sum())
+        perm, slot_counts = receive_order(recv_counts[:, i, :], slots)
+        perm = perm.to(device)
+        chunks.append(_Chunk(send_order[start:start + n], send_counts[i].sum(1).tolist(),
+                             recv_counts[:, i, :].sum(1).tolist(), perm, inverse_permutation(perm),
+                             slot_counts))
+        start += n
+    return chunks
+
+
+def _fill_stats(stats, plan, chunks, group, device, received_bound):
+    stats.num_chunks = len(chunks)
+    stats.relocated_routes = plan.relocated_routes
+    stats.migrated_experts = len(plan.transfers)
+    stats.chunk_received = [sum(c.recv_splits) for c in chunks]
+    peak = torch.tensor(stats.chunk_received, dtype=torch.int64, device=device)
+    if group_size(group) > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    stats.last_chunk_max_received = int(peak.max())
+    stats.received_bound = received_bound
+
+
+def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.Tensor,
+               chunk_of_token: torch.Tensor, num_chunks: int, *, checkpoint_experts: bool,
+               stats: DispatchStats | None = None, received_bound: int = 0) -> torch.Tensor:
+    """Execute `plan` over K chunks: dispatch(i+1) and combine(i-1) are in flight during compute(i).
+
+    Args:
+        x [N, H]; indices, weights [N, k]; w1, w3 [M, I, H]; w2 [M, H, I] this rank's experts.
+        plan, C: the layer's LLEP plan and the count matrix [P, E] it was built from.
+        chunk_of_token: [N] int64 chunk id in [0, K) of each token.
+        checkpoint_experts: run each chunk's expert matmul inside a reentrant checkpoint.
+    Returns:
+        y [N, H]
+    """
+    k, M = indices.shape[1], w1.shape[0]
+    rank = group_rank(group)
+    f1, f2, f3, anchor = MigrateExperts.apply(plan.transfers, rank, M, group, w1, w2, w3)
+    chunks = _plan_chunks(indices, plan, C, chunk_of_token, num_chunks, group)
+    w_flat = weights.reshape(-1)                                             # [R]
+
+    def launch_dispatch(c: _Chunk):
+        ticket = Ticket()
+        return ticket, AllToAllStart.apply(ticket, c.send_splits, c.recv_splits, group,
+                                           x[c.ids // k], w_flat[c.ids])
+
+    def expert_matmul(rows, route_w, slot_counts):
+        args = (rows, route_w, slot_counts, w1, w2, w3, f1, f2, f3, M)
+        if checkpoint_experts and torch.is_grad_enabled() and any(
+                t.requires_grad for t in args if isinstance(t, torch.Tensor)):
+            return checkpoint(slot_swiglu, *args, use_reentrant=True)
+        return slot_swiglu(*args)
+
+    def finish_combine(y, pending):
+        ticket, bufs, c = pending
+        (back,) = AllToAllWait.apply(ticket, *bufs)                          # [R_i, H]
+        return y.index_add(0, c.ids // k, back)
+
+    y = torch.zeros_like(x)
+    dispatch, combine = launch_dispatch(chunks[0]), None
+    for i, c in enumerate(chunks):
+        ticket, bufs = dispatch
+        if i + 1 < len(chunks):
+            dispatch = launch_dispatch(chunks[i + 1])
+        rows, route_w = AllToAllWait.apply(ticket, *bufs)                    # [R'_i, H], [R'_i]
+        out = expert_matmul(rows[c.perm], route_w[c.perm], c.slot_counts)    # [R'_i, H] slot order
+        back_ticket = Ticket()
+        back = AllToAllStart.apply(back_ticket, c.recv_splits, c.send_splits, group, out[c.inv_perm])
+        if combine is not None:
+            y = finish_combine(y, combine)
+        combine = (back_ticket, back, c)
+    y = finish_combine(y, combine)
+    if stats is not None:
+        _fill_stats(stats, plan, chunks, group, x.device, received_bound)
+    return y + anchor.to(y.dtype)
+
+
+def llep_experts_forward(x, indices, weights, w1, w2, w3, group, *, alpha: float = 1.0,
+                         min_tokens_per_gemm: int = 1024, imbalance_threshold: float = 1.3,
+                         stats: DispatchStats | None = None) -> torch.Tensor:
+    """x [N, H]; indices, weights [N, k]; w1, w3 [M, I, H]; w2 [M, H, I] this rank's shard -> y [N, H]."""
+    P = group_size(group)
+    options = dict(alpha=alpha, min_tokens_per_gemm=min_tokens_per_gemm,
+                   imbalance_threshold=imbalance_threshold)
+    if P == 1:
+        llep_plan(torch.zeros(1, w1.shape[0], dtype=torch.int64), **options)  # validates options
+        return local_experts_forward(x, indices, weights, w1, w2, w3)
+    plan, C = build_plan(indices, w1.shape[0] * P, group, options)
+    chunk_of_token = torch.zeros(x.shape[0], dtype=torch.int64)
+    return run_chunks(x, indices, weights, w1, w2, w3, group, plan, C, chunk_of_token, 1,
+                      checkpoint_experts=False, stats=stats)

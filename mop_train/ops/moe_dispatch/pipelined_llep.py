@@ -1,0 +1,79 @@
+"""PipelinedLLEP: LLEP delivered in K chunks so a receiver's buffers follow a per-source token budget.
+
+  1. K = min(ceil(N / c), K_max), N the largest token count in the expert group (one max all-reduce
+     before any chunk collective), so every rank runs the same number of chunks;
+  2. chunk i holds local token positions {i, i+K, i+2K, ...} ("strided", the default: it spreads each
+     chunk's routes over the plan's destinations) or the i-th block of ceil(N/K) ("contiguous");
+     both are functions of N and K only, so a recompute cuts the token axis identically;
+  3. the LLEP plan and the weight migration happen once per layer over all chunks; each route goes
+     to the same destination as in LLEP;
+  4. per chunk: dispatch -> expert matmul in a reentrant checkpoint (nested inside the decoder's
+     non-reentrant one, its saved inputs are packed by the outer hooks, so a chunk's intermediates
+     die before the next chunk's are made) -> combine; dispatch(i+1) and combine(i-1) are in flight
+     while chunk i computes (async collectives; on gloo they run on its worker threads).
+Bound: a destination receives at most E_p * k * c_eff routes per chunk, c_eff = ceil(N / K) <= c
+unless K_max binds. Paper: section 3.1, Appendix B.1.
+
+Legend: N tokens, H hidden, I expert hidden width, E experts, M = E / P native experts per rank,
+k top-k, P = E_p expert-group size, K chunks, c token budget per source and chunk.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from mop_train.ops.moe_dispatch.comm import group_size
+from mop_train.ops.moe_dispatch.llep import DispatchStats, build_plan, run_chunks
+
+MEMBERSHIPS = ("strided", "contiguous")
+
+
+def max_received_bound(group_size_: int, top_k: int, chunk_tokens: int) -> int:
+    """The most routes one destination can receive in one chunk: E_p * k * c_eff."""
+    return group_size_ * top_k * chunk_tokens
+
+
+def num_chunks(num_tokens: int, token_budget: int, max_chunks: int, group, device) -> tuple[int, int]:
+    """(K, c_eff) from the largest token count in the group: K = min(ceil(N/c), K_max) >= 1."""
+    n = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+    if group_size(group) > 1:
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+    n_max = int(n)
+    K = max(1, min(math.ceil(n_max / token_budget), max_chunks))
+    return K, math.ceil(n_max / K)
+
+
+def chunk_membership(num_tokens: int, K: int, membership: str) -> torch.Tensor:
+    """[N] chunk id of each local token position."""
+    pos = torch.arange(num_tokens)
+    if membership == "strided":
+        return pos % K
+    return pos // max(1, math.ceil(num_tokens / K))
+
+
+def pipelined_llep_experts_forward(x, indices, weights, w1, w2, w3, group, *, token_budget: int = 4096,
+                                   max_chunks: int = 10, membership: str = "strided",
+                                   alpha: float = 1.0, min_tokens_per_gemm: int = 1024,
+                                   imbalance_threshold: float = 1.3,
+                                   stats: DispatchStats | None = None) -> torch.Tensor:
+    """x [N, H]; indices, weights [N, k]; w1, w3 [M, I, H]; w2 [M, H, I] this rank's shard -> y [N, H].
+
+    At group size 1 there is nothing to relocate or send; the chunked expert compute remains."""
+    if token_budget < 1:
+        raise ValueError(f"token_budget = {token_budget} must be >= 1 tokens per source and chunk")
+    if max_chunks < 1:
+        raise ValueError(f"max_chunks = {max_chunks} must be >= 1")
+    if membership not in MEMBERSHIPS:
+        raise ValueError(f"membership = {membership!r}; expected one of {MEMBERSHIPS}")
+    N, k = indices.shape
+    P = group_size(group)
+    K, c_eff = num_chunks(N, token_budget, max_chunks, group, x.device)
+    options = dict(alpha=alpha, min_tokens_per_gemm=min_tokens_per_gemm,
+                   imbalance_threshold=imbalance_threshold)
+    plan, C = build_plan(indices, w1.shape[0] * P, group, options)
+    return run_chunks(x, indices, weights, w1, w2, w3, group, plan, C,
+                      chunk_membership(N, K, membership), K, checkpoint_experts=True, stats=stats,
+                      received_bound=max_received_bound(P, k, c_eff))
