@@ -155,6 +155,9 @@ def _local_files(path: str, fmt: str) -> list[str]:
 def load_documents(source: str, path: str | None, *, cache_dir: str, text_column: str = "text"):
     """Load the raw documents as a `datasets` Dataset (or IterableDataset for "hub")."""
     from datasets import load_dataset
+    from datasets.utils.logging import disable_progress_bar
+
+    disable_progress_bar()
 
     if source not in SOURCES:
         raise ValueError(f"training.dataset = {source!r} is not a known source; use one of {SOURCES}")
@@ -196,11 +199,11 @@ class PackedTextDataset(HuggingFaceTextDataset):
         from datasets import Dataset
         from datasets.distributed import split_dataset_by_node
 
-        self.dataset_name = name
-        self._data = split_dataset_by_node(docs, dp_rank, dp_world_size)
-        if isinstance(self._data, Dataset) and len(self._data) == 0:
+        if isinstance(docs, Dataset) and len(docs) < dp_world_size:
             raise ValueError(f"dataset {name!r} has {len(docs)} documents, fewer than the "
                              f"{dp_world_size} data-parallel ranks; use more documents or fewer ranks")
+        self.dataset_name = name
+        self._data = split_dataset_by_node(docs, dp_rank, dp_world_size)
         self._tokenizer = tokenizer
         self.seq_len = seq_len
         self.infinite = True

@@ -49,7 +49,7 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, target
         raise ValueError(f"targets {tuple(targets.shape)} must be [N] with N = {hidden.shape[0]}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size = {chunk_size} must be >= 1")
-    total = hidden.new_zeros((), dtype=torch.float32)
+    total = (hidden[:0].sum() + weight[:0].sum()).float()  # exact 0, connected to both inputs (N may be 0)
     for start in range(0, hidden.shape[0], chunk_size):
         h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]  # [n, H], [n]
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):

@@ -1,0 +1,164 @@
+"""In-process checks of the training loop's parts: loss, data, checkpoint state, plan, guards."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torchtitan.config.job_config import Training
+
+from mop_train.config import load_job_config
+from mop_train.train import data
+from mop_train.train.checkpoint import TrainState
+from mop_train.train.loss import chunked_cross_entropy_sum
+from mop_train.train.parallelize import check_layout_wired
+from mop_train.train.plan import GIB, MemoryPlanInputs, memory_plan
+from tests.utils import assert_close
+
+
+@pytest.mark.parametrize("N, chunk", [(37, 8), (5, 64), (0, 4), (16, 16)])
+def test_chunked_cross_entropy_matches_reference(N, chunk):
+    g = torch.Generator().manual_seed(1000 + N)
+    H, V = 12, 29
+    hidden = torch.randn(N, H, generator=g, requires_grad=True)
+    weight = torch.randn(V, H, generator=g, requires_grad=True)
+    targets = torch.randint(0, V, (N,), generator=g)
+    targets[::3] = -100  # ignored positions
+    got = chunked_cross_entropy_sum(hidden, weight, targets, chunk_size=chunk)
+    ref = F.cross_entropy(hidden @ weight.t(), targets, ignore_index=-100, reduction="sum")
+    assert_close(got, ref, name="loss")
+    upstream = torch.rand((), generator=g) + 0.5
+    gh, gw = torch.autograd.grad(got * upstream, (hidden, weight))
+    rh, rw = torch.autograd.grad(ref * upstream, (hidden, weight))
+    assert_close(gh, rh, name="grad hidden")
+    assert_close(gw, rw, name="grad weight")
+
+
+def test_chunked_cross_entropy_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunked_cross_entropy_sum(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(3, dtype=torch.long), chunk_size=0)
+    with pytest.raises(ValueError, match="targets"):
+        chunked_cross_entropy_sum(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(2, dtype=torch.long))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return data.build_tokenizer(data.EMBEDDED, cache_dir=data.default_cache_dir())
+
+
+def _training(**kw):
+    training = Training(dataset="jsonl", seq_len=16, local_batch_size=2)
+    for key, value in kw.items():
+        setattr(training, key, value)
+    return training
+
+
+def test_embedded_tokenizer_matches_the_debug_vocab(tokenizer):
+    assert tokenizer.get_vocab_size() == data.EMBEDDED_VOCAB_SIZE == 2048
+    ids = tokenizer.encode("def f(x):\n    return x", add_bos=True, add_eos=True)
+    assert ids[0] == tokenizer.bos_id and ids[-1] == tokenizer.eos_id
+    assert tokenizer.decode(ids[1:-1]) == "def f(x):\n    return x"
+
+
+def test_dataloader_resumes_exactly_and_ranks_read_different_data(tmp_path, tokenizer):
+    path = tmp_path / "docs.jsonl"
+    rng = random.Random(5)
+    with open(path, "w") as f:
+        for i in range(11):
+            words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(rng.randint(3, 60)))
+            f.write(json.dumps({"text": f"doc {i}: {words}"}) + "\n")
+    cfg = _training(dataset_path=str(path))
+    loader = data.build_dataloader(cfg, tokenizer, 0, 2, cache_dir=str(tmp_path))
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    state = loader.state_dict()
+    expected = [next(it) for _ in range(4)]
+    fresh = data.build_dataloader(cfg, tokenizer, 0, 2, cache_dir=str(tmp_path))
+    fresh.load_state_dict(state)
+    it2 = iter(fresh)
+    for (xa, ya), (xb, yb) in zip(expected, (next(it2) for _ in range(4))):
+        assert xa["input"].shape == (2, 16) and torch.equal(xa["input"], xb["input"]) and torch.equal(ya, yb)
+    other = next(iter(data.build_dataloader(cfg, tokenizer, 1, 2, cache_dir=str(tmp_path))))
+    first = next(iter(data.build_dataloader(cfg, tokenizer, 0, 2, cache_dir=str(tmp_path))))
+    assert not torch.equal(first[0]["input"], other[0]["input"])
+    assert torch.equal(first[0]["input"][:, 1:], first[1][:, :-1])  # labels are inputs shifted by one
+
+
+def test_bad_data_and_tokenizer_paths_name_the_path(tmp_path, tokenizer):
+    missing = str(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="missing.jsonl"):
+        data.load_documents("jsonl", missing, cache_dir=str(tmp_path))
+    corrupt = tmp_path / "corrupt.jsonl"
+    corrupt.write_text('{"text": "fine"}\n{not json at all\n')
+    with pytest.raises(ValueError, match="corrupt.jsonl"):
+        data.load_documents("jsonl", str(corrupt), cache_dir=str(tmp_path))
+    no_text = tmp_path / "notext.jsonl"
+    no_text.write_text('{"body": "x"}\n')
+    with pytest.raises(ValueError, match="no 'text' column"):
+        data.load_documents("jsonl", str(no_text), cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="not a known source"):
+        data.load_documents("c5", None, cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="needs training.dataset_path"):
+        data.load_documents("parquet", None, cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="nowhere"):
+        data.build_tokenizer(str(tmp_path / "nowhere"), cache_dir=str(tmp_path))
+    empty_dir = tmp_path / "tok_empty"
+    empty_dir.mkdir()
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        data.build_tokenizer(str(empty_dir), cache_dir=str(tmp_path))
+    bad_dir = tmp_path / "tok_bad"
+    bad_dir.mkdir()
+    (bad_dir / "tokenizer.json").write_text("{ this is not a tokenizer")
+    with pytest.raises(ValueError, match="tok_bad"):
+        data.build_tokenizer(str(bad_dir), cache_dir=str(tmp_path))
+
+
+def test_too_few_documents_for_the_ranks(tmp_path, tokenizer):
+    path = tmp_path / "two.jsonl"
+    path.write_text('{"text": "one"}\n{"text": "two"}\n')
+    with pytest.raises(ValueError, match="fewer than the 3 data-parallel ranks"):
+        data.build_dataloader(_training(dataset_path=str(path)), tokenizer, 2, 3, cache_dir=str(tmp_path))
+
+
+def test_train_state_restores_rng_streams():
+    state = TrainState(rank=3)
+    state.step, state.tokens_seen = 17, 4096
+    saved = state.state_dict()
+    expected = (torch.rand(4), random.random(), np.random.rand())
+    torch.rand(9), random.random(), np.random.rand()  # move every stream on
+    restored = TrainState(rank=3)
+    restored.load_state_dict(saved)
+    assert (restored.step, restored.tokens_seen) == (17, 4096)
+    got = (torch.rand(4), random.random(), np.random.rand())
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+    with pytest.raises(ValueError, match="rank 0"):
+        TrainState(rank=0).load_state_dict(saved)
+
+
+def test_unwired_layouts_are_rejected():
+    cfg = load_job_config(["--mop.layout.seq_degree", "2"])
+    with pytest.raises(ValueError, match="seq_degree = 2"):
+        check_layout_wired(cfg.mop)
+    cfg = load_job_config(["--mop.ring_dtp.enable"])
+    with pytest.raises(ValueError, match="ring_dtp"):
+        check_layout_wired(cfg.mop)
+    check_layout_wired(load_job_config([]).mop)
+
+
+def test_memory_plan_terms():
+    x = MemoryPlanInputs(total_params=1000, largest_block_params=100, world_size=4, local_batch=2,
+                         seq_len=8, hidden=16, vocab=50, top_k=2, n_layers=3, checkpointed_layers=3,
+                         act_bytes=2, loss_chunk=4)
+    terms = {name: b for name, b, _ in memory_plan(x)}
+    assert terms["parameters"] == terms["gradients"] == 1000
+    assert terms["optimizer"] == 2000
+    assert terms["gathered"] == 400
+    assert terms["boundaries"] == 3 * 16 * 16 * 2
+    assert terms["logits"] == 3 * 4 * 50 * 4
+    off = {n: b for n, b, _ in memory_plan(MemoryPlanInputs(**{**x.__dict__, "optimizer_on_device": False}))}
+    assert off["optimizer"] == 0 and GIB == 2**30
