@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mop_train.models.args import MoEModelArgs
 from mop_train.models.router import TopKRouter
@@ -25,6 +26,11 @@ from mop_train.ops.moe_dispatch import moe_experts_forward
 
 def _trunc_normal(weight: torch.Tensor, std: float) -> None:
     nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+def _local_weight(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    w = w.to_local() if isinstance(w, DTensor) else w
+    return w if w.dtype == dtype else w.to(dtype)
 
 
 class FeedForward(nn.Module):
@@ -61,8 +67,14 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, *,
                 dispatch: str = "local", group=None, options: dict[str, Any] | None = None) -> torch.Tensor:
-        """x [N, H], indices/weights [N, k] -> [N, H] = sum_j weights[:, j] * expert_{indices[:, j]}(x)."""
-        return moe_experts_forward(x, indices, weights, self.w1, self.w2, self.w3,
+        """x [N, H], indices/weights [N, k] -> [N, H] = sum_j weights[:, j] * expert_{indices[:, j]}(x).
+
+        Expert-parallel code may make w* DTensors sharded over the expert group (kept out of FSDP):
+        the seam gets this rank's shard, cast to the activation dtype (FSDP's mixed precision does
+        not cast weights it does not manage).
+        """
+        w1, w2, w3 = (_local_weight(w, x.dtype) for w in (self.w1, self.w2, self.w3))
+        return moe_experts_forward(x, indices, weights, w1, w2, w3,
                                    dispatch=dispatch, group=group, **(options or {}))
 
     def init_weights(self, init_std: float) -> None:
