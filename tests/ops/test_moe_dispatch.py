@@ -92,14 +92,15 @@ def run_schedule(dispatch, options, x, idx, wts, g, shards, group, outer_checkpo
     return y.detach(), grad_of(xl), grad_of(wl), [grad_of(w) for w in ws]
 
 
-def check_case(rank, world, dispatch, options, seed, tokens, kind, outer_checkpoint):
+def check_case(rank, world, dispatch, options, seed, tokens, kind, outer_checkpoint, group=None):
+    """`rank`, `world`: this rank's index in and the size of the expert group (WORLD by default)."""
     weights_full, per_rank = build_case(seed, tokens, kind, world)
     expected, full_grads = oracle(weights_full, per_rank)
     M = E // world
     shards = [w[rank * M:(rank + 1) * M] for w in weights_full]
     x, idx, wts, g = per_rank[rank]
-    y, gx, gw, gshards = run_schedule(dispatch, options, x, idx, wts, g, shards, dist.group.WORLD,
-                                      outer_checkpoint)
+    y, gx, gw, gshards = run_schedule(dispatch, options, x, idx, wts, g, shards,
+                                      group or dist.group.WORLD, outer_checkpoint)
     tag = f"[{dispatch} {options} {kind} tokens={tokens} ckpt={outer_checkpoint} rank={rank}]"
     ey, egx, egw = expected[rank]
     assert_close(y, ey, name=f"y {tag}")
@@ -125,15 +126,33 @@ def _ep_worker(rank, world):
             check_case(rank, world, "ep", {}, 100 + i, tokens, kind, ckpt)
 
 
-def _single_rank_worker(rank, world):
-    weights_full, per_rank = build_case(7, [9], "random", 1)
+def test_single_rank_schedules_are_local():
+    """Group None (size 1): ep/llep are local; pipelined_llep still chunks its expert compute."""
+    weights_full, per_rank = build_case(7, [9], "50/4", 1)
     x, idx, wts, g = per_rank[0]
-    y, *_ = run_schedule("ep", {}, x, idx, wts, g, weights_full, None, False)
-    assert_close(y, reference_experts_forward(x, idx, wts, *weights_full), name="ep at size 1")
+    want = run_schedule("local", {}, x, idx, wts, g, weights_full, None, False)
+    for dispatch, opts in [("ep", {}), ("llep", {}), ("pipelined_llep", dict(token_budget=2)),
+                           ("pipelined_llep", dict(token_budget=4, membership="contiguous"))]:
+        for ckpt in (False, True):
+            stats = DispatchStats()
+            got = run_schedule(dispatch, dict(opts, stats=stats), x, idx, wts, g, weights_full, None, ckpt)
+            for a, b, name in zip(got[:3], want[:3], ("y", "grad x", "grad weights")):
+                assert_close(a, b, name=f"{dispatch} {opts} {name}")
+            for a, b in zip(got[3], want[3]):
+                assert_close(a, b, atol=1e-5 * float(b.abs().max()), name=f"{dispatch} expert grads")
+            assert stats.num_chunks == (-(-9 // opts["token_budget"]) if "token_budget" in opts else 1)
+    assert_close(want[0], reference_experts_forward(x, idx, wts, *weights_full), name="local vs reference")
 
 
-def test_ep_single_rank_is_local():
-    _single_rank_worker(0, 1)
+@pytest.mark.parametrize("dispatch,opts", [("ep", dict(alpha=1.0)), ("llep", dict(token_budget=4)),
+                                           ("pipelined_llep", dict(token_budget=0)),
+                                           ("pipelined_llep", dict(membership="blocks")),
+                                           ("llep", dict(alpha=-1.0)), ("nccl", {})])
+def test_bad_options(dispatch, opts):
+    weights_full, per_rank = build_case(7, [4], "random", 1)
+    x, idx, wts, _ = per_rank[0]
+    with pytest.raises(ValueError):
+        moe_experts_forward(x, idx, wts, *weights_full, dispatch=dispatch, **opts)
 
 
 LLEP_OPTIONS = [dict(min_tokens_per_gemm=2, imbalance_threshold=1.0),   # relocates eagerly
@@ -201,10 +220,35 @@ def _pipelined_worker(rank, world):
         _check_pipelined_extras(rank, world, seed + 2, n, kind, budget=4)
 
 
+def _subgroup_worker(rank, world):
+    """Expert groups {0, 1} and {2, 3} of a 4-rank world: ranks map through the group."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group, sub_rank = groups[rank // 2], rank % 2
+    n = [11, 14]
+    for dispatch, opts in [("ep", {}), ("llep", LLEP_OPTIONS[0]),
+                           ("pipelined_llep", dict(LLEP_OPTIONS[0], token_budget=4))]:
+        check_case(sub_rank, 2, dispatch, opts, 400 + rank // 2, n, "80/16", False, group=group)
+
+
+def _ep_stats_case(rank, world):
+    weights_full, per_rank = build_case(5, [9 + r for r in range(world)], "one_expert", world)
+    M = E // world
+    x, idx, wts, g = per_rank[rank]
+    stats = DispatchStats()
+    moe_experts_forward(x, idx, wts, *[w[rank * M:(rank + 1) * M] for w in weights_full],
+                        dispatch="ep", group=dist.group.WORLD, stats=stats)
+    everything = sum(9 + r for r in range(world)) * K_TOP          # all routes land on rank 0
+    assert stats.num_chunks == 1 and stats.last_chunk_max_received == everything
+    assert stats.chunk_received == [everything if rank == 0 else 0]
+
+
 def _all_schedules_worker(rank, world):
     _ep_worker(rank, world)
+    _ep_stats_case(rank, world)
     _llep_worker(rank, world)
     _pipelined_worker(rank, world)
+    if world == 4:
+        _subgroup_worker(rank, world)
 
 
 @pytest.mark.slow

@@ -15,13 +15,20 @@ from typing import Any
 
 import torch
 
-from mop_train.ops.moe_dispatch.ep import ep_experts_forward
-from mop_train.ops.moe_dispatch.llep import DispatchStats, llep_experts_forward
-from mop_train.ops.moe_dispatch.pipelined_llep import max_received_bound, pipelined_llep_experts_forward
+from mop_train.ops.moe_dispatch.ep import DispatchStats, ep_experts_forward
+from mop_train.ops.moe_dispatch.llep import llep_experts_forward
 from mop_train.ops.moe_dispatch.local import grouped_swiglu, local_experts_forward
+from mop_train.ops.moe_dispatch.pipelined_llep import max_received_bound, pipelined_llep_experts_forward
 from mop_train.ops.moe_dispatch.reference import reference_experts_forward
 
 DISPATCH_MODES = ("local", "ep", "llep", "pipelined_llep")
+_LLEP_OPTIONS = ("alpha", "min_tokens_per_gemm", "imbalance_threshold", "stats")
+_SCHEDULES = {  # dispatch -> (function, accepted options)
+    "ep": (ep_experts_forward, ("stats",)),
+    "llep": (llep_experts_forward, _LLEP_OPTIONS),
+    "pipelined_llep": (pipelined_llep_experts_forward,
+                       _LLEP_OPTIONS + ("token_budget", "max_chunks", "membership")),
+}
 
 
 def moe_experts_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
@@ -36,8 +43,9 @@ def moe_experts_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.T
             shard of E / group_size experts otherwise.
         dispatch: one of DISPATCH_MODES.
         group: the expert process group (ignored by "local").
-        options: schedule options: none for "local" and "ep"; "llep" takes alpha,
-            min_tokens_per_gemm, imbalance_threshold and stats (a DispatchStats to fill);
+        options: schedule options: none for "local"; "ep" takes stats (a DispatchStats to
+            fill with per-call figures for metrics); "llep" takes alpha,
+            min_tokens_per_gemm, imbalance_threshold and stats;
             "pipelined_llep" takes those plus token_budget, max_chunks, membership.
     Returns:
         y: [N, H]
@@ -46,15 +54,15 @@ def moe_experts_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.T
         if options:
             raise ValueError(f"dispatch='local' takes no options, got {sorted(options)}")
         return local_experts_forward(x, indices, weights, w1, w2, w3)
-    if dispatch == "ep":
-        if options:
-            raise ValueError(f"dispatch='ep' takes no options, got {sorted(options)}")
-        return ep_experts_forward(x, indices, weights, w1, w2, w3, group)
-    if dispatch == "llep":
-        return llep_experts_forward(x, indices, weights, w1, w2, w3, group, **options)
-    if dispatch == "pipelined_llep":
-        return pipelined_llep_experts_forward(x, indices, weights, w1, w2, w3, group, **options)
-    raise ValueError(f"unknown dispatch {dispatch!r}; expected one of {DISPATCH_MODES}")
+    schedule = _SCHEDULES.get(dispatch)
+    if schedule is None:
+        raise ValueError(f"unknown dispatch {dispatch!r}; expected one of {DISPATCH_MODES}")
+    fn, accepted = schedule
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(f"dispatch={dispatch!r} does not take options {unknown}; it takes {list(accepted)}")
+    return fn(x, indices, weights, w1, w2, w3, group, **options)
 
 
-__all__ = ["DISPATCH_MODES", "DispatchStats", "grouped_swiglu", "max_received_bound", "moe_experts_forward", "reference_experts_forward"]
+__all__ = ["DISPATCH_MODES", "DispatchStats", "grouped_swiglu", "max_received_bound", "moe_experts_forward",
+           "reference_experts_forward"]

@@ -17,12 +17,40 @@ R = N*k routes, P expert-group size, S expert slots on the receiver (E_l for EP)
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from mop_train.ops.moe_dispatch.comm import all_to_all, exchange_counts, group_size
 from mop_train.ops.moe_dispatch.local import grouped_swiglu, local_experts_forward
+
+
+@dataclass
+class DispatchStats:
+    """Per-call figures of an expert-parallel schedule: pass `stats=DispatchStats()`, read it after."""
+
+    num_chunks: int = 0                                  # K
+    relocated_routes: int = 0                            # routes computed off their owner (group total)
+    migrated_experts: int = 0                            # (expert, helper) weight copies
+    chunk_received: list[int] = field(default_factory=list)  # routes this rank received, per chunk
+    last_chunk_max_received: int = 0                     # max over chunks and destinations (group)
+    received_bound: int = 0                              # E_p * k * c_eff, the receiver bound
+
+
+def record_stats(stats: DispatchStats, chunk_received: list[int], group, device, *,
+                 relocated_routes: int = 0, migrated_experts: int = 0, received_bound: int = 0) -> None:
+    """Fill `stats`; the max over destinations costs one small all-reduce (only when asked)."""
+    stats.num_chunks = len(chunk_received)
+    stats.relocated_routes = relocated_routes
+    stats.migrated_experts = migrated_experts
+    stats.chunk_received = list(chunk_received)
+    peak = torch.tensor(chunk_received, dtype=torch.int64, device=device)
+    if group_size(group) > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    stats.last_chunk_max_received = int(peak.max())
+    stats.received_bound = received_bound
 
 
 def receive_order(recv_counts: torch.Tensor, slot_of_col: torch.Tensor | None = None
@@ -84,10 +112,13 @@ def exchange_and_compute(rows: torch.Tensor, route_w: torch.Tensor, send_splits:
 
 
 def ep_experts_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                       w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, group) -> torch.Tensor:
+                       w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, group, *,
+                       stats: DispatchStats | None = None) -> torch.Tensor:
     """x [N, H]; indices, weights [N, k]; w1, w3 [E_l, I, H]; w2 [E_l, H, I] this rank's shard -> y [N, H]."""
     P = group_size(group)
     if P == 1:
+        if stats is not None:
+            record_stats(stats, [indices.numel()], group, x.device)
         return local_experts_forward(x, indices, weights, w1, w2, w3)
     N, k = indices.shape
     E_l = w1.shape[0]
@@ -100,11 +131,13 @@ def ep_experts_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
     recv_counts = exchange_counts(counts.view(P, E_l), group).cpu()  # [P, E_l]
     send_splits = counts.view(P, E_l).sum(1).tolist()
     token = order // k                                             # [R]
+    if stats is not None:
+        record_stats(stats, [int(recv_counts.sum())], group, x.device)
     expert_fn = functools.partial(weighted_experts, w1=w1, w2=w2, w3=w3)
     out = exchange_and_compute(x[token], weights.reshape(-1)[order], send_splits, recv_counts,
                                expert_fn, group)                   # [R, H]
     return torch.zeros_like(x).index_add(0, token, out)           # [N, H]
 
 
-__all__ = ["ep_experts_forward", "exchange_and_compute", "inverse_permutation", "receive_order",
-           "weighted_experts"]
+__all__ = ["DispatchStats", "ep_experts_forward", "exchange_and_compute", "inverse_permutation",
+           "receive_order", "record_stats", "weighted_experts"]

@@ -18,7 +18,7 @@ K chunks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,21 +26,10 @@ from torch.utils.checkpoint import checkpoint
 
 from mop_train.ops.moe_dispatch.comm import (AllToAllStart, AllToAllWait, Ticket, all_gather_counts,
                                              exchange_counts, group_rank, group_size)
-from mop_train.ops.moe_dispatch.ep import inverse_permutation, receive_order, weighted_experts
+from mop_train.ops.moe_dispatch.ep import (DispatchStats, inverse_permutation, receive_order, record_stats,
+                                           weighted_experts)
 from mop_train.ops.moe_dispatch.llep_plan import LLEPPlan, llep_plan
 from mop_train.ops.moe_dispatch.local import local_experts_forward
-
-
-@dataclass
-class DispatchStats:
-    """Filled by one call of an LLEP schedule (pass `stats=DispatchStats()`); read it afterwards."""
-
-    num_chunks: int = 0                                  # K
-    relocated_routes: int = 0                            # routes computed off their owner (group total)
-    migrated_experts: int = 0                            # (expert, helper) weight copies
-    chunk_received: list[int] = field(default_factory=list)  # routes this rank received, per chunk
-    last_chunk_max_received: int = 0                     # max over chunks and destinations (group)
-    received_bound: int = 0                              # E_p * k * c_eff, the receiver bound
 
 
 class MigrateExperts(torch.autograd.Function):
@@ -174,18 +163,6 @@ def _plan_chunks(indices, plan, C, chunk_of_token, num_chunks, group) -> list[_C
     return chunks
 
 
-def _fill_stats(stats, plan, chunks, group, device, received_bound):
-    stats.num_chunks = len(chunks)
-    stats.relocated_routes = plan.relocated_routes
-    stats.migrated_experts = len(plan.transfers)
-    stats.chunk_received = [sum(c.recv_splits) for c in chunks]
-    peak = torch.tensor(stats.chunk_received, dtype=torch.int64, device=device)
-    if group_size(group) > 1:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    stats.last_chunk_max_received = int(peak.max())
-    stats.received_bound = received_bound
-
-
 def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.Tensor,
                chunk_of_token: torch.Tensor, num_chunks: int, *, checkpoint_experts: bool,
                stats: DispatchStats | None = None, received_bound: int = 0) -> torch.Tensor:
@@ -237,7 +214,9 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
         combine = (back_ticket, back, c)
     y = finish_combine(y, combine)
     if stats is not None:
-        _fill_stats(stats, plan, chunks, group, x.device, received_bound)
+        record_stats(stats, [sum(c.recv_splits) for c in chunks], group, x.device,
+                     relocated_routes=plan.relocated_routes, migrated_experts=len(plan.transfers),
+                     received_bound=received_bound)
     return y + anchor.to(y.dtype)
 
 
@@ -250,6 +229,8 @@ def llep_experts_forward(x, indices, weights, w1, w2, w3, group, *, alpha: float
                    imbalance_threshold=imbalance_threshold)
     if P == 1:
         llep_plan(torch.zeros(1, w1.shape[0], dtype=torch.int64), **options)  # validates options
+        if stats is not None:
+            record_stats(stats, [indices.numel()], group, x.device)
         return local_experts_forward(x, indices, weights, w1, w2, w3)
     plan, C = build_plan(indices, w1.shape[0] * P, group, options)
     chunk_of_token = torch.zeros(x.shape[0], dtype=torch.int64)
