@@ -111,6 +111,28 @@ class _Null:
         return False
 
 
+def time_step(opt, device, repeats):
+    """Median wall time of opt.step() between device synchronisations, and (CUDA) the median time
+    until the current stream has the refreshed weights (what the next forward waits for; the last
+    bucket's write-back may still be running then)."""
+    opt.step()
+    walls, ready = [], []
+    for _ in range(repeats):
+        sync(device)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else []
+        if events:
+            events[0].record()
+        t0 = time.perf_counter()
+        opt.step()
+        if events:
+            events[1].record()
+        sync(device)
+        walls.append(time.perf_counter() - t0)
+        if events:
+            ready.append(events[0].elapsed_time(events[1]) / 1e3)
+    return statistics.median(walls), (statistics.median(ready) if ready else None)
+
+
 def bench_ours(params, buckets, slots_list, repeats, device):
     rows = []
     cuda = device.type == "cuda"
@@ -119,6 +141,10 @@ def bench_ours(params, buckets, slots_list, repeats, device):
     t0 = time.perf_counter()
     opt = OffloadStreamAdamW(params, **HP, bucket_params=buckets[0], slots=slots_list[0])
     build_s = time.perf_counter() - t0
+    sync(device)
+    if cuda:
+        print(f"  built in {build_s:.1f} s; device bytes held after construction: "
+              f"{torch.cuda.memory_allocated(device) - base:,} (staging counter {opt.staging_bytes:,})", flush=True)
     for bucket in buckets:
         for slots in slots_list:
             opt.resize_staging(bucket, slots)  # frees the previous staging first
@@ -126,15 +152,16 @@ def bench_ours(params, buckets, slots_list, repeats, device):
             staged = (torch.cuda.memory_allocated(device) - base) if cuda else opt.staging_bytes
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            sec = median_time(opt.step, device, repeats)
+            sec, ready = time_step(opt, device, repeats)
             peak_extra = (torch.cuda.max_memory_allocated(device) - base) if cuda else 0
-            rows.append(dict(bucket_params=bucket, slots=slots, seconds=sec,
+            rows.append(dict(bucket_params=bucket, slots=slots, seconds=sec, weights_ready_seconds=ready,
                              copy_span_seconds=opt.step_seconds(), staging_bytes=staged,
+                             staging_counter_bytes=opt.staging_bytes,
                              staging_bound=staging_bytes_bound(bucket, slots),
                              step_peak_over_staging_bytes=max(peak_extra - staged, 0),
                              h2d_bytes=opt.last_step.h2d_bytes, buckets=opt.last_step.buckets))
-            print(f"  ours B={bucket:>11,} s={slots}: {sec:.4f} s  staging {staged / 2**20:.0f} MiB",
-                  flush=True)
+            print(f"  ours B={bucket:>11,} s={slots}: {sec:.4f} s (weights ready {ready or 0:.4f} s) "
+                  f"staging {staged / 2**20:.0f} MiB", flush=True)
     del opt
     free_host_memory()
     return rows, build_s
@@ -302,13 +329,14 @@ def main():
 
 def print_table(result):
     print(f"\n{'params':>14} {'method':<14} {'bucket':>12} {'slots':>5} {'seconds':>9} {'of floor':>8} "
-          f"{'staging MiB':>11}")
+          f"{'staging MiB':>11} {'ready s':>8}")
     for total, entry in result["sizes"].items():
         floor = entry["floor_seconds"]
         print(f"{int(total):>14,} {'link floor':<14} {'':>12} {'':>5} {floor:>9.4f} {1.0:>8.3f} {'':>11}")
         for row in entry["ours"]:
             print(f"{int(total):>14,} {'ours':<14} {row['bucket_params']:>12,} {row['slots']:>5} "
-                  f"{row['seconds']:>9.4f} {floor / row['seconds']:>8.3f} {row['staging_bytes'] / 2**20:>11.0f}")
+                  f"{row['seconds']:>9.4f} {floor / row['seconds']:>8.3f} {row['staging_bytes'] / 2**20:>11.0f} "
+                  f"{row['weights_ready_seconds'] or 0:>8.4f}")
         for name in ("torch_cpu", "deepspeed", "fsdp2_offload"):
             r = entry.get(name)
             if r is None:

@@ -13,6 +13,7 @@ Legend: N local elements over all parameters, B bucket capacity (elements), s sl
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -86,19 +87,25 @@ def host_state_bytes(numel: int) -> int:
 
 
 def allocate_host_state(numel: int, pin: bool) -> tuple[torch.Tensor, bool]:
-    """A [3, N] fp32 host buffer, page-locked for the device's copy engines when `pin`.
+    """A [3, N] fp32 host buffer on whole pages of its own, page-locked for the copy engines when `pin`.
 
-    The buffer is allocated by the ordinary CPU allocator and then registered with CUDA
-    (cudaHostRegister), because torch's pinned allocator rounds each block up to a power of two
-    (a 17 GB state would pin 32 GB). Returns (buffer, registered); the caller must unregister
-    (`unregister_host_state`) before the buffer's storage is freed.
+    The buffer comes from the ordinary CPU allocator and is registered with CUDA (cudaHostRegister),
+    because torch's pinned allocator rounds each block up to a power of two (a 17 GB state would
+    pin 32 GB). Registration works on whole pages, so the buffer starts on a page boundary and its
+    last page is padded: no other allocation shares (and re-registers) its pages. Returns (buffer,
+    registered); the caller must `unregister_host_state` before the storage is freed.
     """
-    state = torch.empty(STATE_ROWS, numel, dtype=torch.float32)
+    page = mmap.PAGESIZE
+    nbytes = STATE_ROWS * numel * FP32_BYTES
+    span = -(-nbytes // page) * page
+    raw = torch.empty(span + page, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % page
+    state = raw[start:start + nbytes].view(torch.float32).view(STATE_ROWS, numel)
     if not pin or numel == 0:
         return state, False
-    err = int(torch.cuda.cudart().cudaHostRegister(state.data_ptr(), state.nbytes, 0))
+    err = int(torch.cuda.cudart().cudaHostRegister(state.data_ptr(), span, 0))
     if err != 0:
-        raise RuntimeError(f"cudaHostRegister of {state.nbytes} host bytes failed (cudaError {err}); "
+        raise RuntimeError(f"cudaHostRegister of {span} host bytes failed (cudaError {err}); "
                            "free host memory or lower the parameters per rank")
     return state, True
 
