@@ -226,6 +226,9 @@ def test_boundary_must_be_first_positional_tensor():
     x, pos, _ = _inputs(3, [4, 4], seed=6)
     with pytest.raises(ValueError, match="first positional argument"):
         layer(x=x, pos=pos, scale=torch.ones(4))
+    with torch.no_grad():  # nothing is saved, so nothing is offloaded; same values as the layer
+        assert_bitwise_equal(layer(x, pos, scale=torch.ones(4)), layer._checkpoint_wrapped_module(x, pos, scale=torch.ones(4)))
+    assert sco.offloaded_layers == [] and sco.pinned_bytes == 0
     with pytest.raises(ValueError, match="device"):
         SelectiveCheckpointOffload(1 << 20, device="meta").wrap(ToyLayer(4, 4))(x, pos, scale=torch.ones(4))
 
@@ -244,6 +247,34 @@ def test_nested_reentrant_checkpoint():
         got = _step(ours, x, pos, scales, step)
         _assert_all_equal(got, want, f"nested step {step}")
         assert sco.offloaded_layers == [0, 1]
+
+
+def test_zoo_model_blocks_bitwise():
+    """The zoo's debug MoE decoder (MLA, dense + MoE blocks, RoPE table as second argument)."""
+    from mop_train.models.attention import rope_cos_sin
+    from mop_train.models.zoo import build_model
+
+    torch.manual_seed(11)
+    base = build_model("debug")
+    B, S, H = 2, 24, base.args.dim
+    size = boundary_bytes(B * S, H, torch.float32)
+    tokens = torch.randint(0, base.args.vocab_size, (B, S), generator=torch.Generator().manual_seed(12))
+    upstream = torch.randn(B, S, H, generator=torch.Generator().manual_seed(13))
+    results = {}
+    for budget in (None, 2 * size):
+        model = copy.deepcopy(base)
+        sco = SelectiveCheckpointOffload(budget) if budget is not None else None
+        blocks = [sco.wrap(b) if sco else checkpointed(b) for b in model.layers.values()]
+        rope = rope_cos_sin(torch.arange(S), model.rope_inv_freq)
+        h = model.tok_embeddings(tokens)
+        for block in blocks:
+            h = block(h, rope)
+        out = model.norm(h)
+        out.backward(upstream)
+        results[budget] = [out.detach()] + [p.grad for p in model.parameters() if p.grad is not None]
+        if sco is not None:
+            assert sco.offloaded_layers == [0, 1]
+    _assert_all_equal(results[2 * size], results[None], "zoo debug model")
 
 
 def _fsdp_case(rank, world_size):
@@ -315,10 +346,10 @@ def test_gpu_bitwise_no_default_stream_sync_memory_baseline():
             want = _step(ref, x, pos, scales, step)
             for t in [x, *scales, *(p for m in ours for p in m.parameters())]:
                 t.grad = None
+            g = torch.randn(x.shape, generator=torch.Generator().manual_seed(step)).to(dev, dtype)
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             baseline = torch.cuda.memory_allocated()
-            g = torch.randn(x.shape, generator=torch.Generator().manual_seed(step)).to(dev, dtype)
             sco.begin_step()
             if step > 0:
                 torch.cuda.set_sync_debug_mode("error")
@@ -335,7 +366,7 @@ def test_gpu_bitwise_no_default_stream_sync_memory_baseline():
             assert sco.last_step_stats()["wait_s"] >= 0.0
             del got, hid
             grads = [x.grad, *(s.grad for s in scales), *(p.grad for m in ours for p in m.parameters())]
-            grad_bytes = sum(t.numel() * t.element_size() for t in grads)
+            grad_bytes = sum(-(-t.numel() * t.element_size() // 512) * 512 for t in grads)  # allocator blocks
             del grads
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -353,6 +384,8 @@ def test_gpu_peak_drops_by_the_offloaded_boundaries():
         ours = [sco.wrap(copy.deepcopy(m)).to(dev, dtype) for m in layers]
         for step in range(2):
             x, pos, scales = _inputs(n, [h] * (n_layers + 1), seed=60 + step, dtype=dtype, device=dev)
+            for m in ours:
+                m.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
@@ -360,6 +393,7 @@ def test_gpu_peak_drops_by_the_offloaded_boundaries():
             torch.cuda.synchronize()
             peaks[budget] = torch.cuda.max_memory_allocated() - base
         del ours
-    # Offloading k boundaries lowers the peak by about k boundaries (one comes back ahead of time).
+    # The backward peak holds the boundaries kept on the device, or 2 (one back for its recompute,
+    # one prefetched) once enough are offloaded: 8 -> 4 -> 2 boundaries here.
     assert peaks[4 * size] <= peaks[0] - 3 * size, peaks
-    assert peaks[n_layers * size] <= peaks[4 * size] - 3 * size, peaks
+    assert peaks[n_layers * size] <= peaks[4 * size] - size, peaks
