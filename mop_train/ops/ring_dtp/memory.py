@@ -33,6 +33,15 @@ def resolve_mode(mode: str, n_max: int, vocab_size: int, group_size: int) -> str
     return "move_weights" if n_max > shard_rows else "move_activations"
 
 
+def _grad_accumulator_bytes(n: int, n_max: int, s: int, h: int, p: int, mode: str) -> int:
+    """fp32 gradient accumulators: dX always; at P > 1 also dW_r, and two of whichever travels."""
+    if p == 1:
+        return n * h * 4                                                # dW is written once, directly
+    if mode == "move_weights":
+        return n * h * 4 + 2 * s * h * 4
+    return s * h * 4 + 2 * n_max * h * 4
+
+
 def _terms(n, h, v, p, dtype, mode, block_size, n_max, impl) -> dict[str, int]:
     it = torch.empty((), dtype=dtype).element_size()
     n_max = n if n_max is None else max(n_max, n)
@@ -46,13 +55,12 @@ def _terms(n, h, v, p, dtype, mode, block_size, n_max, impl) -> dict[str, int]:
         "tokens": _PER_TOKEN_BYTES * n_max,
         "logits_block": n_meet * b * per_elem,
         "moving_operand": 2 * moving_rows * h * it if p > 1 else 0,
-        "grad_stays": (s if mode == "move_activations" else n) * h * 4,
-        "grad_travels": (2 if p > 1 else 1) * (n_max if mode == "move_activations" else s) * h * 4,
-        "grad_casts": (n + s) * h * it,
-        "partials": (_PARTIAL_ROWS * h * 4 if it < 4 else 0),
+        "grad_accumulators": _grad_accumulator_bytes(n, n_max, s, h, p, mode),
+        "grad_outputs": (n + s) * h * it,                                # dX, dW_r in the input dtype
+        "partials": min(_PARTIAL_ROWS, max(n_meet, b)) * h * 4 if it < 4 else 0,
     }
     if impl != "triton":  # CPU fp32 upcasts of one block's operands (local.matmul_accumulate)
-        terms["partials"] += (_PARTIAL_ROWS * max(n_meet, b) + (n_meet + b) * h) * 4
+        terms["partials"] += (n_meet * b + (n_meet + b) * h) * 4
     return terms
 
 
@@ -78,7 +86,7 @@ def ring_dtp_largest_tensor_bytes(n: int, h: int, v: int, p: int, *, dtype: torc
     b = min(block_size, s)
     resolved = resolve_mode(mode, n_max, v, p)
     n_meet = n if resolved == "move_weights" else n_max
-    candidates = [n_meet * b * 4, n_max * h * 4, s * h * 4, _PARTIAL_ROWS * h * 4, 12 * n_max]
+    candidates = [n_meet * b * 4, n_max * h * 4, s * h * 4, 12 * n_max]  # block, dX, dW, stats
     if impl != "triton":
-        candidates += [_PARTIAL_ROWS * max(n_meet, b) * 4, n_meet * h * 4, b * h * 4]
+        candidates += [n_meet * h * 4, b * h * 4]                         # fp32 upcasts of X, W block
     return max(candidates)

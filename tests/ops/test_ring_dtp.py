@@ -1,0 +1,268 @@
+"""Ring-DTP against the full-logits reference: loss, dX and every shard's dW, at P = 1..4 on gloo.
+
+Every rank rebuilds the whole problem (all ranks' tokens, the full weight) from one fresh seed, runs
+the ring op on its own part, and checks it against a single-process reference over the full data.
+fp32: relative 1e-5 (of the reference's largest magnitude). bf16: our rms and max errors against an
+fp32 ground truth (same bf16-rounded inputs) are no worse than PyTorch's own bf16 errors against it,
+up to 1.25x (rms) / 2x (max, a noisy statistic on tiny tensors) plus 0.2% / 0.4% of the scale.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from mop_train.ops.ring_dtp import (reference_cross_entropy, resolve_mode, ring_dtp_cross_entropy,
+                                    ring_dtp_largest_tensor_bytes, ring_dtp_peak_bytes)
+from tests.dist_utils import run_distributed
+from tests.utils import assert_close
+
+MODES = ("move_activations", "move_weights", "auto")
+REDUCTIONS = ("mean", "sum", "none")
+COUNTS = {1: [6], 2: [7, 0], 3: [5, 0, 8], 4: [6, 3, 0, 9]}  # uneven N, one rank with none
+
+
+def _problem(seed, counts, vocab, hidden, dtype):
+    """All ranks' tokens, targets (some ignored), upstream gradients, and the full weight."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(vocab, hidden, generator=gen) * 2 / hidden ** 0.5).to(dtype)
+    xs, ts, gouts = [], [], []
+    for n in counts:
+        xs.append((torch.randn(n, hidden, generator=gen) * 2).to(dtype))
+        t = torch.randint(0, vocab, (n,), generator=gen)
+        t[torch.rand(n, generator=gen) < 0.2] = -100
+        ts.append(t)
+        gouts.append(torch.rand(n, generator=gen) + 0.5)
+    return weight, xs, ts, gouts
+
+
+def _reference(weight, xs, ts, gouts, reduction):
+    """Losses of every rank and gradients of every rank's X and of the full W, in one process."""
+    w = weight.clone().requires_grad_()
+    xs = [x.clone().requires_grad_() for x in xs]
+    losses = [reference_cross_entropy(x, w, t, reduction=reduction) for x, t in zip(xs, ts)]
+    total = sum((l.float() * _upstream(l, g)).nansum() for l, g in zip(losses, gouts))
+    total.backward()
+    return [l.detach().float() for l in losses], [x.grad for x in xs], w.grad
+
+
+def _upstream(loss, gout):
+    return gout if loss.dim() == 1 else (gout[:1].sum() if len(gout) else torch.tensor(1.0))
+
+
+def _ours(rank, group, weight, xs, ts, gouts, vocab, **kw):
+    shard_rows = -(-vocab // max(1, len(xs)))
+    lo, hi = min(vocab, rank * shard_rows), min(vocab, (rank + 1) * shard_rows)
+    w = weight[lo:hi].clone().requires_grad_()
+    x = xs[rank].clone().requires_grad_()
+    loss = ring_dtp_cross_entropy(x, w, ts[rank], group, vocab_size=vocab, **kw)
+    if loss.dim() == 0 and torch.isnan(loss):
+        loss.backward(torch.zeros(()))  # mean over no valid token: nan, as PyTorch; nothing flows
+    else:
+        loss.backward(_upstream(loss, gouts[rank]))
+    return loss.detach(), x.grad, w.grad, (lo, hi)
+
+
+def _scale(t):
+    """Largest magnitude of a reference tensor: fp32 tolerances are relative to it."""
+    return t.abs().max().item() if t.numel() else 0.0
+
+
+def _errors(a, b):
+    """(rms, max) absolute error of a against b."""
+    if a.numel() == 0:
+        return 0.0, 0.0
+    diff = (a.float() - b.float()).abs()
+    return diff.pow(2).mean().sqrt().item(), diff.max().item()
+
+
+def _check_case(rank, group, counts, vocab, hidden, dtype, reduction, seed, **kw):
+    weight, xs, ts, gouts = _problem(seed, counts, vocab, hidden, dtype)
+    loss, dx, dw, (lo, hi) = _ours(rank, group, weight, xs, ts, gouts, vocab, reduction=reduction, **kw)
+    tag = f"P={len(counts)} rank={rank} {dtype} {reduction} {kw}"
+    if dtype == torch.float32:
+        ref_loss, ref_dx, ref_dw = _reference(weight, xs, ts, gouts, reduction)
+        if torch.isnan(ref_loss[rank]).all() and ref_loss[rank].numel():
+            assert torch.isnan(loss).all(), f"{tag}: expected nan loss (no valid token), got {loss}"
+        else:
+            assert_close(loss, ref_loss[rank], rtol=1e-5, atol=1e-5 * _scale(ref_loss[rank]), name=f"loss {tag}")
+        assert_close(dx, ref_dx[rank], rtol=1e-5, atol=1e-5 * _scale(ref_dx[rank]), name=f"dX {tag}")
+        assert_close(dw, ref_dw[lo:hi], rtol=1e-5, atol=1e-5 * _scale(ref_dw[lo:hi]), name=f"dW {tag}")
+        return
+    truth = _reference(weight.float(), [x.float() for x in xs], ts, gouts, reduction)
+    torch_bf16 = _reference(weight, xs, ts, gouts, reduction)
+    pieces = {"loss": (loss, truth[0][rank], torch_bf16[0][rank]),
+              "dX": (dx, truth[1][rank], torch_bf16[1][rank]),
+              "dW": (dw, truth[2][lo:hi], torch_bf16[2][lo:hi])}
+    for name, (ours, true, theirs) in pieces.items():
+        if true.numel() and torch.isnan(true).all():
+            assert torch.isnan(ours).all(), f"{tag}: expected nan {name}"
+            continue
+        scale = _scale(true)
+        (ours_rms, ours_max), (torch_rms, torch_max) = _errors(ours, true), _errors(theirs, true)
+        assert ours_rms <= 1.25 * torch_rms + 2e-3 * scale and ours_max <= 2 * torch_max + 4e-3 * scale, (
+            f"{name} {tag}: our bf16 error (rms {ours_rms:.3e}, max {ours_max:.3e}) exceeds PyTorch's "
+            f"(rms {torch_rms:.3e}, max {torch_max:.3e}); scale {scale:.3e}")
+
+
+def _ring_cases(rank, world_size, seed):
+    group = torch.distributed.new_group(list(range(world_size)))  # a subgroup, as the layout builds
+    counts = COUNTS[world_size]
+    case = 0
+    for mode in MODES:
+        for dtype in (torch.float32, torch.bfloat16):
+            for reduction in REDUCTIONS:
+                case += 1
+                _check_case(rank, group, counts, 37, 16, dtype, reduction, seed + case, mode=mode,
+                            block_size=4, impl="torch")
+        # tiny vocabulary: trailing shards shorter or empty (V=5 at P=4: 2, 2, 1, 0 rows)
+        case += 1
+        _check_case(rank, group, counts, 5, 8, torch.float32, "sum", seed + case, mode=mode, block_size=1,
+                    impl="torch")
+    # the op forms nothing near N x V: largest allocation against the bound
+    for mode in ("move_activations", "move_weights"):
+        weight, xs, ts, gouts = _problem(seed, counts, 97, 8, torch.float32)
+        with _LargestTensor() as seen:
+            _ours(rank, group, weight, xs, ts, gouts, 97, reduction="sum", mode=mode, block_size=4, impl="torch")
+        bound = ring_dtp_largest_tensor_bytes(counts[rank], 8, 97, world_size, dtype=torch.float32, mode=mode,
+                                              block_size=4, n_max=max(counts), impl="torch")
+        assert seen.largest <= bound, f"{mode}: allocated {seen.largest} B > bound {bound} B"
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Largest storage freshly allocated by any op while active (views and out=/in-place writes,
+    which share an argument's storage, are not allocations)."""
+
+    def __enter__(self):
+        self.largest = 0
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        shared = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in shared:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_ring_matches_full_logits_reference(world_size):
+    run_distributed(_ring_cases, world_size, random.randrange(1 << 30))
+
+
+def test_single_device_path_and_largest_block():
+    """group=None is the fused single-device path; its largest allocation stays within the bound."""
+    seed = random.randrange(1 << 30)
+    for dtype in (torch.float32, torch.bfloat16):
+        _check_case(0, None, [11], 41, 12, dtype, "mean", seed, block_size=6, impl="torch")
+    weight, xs, ts, gouts = _problem(seed, [13], 101, 8, torch.float32)
+    with _LargestTensor() as seen:
+        _ours(0, None, weight, xs, ts, gouts, 101, reduction="none", block_size=8, impl="torch")
+    bound = ring_dtp_largest_tensor_bytes(13, 8, 101, 1, dtype=torch.float32, block_size=8, impl="torch")
+    assert seen.largest <= bound < 13 * 101 * 4, (seen.largest, bound)  # the bound is below full logits
+
+
+def test_auto_mode_and_bound_arithmetic():
+    assert resolve_mode("auto", n_max=25_001, vocab_size=200_000, group_size=8) == "move_weights"
+    assert resolve_mode("auto", n_max=25_000, vocab_size=200_000, group_size=8) == "move_activations"
+    assert resolve_mode("move_weights", n_max=1, vocab_size=10, group_size=2) == "move_weights"
+    small = ring_dtp_peak_bytes(16384, 7168, 200_000, 1, dtype=torch.bfloat16, block_size=1024)
+    large = ring_dtp_peak_bytes(16384, 7168, 200_000, 1, dtype=torch.bfloat16, block_size=8192)
+    assert small < large < 16384 * 200_000 * 2  # grows with the block, stays below one bf16 logits tensor
+    sharded = ring_dtp_peak_bytes(16384, 7168, 200_000, 8, dtype=torch.float32, mode="move_activations")
+    assert sharded < ring_dtp_peak_bytes(16384, 7168, 200_000, 1, dtype=torch.float32)
+
+
+def test_errors_name_the_argument():
+    x, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
+    with pytest.raises(ValueError, match="weight_shard has 9 rows"):
+        ring_dtp_cross_entropy(x, w[:9], t, vocab_size=10)
+    with pytest.raises(ValueError, match="target 12"):
+        ring_dtp_cross_entropy(x, w, torch.tensor([1, 12, -100, 3]), vocab_size=10)
+    with pytest.raises(ValueError, match="mode="):
+        ring_dtp_cross_entropy(x, w, t, vocab_size=10, mode="sideways")
+    with pytest.raises(ValueError, match="reduction="):
+        ring_dtp_cross_entropy(x, w, t, vocab_size=10, reduction="max")
+    with pytest.raises(ValueError, match="block_size="):
+        ring_dtp_cross_entropy(x, w, t, vocab_size=10, block_size=0)
+    with pytest.raises(ValueError, match="share one floating dtype"):
+        ring_dtp_cross_entropy(x, w.double(), t, vocab_size=10)
+
+
+_INTERPRETED = """
+import random, sys, torch
+sys.path.insert(0, {root!r})
+from tests.ops.test_ring_dtp import _check_case
+seed = random.randrange(1 << 30)
+for dtype, reduction in ((torch.float32, "none"), (torch.bfloat16, "sum")):
+    _check_case(0, None, [5], 23, 8, dtype, reduction, seed, block_size=7, impl="triton")
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_triton_kernels_in_interpreter():
+    """The Triton block kernels (online LSE, in-place softmax gradient) on CPU via TRITON_INTERPRET=1."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED.format(root=root)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_triton_matches_reference(dtype):
+    torch.cuda.set_device(0)
+    seed = random.randrange(1 << 30)
+    for reduction in REDUCTIONS:
+        _check_case_cuda([1536], 5003, 256, dtype, reduction, seed, block_size=1024)
+
+
+def _check_case_cuda(counts, vocab, hidden, dtype, reduction, seed, **kw):
+    """As _check_case at P = 1, on the GPU with the Triton path."""
+    weight, xs, ts, gouts = _problem(seed, counts, vocab, hidden, dtype)
+    to = lambda ts_: [t.cuda() for t in ts_]  # noqa: E731
+    weight, xs, ts, gouts = weight.cuda(), to(xs), to(ts), to(gouts)
+    loss, dx, dw, _ = _ours(0, None, weight, xs, ts, gouts, vocab, reduction=reduction, impl="triton", **kw)
+    truth = _reference(weight.float(), [x.float() for x in xs], ts, gouts, reduction)
+    theirs = _reference(weight, xs, ts, gouts, reduction)
+    for name, ours, true, other in (("loss", loss, truth[0][0], theirs[0][0]), ("dX", dx, truth[1][0], theirs[1][0]),
+                                    ("dW", dw, truth[2], theirs[2])):
+        scale = _scale(true)
+        (ours_rms, ours_max), (torch_rms, torch_max) = _errors(ours, true), _errors(other, true)
+        if dtype == torch.float32:  # cuBLAS may use TF32-free fp32 GEMMs in other orders: relative 1e-5
+            assert ours_max <= 1e-5 * scale + 1e-5 * true.abs().max().item(), f"{name}: {ours_max} (scale {scale})"
+        else:
+            assert ours_rms <= 1.25 * torch_rms + 2e-3 * scale and ours_max <= 2 * torch_max + 4e-3 * scale, (
+                f"{name} {dtype} {reduction}: ours rms {ours_rms:.3e} max {ours_max:.3e}; "
+                f"PyTorch rms {torch_rms:.3e} max {torch_max:.3e}")
+
+
+@pytest.mark.gpu
+def test_gpu_peak_within_bound():
+    torch.cuda.set_device(0)
+    n, h, v, block = 4096, 1024, 50_000, 4096
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(v, h, device="cuda") / h ** 0.5).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda")
+    ring_dtp_cross_entropy(x, w, t, vocab_size=v, block_size=block, reduction="sum").backward()  # warm-up
+    x.grad = w.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ring_dtp_cross_entropy(x, w, t, vocab_size=v, block_size=block, reduction="sum").backward()
+    torch.cuda.synchronize()
+    used = torch.cuda.max_memory_allocated() - base
+    bound = ring_dtp_peak_bytes(n, h, v, 1, dtype=torch.bfloat16, block_size=block)
+    assert used <= bound < n * v * 2, f"peak {used} B above the inputs, bound {bound} B"
