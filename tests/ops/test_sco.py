@@ -346,7 +346,7 @@ def test_gpu_bitwise_no_default_stream_sync_memory_baseline():
             want = _step(ref, x, pos, scales, step)
             for t in [x, *scales, *(p for m in ours for p in m.parameters())]:
                 t.grad = None
-            g = torch.randn(x.shape, generator=torch.Generator().manual_seed(step)).to(dev, dtype)
+            g = torch.randn(x.shape, generator=torch.Generator().manual_seed(step), dtype=dtype).to(dev)  # as _step
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             baseline = torch.cuda.memory_allocated()
@@ -366,7 +366,8 @@ def test_gpu_bitwise_no_default_stream_sync_memory_baseline():
             assert sco.last_step_stats()["wait_s"] >= 0.0
             del got, hid
             grads = [x.grad, *(s.grad for s in scales), *(p.grad for m in ours for p in m.parameters())]
-            grad_bytes = sum(-(-t.numel() * t.element_size() // 512) * 512 for t in grads)  # allocator blocks
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in grads}
+            grad_bytes = sum(-(-nbytes // 512) * 512 for nbytes in storages.values())  # allocator blocks
             del grads
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -393,7 +394,8 @@ def test_gpu_peak_drops_by_the_offloaded_boundaries():
             torch.cuda.synchronize()
             peaks[budget] = torch.cuda.max_memory_allocated() - base
         del ours
-    # The backward peak holds the boundaries kept on the device, or 2 (one back for its recompute,
-    # one prefetched) once enough are offloaded: 8 -> 4 -> 2 boundaries here.
-    assert peaks[4 * size] <= peaks[0] - 3 * size, peaks
-    assert peaks[n_layers * size] <= peaks[4 * size] - size, peaks
+    # At the top layer's backward the device holds the input x (the test keeps it), the boundaries
+    # kept on the device, and for offloaded ones at most two (one back for its recompute, one
+    # prefetched): 8 -> 1 + 4 -> 1 + 2 boundaries for budgets of 0, 4 and 8 boundaries.
+    assert peaks[4 * size] <= peaks[0] - 2.5 * size, peaks
+    assert peaks[n_layers * size] <= peaks[4 * size] - 1.5 * size, peaks
