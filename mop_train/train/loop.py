@@ -117,7 +117,7 @@ def train_step(module, model, batch, optimizers, lr_schedulers, *, max_norm: flo
     return {"loss_sum": loss_sum.detach(), "n_tokens": n_tokens, "grad_norm": grad_norm, "lr": lr}
 
 
-def describe_run(cfg, layout, module, checkpointed: list[int], seed: int, device) -> str:
+def describe_run(cfg, layout, module, checkpointed: list[int], sco, seed: int, device) -> str:
     args, counts = zoo.get_model_args(cfg.model.flavor), zoo.param_counts(cfg.model.flavor)
     # DTensor parameters report their global (unsharded) numel.
     blocks = [sum(p.numel() for p in b.parameters()) for b in module.model.layers.values()]
@@ -127,7 +127,8 @@ def describe_run(cfg, layout, module, checkpointed: list[int], seed: int, device
         local_batch=t.local_batch_size, seq_len=t.seq_len, hidden=args.dim, vocab=args.vocab_size,
         top_k=args.top_k, n_layers=args.n_layers, checkpointed_layers=len(checkpointed),
         act_bytes=2 if device.type == "cuda" and t.mixed_precision_param == "bfloat16" else 4,
-        loss_chunk=module.chunk_size, optimizer_on_device=cfg.optimizer.name != OFFLOAD_ADAMW))
+        loss_chunk=module.chunk_size, optimizer_on_device=cfg.optimizer.name != OFFLOAD_ADAMW,
+        sco_host_budget=sco.host_budget_bytes if sco is not None else 0))
     return "\n".join([
         f"model {cfg.model.flavor}: {counts['total']:,} parameters ({counts['active']:,} active per token), "
         f"{args.n_layers} blocks, H={args.dim}, V={args.vocab_size}",
@@ -165,8 +166,12 @@ def train(cfg, device: torch.device) -> None:
                                       optimizers=optimizers, lr_schedulers=lr_schedulers,
                                       dataloader=dataloader, train_state=train_state)
     checkpointer.load(step=cfg.checkpoint.load_step)
+    if train_state.step == 0:  # fresh start or a model-only load: offloaded masters follow the weights
+        for opt in optimizers:
+            if hasattr(opt, "reset_masters_from_params"):
+                opt.reset_masters_from_params()
     if rank == 0:
-        print(describe_run(cfg, layout, module, checkpointed, seed, device), flush=True)
+        print(describe_run(cfg, layout, module, checkpointed, sco, seed, device), flush=True)
         if train_state.step:
             print(f"resumed from step {train_state.step} in {checkpointer.folder}", flush=True)
 
@@ -194,7 +199,7 @@ def run_steps(cfg, module, model, dataloader, optimizers, lr_schedulers, checkpo
     while train_state.step < steps:
         train_state.step += 1
         step = train_state.step
-        if sco is not None and hasattr(sco, "begin_step"):
+        if sco is not None:
             sco.begin_step()
         out = train_step(module, model, next(batches), optimizers, lr_schedulers,
                          max_norm=cfg.training.max_norm, bias_rate=cfg.mop.moe.bias_update_rate,

@@ -9,7 +9,8 @@ per live set, so that each operator can replace its own line with its bound:
   gradients    FSDP shard of the fp32 gradients                   4 * P / W
   optimizer    AdamW's two fp32 moments (0 on device when offloaded)  8 * P / W
   gathered     one block's weights unsharded in the compute dtype, x2 for prefetch
-  boundaries   retained checkpoint inputs: L_ckpt * B * S * H * act bytes
+  boundaries   retained checkpoint inputs: L_ckpt * B * S * H * act bytes, minus what SCO's
+               host budget takes (whole boundaries, greedy in forward order)
   block        one block's recomputed activations (rough: 16 * B * S * H act bytes + routed copies)
   logits       one chunk of the loss: chunk * V * 4 bytes, x3 (logits, softmax, grad)
 
@@ -43,20 +44,24 @@ class MemoryPlanInputs:
     loss_chunk: int = 1024
     optimizer_on_device: bool = True
     """False when OffloadStreamAdamW keeps the moments in host memory."""
+    sco_host_budget: int = 0
+    """SCO host bytes per rank for checkpoint boundaries (0: SCO off)."""
 
 
 def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
     """Per-rank device bytes, term by term: [(name, bytes, formula)]."""
     P, W, tokens = x.total_params, x.world_size, x.local_batch * x.seq_len
     plain_layers = x.n_layers - x.checkpointed_layers
+    boundary = tokens * x.hidden * x.act_bytes
+    offloaded = min(x.checkpointed_layers, x.sco_host_budget // boundary) if boundary else 0
     return [
         ("parameters", 4 * P // W, "fp32 shard: 4 * P / W"),
         ("gradients", 4 * P // W, "fp32 shard: 4 * P / W"),
         ("optimizer", 8 * P // W if x.optimizer_on_device else 0,
          "AdamW moments: 8 * P / W" if x.optimizer_on_device else "moments in host memory"),
         ("gathered", 2 * x.largest_block_params * x.act_bytes, "2 blocks unsharded (prefetch)"),
-        ("boundaries", x.checkpointed_layers * tokens * x.hidden * x.act_bytes,
-         f"{x.checkpointed_layers} checkpointed block inputs: B*S*H each"),
+        ("boundaries", (x.checkpointed_layers - offloaded) * boundary,
+         f"{x.checkpointed_layers} checkpointed block inputs of B*S*H, {offloaded} offloaded by SCO"),
         ("block", (max(plain_layers, 1) * 16 + 2 * x.top_k) * tokens * x.hidden * x.act_bytes,
          f"{max(plain_layers, 1)} block(s) of live activations, ~16 B*S*H + 2k routed copies"),
         ("logits", 3 * min(x.loss_chunk, tokens) * x.vocab * 4, "one loss chunk: 3 * chunk * V fp32"),

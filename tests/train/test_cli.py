@@ -28,14 +28,22 @@ def check_loss_falls(records: list[dict]) -> None:
     assert last < first - 0.5, f"loss did not fall: first 5 mean {first:.3f}, last 5 mean {last:.3f}"
 
 
-@pytest.mark.parametrize("nproc", [1, 4])
-def test_debug_trains_and_loss_falls(tmp_path, nproc):
+# The 1-rank run also switches on SCO (host budget: two of the three 32 KiB boundaries) and OffloadStreamAdamW.
+OPERATORS = ["--mop.sco.host_budget", "64KiB", "--optimizer.name", "OffloadStreamAdamW",
+             "--mop.offload_adamw.bucket_params", "40000"]
+
+
+@pytest.mark.parametrize("nproc, extra", [(1, OPERATORS), (4, [])])
+def test_debug_trains_and_loss_falls(tmp_path, nproc, extra):
     dump = str(tmp_path / "run")
     proc = run_train([*TINY, "--training.steps", str(STEPS), "--checkpoint.no-enable",
-                      "--job.dump_folder", dump, "--debug.seed", "3"], nproc=nproc)
+                      "--job.dump_folder", dump, "--debug.seed", "3", *extra], nproc=nproc)
     check_ok(proc)
-    check_loss_falls(read_metrics(dump))
+    records = read_metrics(dump)
+    check_loss_falls(records)
     assert "metrics.jsonl" in proc.stdout and "done:" in proc.stdout
+    if extra:
+        assert all(r["sco_offloaded_layers"] == 2 for r in records), records[-1]
 
 
 def test_two_ranks_train_and_resume_bitwise(tmp_path):

@@ -162,3 +162,5 @@ def test_memory_plan_terms():
     assert terms["logits"] == 3 * 4 * 50 * 4
     off = {n: b for n, b, _ in memory_plan(MemoryPlanInputs(**{**x.__dict__, "optimizer_on_device": False}))}
     assert off["optimizer"] == 0 and GIB == 2**30
+    sco = {n: b for n, b, _ in memory_plan(MemoryPlanInputs(**{**x.__dict__, "sco_host_budget": 1100}))}
+    assert sco["boundaries"] == 1 * 16 * 16 * 2  # 1100 bytes hold two 512-byte boundaries
