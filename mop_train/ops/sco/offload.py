@@ -6,13 +6,15 @@ SCO leaves the checkpoint itself untouched and intercepts only that saved input,
 saved-tensor hook around the checkpoint call:
   1. forward, wrapped calls in order: if the boundary still fits in what is left of the host
      budget, copy it into the next free bytes of a host arena (host_buffer.py: allocated once,
-     reused every step) on a side stream. The device copy is dropped at the next wrapped call (or when backward starts),
-     after the compute stream has been told to wait for that copy (a stream wait, no host sync).
+     reused every step) on a side stream. The device copy is dropped at the next wrapped call
+     (or when backward starts), after the compute stream has been told to wait for that copy
+     (a stream wait: no host synchronisation).
   2. backward: when call l's boundary is unpacked (its recompute starts), call l-1's boundary is
      copied host->device on the side stream, so it is resident one layer ahead; the compute stream
      waits on that copy's event only when it needs the tensor.
 Bytes go through both copies unchanged and the recompute sees the same shape, dtype and strides,
-so every gradient is bitwise that of plain checkpointing (reference.py).
+so every gradient is bitwise that of plain checkpointing (reference.py). The selection rule and
+the device bytes it leaves are written out in budget.py.
 
 Steps. The budget is spent in forward order; it is whole again as soon as no offloaded boundary
 is referenced by autograd (the previous step's graph was freed by its backward), so it restarts
@@ -47,7 +49,7 @@ from mop_train.ops.sco.reference import CheckpointedLayer
 
 @dataclass(eq=False)
 class _BoundaryState:
-    """One wrapped call's boundary: either kept on the device or held in a host buffer."""
+    """One wrapped call's boundary: either kept on the device or held in the host arena."""
 
     step: int
     seq: int                                # position among this step's wrapped calls
