@@ -1,0 +1,237 @@
+"""Vocabulary projection + cross-entropy, forward + backward: full logits vs Liger vs Cut CE vs Ring-DTP.
+
+    python benchmarks/vocab_projection.py                 # one GPU: N=16384, H=7168, V=200000, bf16 + fp32
+    python benchmarks/vocab_projection.py --smoke         # tiny shapes, runs on CPU too
+    torchrun --nproc_per_node=8 benchmarks/vocab_projection.py --ring   # Table 2 shape on P GPUs
+
+Every method sees the same inputs and is measured the same way, one method at a time:
+  time: CUDA events around loss + backward, after warm-up, median of repeats (gradients reset to
+        None before each pass, so their allocation is part of the pass);
+  peak: torch.cuda.max_memory_allocated() after reset_peak_memory_stats(), over one pass, minus
+        what was allocated before the pass: `above_inputs_gib` is the method's own working set plus
+        the gradients it produces; `peak_gib` adds the bytes of the inputs X, W, targets.
+The full-logits "standard" is F.cross_entropy(x @ w.T upcast to fp32). Liger and Cut CE run with
+their defaults (Cut CE filters small softmax gradients by default, so it is not exact).
+Writes JSON to $OUT/<name>.json if $OUT is set, else benchmarks/results/<name>.json (--name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mop_train.ops.ring_dtp import ring_dtp_cross_entropy, ring_dtp_peak_bytes  # noqa: E402
+
+GIB = 2 ** 30
+
+
+def standard(x, w, t, group=None):
+    return F.cross_entropy((x @ w.t()).float(), t, reduction="sum")
+
+
+def liger(x, w, t, group=None):
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    return LigerFusedLinearCrossEntropyLoss(reduction="sum")(w, x, t)
+
+
+def cut_ce(x, w, t, group=None):
+    from cut_cross_entropy import linear_cross_entropy
+    return linear_cross_entropy(x, w, t, reduction="sum")
+
+
+def ring_dtp(block_size, vocab_size, mode="auto"):
+    def run(x, w, t, group=None):
+        return ring_dtp_cross_entropy(x, w, t, group, vocab_size=vocab_size, mode=mode, reduction="sum",
+                                      block_size=block_size)
+    return run
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _one_pass(fn, x, w, t, group):
+    x.grad = w.grad = None
+    fn(x, w, t, group).backward()
+
+
+def measure(fn, x, w, t, *, group=None, warmup=1, repeats=3):
+    """Median seconds of loss + backward and the peak of one pass (CUDA; CPU: time only)."""
+    device = x.device
+    for _ in range(warmup):
+        _one_pass(fn, x, w, t, group)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            _one_pass(fn, x, w, t, group)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            begin = time.perf_counter()
+            _one_pass(fn, x, w, t, group)
+            times.append(time.perf_counter() - begin)
+    result = {"time_s": statistics.median(times)}
+    if device.type == "cuda":
+        x.grad = w.grad = None
+        _sync(device)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        _one_pass(fn, x, w, t, group)
+        _sync(device)
+        above = torch.cuda.max_memory_allocated(device) - base
+        inputs = sum(a.numel() * a.element_size() for a in (x, w, t))
+        result.update(peak_gib=(above + inputs) / GIB, above_inputs_gib=above / GIB)
+    return result
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _inputs(n, h, v_rows, dtype, device, seed):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(n, h, generator=gen, device=device, dtype=torch.float32).to(dtype).requires_grad_()
+    w = (torch.randn(v_rows, h, generator=gen, device=device) / h ** 0.5).to(dtype).requires_grad_()
+    return x, w
+
+
+def single_device(args, device):
+    rows = []
+    for dtype in args.dtypes:
+        x, w = _inputs(args.n, args.h, args.v, dtype, device, seed=0)
+        t = torch.randint(0, args.v, (args.n,), device=device)
+        methods = {"standard": standard}
+        if device.type == "cuda":
+            methods.update({"liger": liger, "cut_ce": cut_ce})
+        for b in args.block_sizes:
+            methods[f"ring_dtp b={b}"] = ring_dtp(b, args.v)
+        reference = None
+        for name, fn in methods.items():
+            row = {"method": name, "dtype": str(dtype).removeprefix("torch."), "N": args.n, "H": args.h,
+                   "V": args.v, "P": 1}
+            try:
+                row.update(measure(fn, x, w, t, warmup=args.warmup, repeats=args.repeats))
+                x.grad = w.grad = None
+                loss = fn(x, w, t)
+                loss.backward()
+                got = (loss.detach(), x.grad, w.grad)
+                if reference is None:
+                    reference = got
+                row.update({f"rel_err_{k}": _rel(a, r) for k, a, r in zip(("loss", "dx", "dw"), got, reference)})
+            except Exception as err:  # a baseline missing or failing must not hide the others
+                row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+            if name.startswith("ring_dtp") and dtype in (torch.bfloat16, torch.float32):
+                b = int(name.split("=")[1])
+                row["bound_gib"] = ring_dtp_peak_bytes(args.n, args.h, args.v, 1, dtype=dtype, block_size=b) / GIB
+            x.grad = w.grad = None
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del x, w, t, reference
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def ring(args, device):
+    """P ranks (torchrun): every rank its own N tokens; standard holds the full W, ours a shard."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    shard = -(-args.v // world)
+    lo, hi = min(args.v, rank * shard), min(args.v, (rank + 1) * shard)
+    rows = []
+    for n in args.ring_tokens:
+        for dtype in args.dtypes:
+            x, w_full = _inputs(n, args.h, args.v, dtype, device, seed=rank)
+            t = torch.randint(0, args.v, (n,), device=device)
+            w_shard = w_full.detach()[lo:hi].clone().requires_grad_()
+            cases = [("standard", standard, w_full, None)]
+            cases += [(f"ring_dtp {m}", ring_dtp(args.block_sizes[0], args.v, m), w_shard, group)
+                      for m in ("auto", "move_activations", "move_weights")]
+            for name, fn, w, g in cases:
+                row = {"method": name, "dtype": str(dtype).removeprefix("torch."), "N": n, "H": args.h,
+                       "V": args.v, "P": world}
+                row.update(measure(fn, x, w, t, group=g, warmup=args.warmup, repeats=args.repeats))
+                gathered = [None] * world
+                dist.all_gather_object(gathered, row)
+                if rank == 0:
+                    worst = max(gathered, key=lambda r: r.get("peak_gib", r["time_s"]))
+                    rows.append(worst | {"time_s": max(r["time_s"] for r in gathered)})
+                    print(json.dumps(rows[-1]), flush=True)
+            del x, w_full, w_shard
+    return rows
+
+
+def table(rows):
+    lines = [f"{'method':<27}{'dtype':<10}{'N':>7}{'P':>3}{'time s':>9}{'peak GiB':>10}{'above in.':>10}"
+             f"{'rel err dW':>12}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['method']:<27}{r['dtype']:<10}{r['N']:>7}{r['P']:>3}  {r['error'][:60]}")
+            continue
+        peak = f"{r['peak_gib']:>10.3f}{r['above_inputs_gib']:>10.3f}" if "peak_gib" in r else f"{'-':>10}{'-':>10}"
+        err = f"{r['rel_err_dw']:>12.2e}" if "rel_err_dw" in r else f"{'-':>12}"
+        lines.append(f"{r['method']:<27}{r['dtype']:<10}{r['N']:>7}{r['P']:>3}{r['time_s']:>9.4f}{peak}{err}")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU or GPU)")
+    parser.add_argument("--ring", action="store_true", help="P ranks under torchrun (Table 2 shape)")
+    parser.add_argument("--n", type=int, default=16384)
+    parser.add_argument("--h", type=int, default=7168)
+    parser.add_argument("--v", type=int, default=200_000)
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--block-sizes", default="2048,4096,8192")
+    parser.add_argument("--ring-tokens", default="16384,32768")
+    parser.add_argument("--name", default="vocab_projection", help="JSON file name (no extension)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.smoke:
+        args.n, args.h, args.v, args.ring_tokens, args.block_sizes = 96, 64, 1000, "64,160", "128,512"
+    args.dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
+    args.block_sizes = [int(b) for b in args.block_sizes.split(",")]
+    args.ring_tokens = [int(n) for n in args.ring_tokens.split(",")]
+    if args.ring:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        rows = ring(args, device)
+        is_writer = dist.get_rank() == 0
+    else:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        rows = single_device(args, device)
+        is_writer = True
+    if is_writer:
+        meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                "torch": torch.__version__, "smoke": args.smoke, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+        os.makedirs(out_dir, exist_ok=True)
+        name = f"{args.name}.json"
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        print(table(rows))
+    if args.ring:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
