@@ -36,7 +36,8 @@ from mop_train.train.data import build_dataloader, build_tokenizer, default_cach
 from mop_train.train.loss import IGNORE_INDEX, LanguageModelLoss
 from mop_train.train.metrics import MetricLogger, flops_per_token, peak_tflops
 from mop_train.train.optim import OFFLOAD_ADAMW, build_lr_schedulers, build_optimizers
-from mop_train.train.parallelize import apply_activation_checkpointing, apply_fsdp, check_layout_wired
+from mop_train.train.parallelize import (apply_activation_checkpointing, apply_fsdp, check_layout_wired,
+                                        check_titan_parallelism)
 from mop_train.train.plan import MemoryPlanInputs, format_plan, memory_plan
 
 
@@ -144,6 +145,7 @@ def train(cfg, device: torch.device) -> None:
     layout = RankLayout.build(plan_layout(world, lay.seq_degree, lay.expert_degree, lay.vocab_degree),
                               device_type=device.type)
     check_layout_wired(cfg.mop)
+    check_titan_parallelism(cfg.parallelism, cfg.training)
     if cfg.debug.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=cfg.debug.deterministic_warn_only)
     seed = seed_everything(cfg.debug.seed, device)
@@ -174,6 +176,9 @@ def train(cfg, device: torch.device) -> None:
         print(describe_run(cfg, layout, module, checkpointed, sco, seed, device), flush=True)
         if train_state.step:
             print(f"resumed from step {train_state.step} in {checkpointer.folder}", flush=True)
+        if train_state.step >= cfg.training.steps:
+            print(f"nothing to train: the checkpoint is at step {train_state.step} and training.steps = "
+                  f"{cfg.training.steps}; raise --training.steps or use a new --job.dump_folder", flush=True)
 
     metrics = MetricLogger(cfg.metrics, cfg.job.dump_folder, rank=rank, device=device,
                            run_config=cfg.to_dict())
@@ -185,10 +190,10 @@ def train(cfg, device: torch.device) -> None:
     metrics.close()
     checkpointer.close()
     if rank == 0:
-        where = checkpointer.folder if cfg.checkpoint.enable else "(checkpointing off)"
         print(f"done: metrics in {metrics.jsonl_path}"
               + (f", TensorBoard events in {metrics.tb_dir}" if cfg.metrics.enable_tensorboard else "")
-              + f", checkpoints in {where}", flush=True)
+              + (f", W&B run in {metrics.wandb_dir}" if cfg.metrics.enable_wandb else "")
+              + (f", checkpoints in {checkpointer.folder}" if cfg.checkpoint.enable else ""), flush=True)
 
 
 def run_steps(cfg, module, model, dataloader, optimizers, lr_schedulers, checkpointer, train_state,

@@ -60,6 +60,7 @@ class MetricLogger:
         self.log_freq = metrics.log_freq
         self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
         self.tb_dir = os.path.join(dump_folder, metrics.save_tb_folder)
+        self.wandb_dir = os.path.join(dump_folder, "wandb")
         if metrics.save_for_all_ranks:
             self.tb_dir = os.path.join(self.tb_dir, f"rank_{rank}")
         writes = rank == 0 or metrics.save_for_all_ranks
@@ -67,7 +68,7 @@ class MetricLogger:
         if writes and metrics.enable_tensorboard:
             self.loggers.append(TensorBoardLogger(self.tb_dir))
         if writes and metrics.enable_wandb:
-            self.loggers.append(WandBLogger(os.path.join(dump_folder, "wandb"), _AsDict(run_config)))
+            self.loggers.append(WandBLogger(self.wandb_dir, _AsDict(run_config)))
         self._jsonl = None
         if rank == 0:
             os.makedirs(dump_folder, exist_ok=True)

@@ -15,7 +15,7 @@ from mop_train.config import load_job_config
 from mop_train.train import data
 from mop_train.train.checkpoint import TrainState
 from mop_train.train.loss import chunked_cross_entropy_sum
-from mop_train.train.parallelize import check_layout_wired
+from mop_train.train.parallelize import check_layout_wired, check_titan_parallelism
 from mop_train.train.plan import GIB, MemoryPlanInputs, memory_plan
 from tests.utils import assert_close
 
@@ -148,6 +148,10 @@ def test_unwired_layouts_are_rejected():
     with pytest.raises(ValueError, match="ring_dtp"):
         check_layout_wired(cfg.mop)
     check_layout_wired(load_job_config([]).mop)
+    cfg = load_job_config(["--parallelism.tensor_parallel_degree", "2"])
+    with pytest.raises(ValueError, match="tensor_parallel_degree = 2"):
+        check_titan_parallelism(cfg.parallelism, cfg.training)
+    check_titan_parallelism(load_job_config([]).parallelism, load_job_config([]).training)
 
 
 def test_memory_plan_terms():
