@@ -239,9 +239,14 @@ def main(argv=None) -> None:
     L = len(model.layers)
     cap = cap_device_memory(model, args, device, dtype) if device.type == "cuda" else 0
     ks = sorted({0, L // 4, L // 2, (3 * L) // 4, L})
-    rows = [measure_budget(model, k, args, device, dtype) for k in ks]
-    search = {"off": largest_batch(model, False, args, device, dtype),
-              "on": largest_batch(model, True, args, device, dtype)}
+    rows = []
+    for k in ks:  # progress goes to stderr; the table is printed last
+        rows.append(measure_budget(model, k, args, device, dtype))
+        print(f"budget {k} boundaries: {rows[-1]}", file=sys.stderr, flush=True)
+    search = {}
+    for mode, sco_on in (("off", False), ("on", True)):
+        search[mode] = largest_batch(model, sco_on, args, device, dtype)
+        print(f"largest batch, SCO {mode}: {search[mode]}", file=sys.stderr, flush=True)
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke)",
             "model": "gpt-oss-20b-shape" + (" (smoke-sized)" if args.smoke else ""),
             "params": sum(p.numel() for p in model.parameters()), "layers": L, "batch": args.batch,
