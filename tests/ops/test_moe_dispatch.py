@@ -256,3 +256,29 @@ def _all_schedules_worker(rank, world):
 def test_schedules_match_local(world):
     """ep, llep and pipelined_llep against local: profiles, empty ranks, send-only ranks, K > 1."""
     run_distributed(_all_schedules_worker, world)
+
+
+def test_pipelined_saves_no_expert_intermediates():
+    """The reentrant checkpoint keeps [rows, I] expert intermediates out of the saved set, and its
+    saved inputs pass through an outer saved-tensor hook (what the decoder's checkpoint packs)."""
+    weights_full, per_rank = build_case(11, [16], "30/4", 1)
+    x, idx, wts, _ = per_rank[0]
+
+    def saved_shapes(dispatch, opts):
+        shapes = []
+
+        def pack(t):
+            shapes.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            moe_experts_forward(leaf(x), idx, leaf(wts), *[leaf(w) for w in weights_full],
+                                dispatch=dispatch, **opts)
+        return shapes
+
+    intermediates = lambda shapes: [s for s in shapes if len(s) == 2 and s[1] == I]  # noqa: E731
+    assert intermediates(saved_shapes("llep", {}))                 # the unchunked path saves them
+    chunked = saved_shapes("pipelined_llep", dict(token_budget=4))
+    assert not intermediates(chunked), chunked
+    rows_saved = [s for s in chunked if len(s) == 2 and s[1] == H]  # each chunk's received rows
+    assert len(rows_saved) >= 4, chunked                           # K = 16 / 4 chunks

@@ -53,26 +53,31 @@ def record_stats(stats: DispatchStats, chunk_received: list[int], group, device,
     stats.received_bound = received_bound
 
 
-def receive_order(recv_counts: torch.Tensor, slot_of_col: torch.Tensor | None = None
+def receive_order(recv_counts: torch.Tensor, device, slot_of_col: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Received rows arrive source-major and column-ascending within a source; regroup by slot.
 
     Args:
         recv_counts: [P, X] int64 (CPU): rows source s sends for column x (a local expert for EP,
             a global expert id for LLEP).
-        slot_of_col: [X] int64 slot each column maps to (identity if None); columns with rows
-            must map to a slot in [0, S).
+        slot_of_col: [X] int64 (CPU) slot each column maps to (identity if None); columns with
+            rows must map to a slot in [0, S).
     Returns:
-        perm [R'] (CPU; received row ids in slot-major order, stable in source), slot_counts [S].
+        perm [R'] on `device` (received row ids in slot-major order, stable in source),
+        slot_counts [S] (CPU).
     """
     P, X = recv_counts.shape
     if slot_of_col is None:
         slot_of_col = torch.arange(X)
-    slot_of_row = torch.repeat_interleave(slot_of_col.repeat(P), recv_counts.reshape(-1))  # [R']
-    perm = torch.argsort(slot_of_row, stable=True)
+    used = recv_counts.sum(0) > 0                                           # [X]
     num_slots = int(slot_of_col.max()) + 1 if X else 0
-    slot_counts = torch.bincount(slot_of_row, minlength=num_slots)
-    return perm, slot_counts
+    slot_counts = torch.zeros(num_slots, dtype=torch.int64).index_add_(
+        0, slot_of_col[used], recv_counts.sum(0)[used])                     # [S]
+    # Built on the device: R' is route-sized, the counts are not.
+    slot_of_row = torch.repeat_interleave(slot_of_col.clamp(min=0).repeat(P).to(device),
+                                          recv_counts.reshape(-1).to(device),
+                                          output_size=int(recv_counts.sum()))  # [R']
+    return torch.argsort(slot_of_row, stable=True), slot_counts
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -103,8 +108,7 @@ def exchange_and_compute(rows: torch.Tensor, route_w: torch.Tensor, send_splits:
     """
     recv_splits = recv_counts.sum(1).tolist()
     recv_rows, recv_w = all_to_all((rows, route_w), send_splits, recv_splits, group)  # [R', H], [R']
-    perm, slot_counts = receive_order(recv_counts, slot_of_col)
-    perm = perm.to(rows.device)
+    perm, slot_counts = receive_order(recv_counts, rows.device, slot_of_col)
     out = expert_fn(recv_rows[perm], recv_w[perm], slot_counts)    # [R', H]
     out = out[inverse_permutation(perm)]                           # back to arrival order
     (back,) = all_to_all((out,), recv_splits, send_splits, group)  # [R, H]

@@ -35,11 +35,12 @@ from mop_train.ops.moe_dispatch.local import local_experts_forward
 class MigrateExperts(torch.autograd.Function):
     """Copy relocated experts owner -> helper; backward sends the copies' grads back to the owner.
 
-    Returns (f1, f2, f3, anchor): [F, ...] foreign copies in this rank's slot order, and a zero
-    scalar to add to the layer output so this backward runs on every rank."""
+    Returns (f1, f2, f3, anchor): [F, ...] foreign copies in this rank's slot order (filled once
+    `ticket` has been waited on, e.g. by AllToAllWait), and a zero scalar to add to the layer
+    output so this backward runs on every rank."""
 
     @staticmethod
-    def forward(ctx, transfers, rank, experts_per_rank, group, w1, w2, w3):
+    def forward(ctx, ticket, transfers, rank, experts_per_rank, group, w1, w2, w3):
         ctx.transfers, ctx.rank, ctx.M, ctx.group = transfers, rank, experts_per_rank, group
         foreign = [e for e, h in transfers if h == rank]
         outs = [w.new_empty((len(foreign),) + tuple(w.shape[1:])) for w in (w1, w2, w3)]
@@ -53,7 +54,8 @@ class MigrateExperts(torch.autograd.Function):
                 slot = foreign.index(e)
                 ops += [dist.P2POp(dist.irecv, o[slot], dist.get_global_rank(group, owner), group)
                         for o in outs]
-        _run_p2p(ops)
+        if ops:
+            ticket.works += dist.batch_isend_irecv(ops)
         ctx.weight_meta = [(w.shape, w.dtype, w.device) for w in (w1, w2, w3)]
         return (*outs, w1.new_zeros(()))
 
@@ -78,19 +80,15 @@ class MigrateExperts(torch.autograd.Function):
                 slot = foreign.index(e)
                 ops += [dist.P2POp(dist.isend, g[slot].contiguous(), dist.get_global_rank(group, owner),
                                    group) for g in grads]
-        _run_p2p(ops)
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
         if not sent:
-            return (None,) * 7
+            return (None,) * 8
         local = torch.tensor([e - rank * M for e, _ in sent], device=bufs[0].device)
         dw = [torch.zeros(s, dtype=d, device=dev).index_add_(0, local, b)
               for (s, d, dev), b in zip(ctx.weight_meta, bufs)]
-        return (None, None, None, None, *dw)
-
-
-def _run_p2p(ops) -> None:
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        return (None, None, None, None, None, *dw)
 
 
 def slot_swiglu(rows, route_w, slot_counts, w1, w2, w3, f1, f2, f3, num_native: int):
@@ -143,7 +141,9 @@ def _plan_chunks(indices, plan, C, chunk_of_token, num_chunks, group) -> list[_C
     flat = indices.reshape(-1)                                               # [R]
     order = torch.argsort(flat, stable=True)                                 # expert-sorted routes
     dest = torch.empty_like(flat)
-    dest[order] = plan.route_destinations(C, rank).to(device)                # [R] plan destination
+    ranks, runs = plan.destination_runs(C, rank)
+    dest[order] = torch.repeat_interleave(ranks.to(device), runs.to(device),
+                                          output_size=flat.numel())       # [R] plan destination
     chunk = chunk_of_token.to(device).repeat_interleave(k)                   # [R]
     key = (chunk * P + dest) * E + flat                                      # (chunk, dest, expert)
     send_order = torch.argsort(key, stable=True)                             # [R]
@@ -154,8 +154,7 @@ def _plan_chunks(indices, plan, C, chunk_of_token, num_chunks, group) -> list[_C
     chunks, start = [], 0
     for i in range(num_chunks):
         n = int(send_counts[i].sum())
-        perm, slot_counts = receive_order(recv_counts[:, i, :], slots)
-        perm = perm.to(device)
+        perm, slot_counts = receive_order(recv_counts[:, i, :], device, slots)
         chunks.append(_Chunk(send_order[start:start + n], send_counts[i].sum(1).tolist(),
                              recv_counts[:, i, :].sum(1).tolist(), perm, inverse_permutation(perm),
                              slot_counts))
@@ -178,8 +177,9 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
     """
     k, M = indices.shape[1], w1.shape[0]
     rank = group_rank(group)
-    f1, f2, f3, anchor = MigrateExperts.apply(plan.transfers, rank, M, group, w1, w2, w3)
     chunks = _plan_chunks(indices, plan, C, chunk_of_token, num_chunks, group)
+    migration = Ticket()          # the weight copies travel while the first dispatch is issued
+    f1, f2, f3, anchor = MigrateExperts.apply(migration, plan.transfers, rank, M, group, w1, w2, w3)
     w_flat = weights.reshape(-1)                                             # [R]
 
     def launch_dispatch(c: _Chunk):
@@ -188,6 +188,9 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
                                            x[c.ids // k], w_flat[c.ids])
 
     def expert_matmul(rows, route_w, slot_counts):
+        nonlocal f1, f2, f3
+        if migration.works:
+            f1, f2, f3 = AllToAllWait.apply(migration, f1, f2, f3)
         args = (rows, route_w, slot_counts, w1, w2, w3, f1, f2, f3, M)
         if checkpoint_experts and torch.is_grad_enabled() and any(
                 t.requires_grad for t in args if isinstance(t, torch.Tensor)):
@@ -233,6 +236,6 @@ def llep_experts_forward(x, indices, weights, w1, w2, w3, group, *, alpha: float
             record_stats(stats, [indices.numel()], group, x.device)
         return local_experts_forward(x, indices, weights, w1, w2, w3)
     plan, C = build_plan(indices, w1.shape[0] * P, group, options)
-    chunk_of_token = torch.zeros(x.shape[0], dtype=torch.int64)
+    chunk_of_token = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
     return run_chunks(x, indices, weights, w1, w2, w3, group, plan, C, chunk_of_token, 1,
                       checkpoint_experts=False, stats=stats)

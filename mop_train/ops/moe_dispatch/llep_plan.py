@@ -58,16 +58,20 @@ class LLEPPlan:
         S.index_put_((src, g.expand_as(overlap), e.expand_as(overlap)), overlap, accumulate=True)
         return S
 
-    def route_destinations(self, counts: torch.Tensor, rank: int) -> torch.Tensor:
-        """Destination rank of each of `rank`'s routes in expert-sorted (stable) order -> [R]."""
+    def destination_runs(self, counts: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rank`'s routes in expert-sorted (stable) order form runs: (rank of each run [Q], length
+        of each run [Q]); expanding them gives every route's destination."""
         if not self.ranges:
-            return torch.zeros(0, dtype=torch.int64)
+            return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
         q = torch.tensor(self.ranges, dtype=torch.int64)
         lo = (torch.cumsum(counts, 0) - counts)[rank]                        # [E]
         hi = lo + counts[rank]
         e, g, s, t = q.unbind(1)
-        overlap = (torch.minimum(t, hi[e]) - torch.maximum(s, lo[e])).clamp(min=0)  # [Q]
-        return torch.repeat_interleave(g, overlap)
+        return g, (torch.minimum(t, hi[e]) - torch.maximum(s, lo[e])).clamp(min=0)
+
+    def route_destinations(self, counts: torch.Tensor, rank: int) -> torch.Tensor:
+        """Destination rank of each of `rank`'s routes in expert-sorted (stable) order -> [R]."""
+        return torch.repeat_interleave(*self.destination_runs(counts, rank))
 
 
 def _fill_helpers(e, remaining, offset, others, eff, cap, m, assign, resort):

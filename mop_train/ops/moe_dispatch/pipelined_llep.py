@@ -46,9 +46,9 @@ def num_chunks(num_tokens: int, token_budget: int, max_chunks: int, group, devic
     return K, math.ceil(n_max / K)
 
 
-def chunk_membership(num_tokens: int, K: int, membership: str) -> torch.Tensor:
+def chunk_membership(num_tokens: int, K: int, membership: str, device=None) -> torch.Tensor:
     """[N] chunk id of each local token position."""
-    pos = torch.arange(num_tokens)
+    pos = torch.arange(num_tokens, device=device)
     if membership == "strided":
         return pos % K
     return pos // max(1, math.ceil(num_tokens / K))
@@ -75,5 +75,5 @@ def pipelined_llep_experts_forward(x, indices, weights, w1, w2, w3, group, *, to
                    imbalance_threshold=imbalance_threshold)
     plan, C = build_plan(indices, w1.shape[0] * P, group, options)
     return run_chunks(x, indices, weights, w1, w2, w3, group, plan, C,
-                      chunk_membership(N, K, membership), K, checkpoint_experts=True, stats=stats,
+                      chunk_membership(N, K, membership, x.device), K, checkpoint_experts=True, stats=stats,
                       received_bound=max_received_bound(P, k, c_eff))

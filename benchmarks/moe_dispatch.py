@@ -1,0 +1,241 @@
+"""Expert dispatch: standard EP, LLEP and PipelinedLLEP over the paper's routing profiles (B.2).
+
+One MoE expert layer at the paper's shape (H=7168, I=2048, E=384 experts, top-8, bf16; its models of
+section 4 / Appendix A), N tokens per rank routed by each profile, sharded over all ranks (E_p = W).
+Per schedule, profile and N: forward latency, forward+backward latency, and the largest peak
+allocated memory across ranks over each pass (torch.cuda.max_memory_allocated, reset before the
+pass). Each repeat is the mean of --iters passes timed with CUDA events after a warm-up; the table
+shows the lowest of --repeats repeats (the paper's B.5 reading), the JSON keeps them all.
+
+On one GPU nothing is relocated and nothing is sent: "ep" and "llep" are the unchunked local expert
+compute and "pipelined_llep" is the chunked one (K chunks, reentrant checkpoint per chunk), so the
+single-rank rows measure chunking alone; they are labelled "1-rank".
+
+    torchrun --nproc_per_node=8 benchmarks/moe_dispatch.py          # all GPUs of a host
+    torchrun --nproc_per_node=1 benchmarks/moe_dispatch.py          # one GPU (single-rank figures)
+    python benchmarks/moe_dispatch.py --smoke                       # CPU, 2 gloo ranks, tiny shapes
+JSON goes to $OUT/moe_dispatch.json if OUT is set, else benchmarks/results/moe_dispatch.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mop_train.ops.moe_dispatch import DispatchStats, moe_experts_forward  # noqa: E402
+from mop_train.ops.routing_profiles import PROFILES, routing_profile  # noqa: E402
+
+GiB = 2 ** 30
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[65536, 32768], help="tokens per rank")
+    p.add_argument("--profiles", nargs="+", default=list(PROFILES))
+    p.add_argument("--modes", nargs="+", default=["ep", "llep", "pipelined_llep"])
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--inter", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=384)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--token-budget", type=int, default=4096, help="PipelinedLLEP c")
+    p.add_argument("--max-chunks", type=int, default=10, help="PipelinedLLEP K_max")
+    p.add_argument("--membership", default="strided", choices=["strided", "contiguous"])
+    p.add_argument("--alpha", type=float, default=1.0)
+    p.add_argument("--min-tokens-per-gemm", type=int, default=1024)
+    p.add_argument("--imbalance-threshold", type=float, default=1.3)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--iters", type=int, default=2, help="timed passes per repeat")
+    p.add_argument("--no-backward", action="store_true", help="forward passes only")
+    p.add_argument("--smoke", action="store_true", help="CPU, 2 gloo ranks, tiny shapes")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.tokens, args.hidden, args.inter, args.experts, args.top_k = [48, 20], 16, 16, 32, 4
+        args.token_budget, args.min_tokens_per_gemm, args.repeats, args.iters = 8, 4, 2, 1
+    return args
+
+
+def schedule_options(mode, args, stats=None):
+    opts = {} if stats is None else {"stats": stats}
+    if mode in ("llep", "pipelined_llep"):
+        opts.update(alpha=args.alpha, min_tokens_per_gemm=args.min_tokens_per_gemm,
+                     imbalance_threshold=args.imbalance_threshold)
+    if mode == "pipelined_llep":
+        opts.update(token_budget=args.token_budget, max_chunks=args.max_chunks,
+                    membership=args.membership)
+    return opts
+
+
+class Timer:
+    """Wall time of a pass: CUDA events on GPU, perf_counter on CPU."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __call__(self, fn):
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(self.device)
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def measure(run_pass, device, group, args):
+    """(lowest repeat seconds, all repeat seconds, max peak GiB across ranks) of `run_pass`."""
+    timer = Timer(device)
+    run_pass()                                                    # warm-up
+    repeats, peak = [], 0.0
+    for _ in range(args.repeats):
+        times = []
+        for _ in range(args.iters):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            if group is not None:
+                dist.barrier(group)
+            times.append(timer(run_pass))
+            if device.type == "cuda":
+                peak = max(peak, torch.cuda.max_memory_allocated(device) / GiB)
+        repeats.append(statistics.mean(times))
+    stats = torch.tensor([max(repeats), peak], dtype=torch.float64, device=device)
+    if group is not None:
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)  # the slowest rank sets the time
+    return min(repeats), repeats, float(stats[1])
+
+
+def bench_row(mode, profile, n, weights, group, device, dtype, args):
+    rank = dist.get_rank(group) if group is not None else 0
+    gen = torch.Generator(device=device).manual_seed(1000 + rank)
+    x = torch.randn(n, args.hidden, device=device, dtype=dtype, generator=gen).requires_grad_(True)
+    idx, wts = routing_profile(profile, n, args.experts, args.top_k, device=device)
+    wts.requires_grad_(True)
+    grad = torch.randn(n, args.hidden, device=device, dtype=dtype, generator=gen)
+
+    def forward():
+        return moe_experts_forward(x, idx, wts, *weights, dispatch=mode, group=group,
+                                   **schedule_options(mode, args))
+
+    def fwd_bwd():
+        forward().backward(grad)
+        x.grad = wts.grad = None
+        for w in weights:
+            w.grad = None
+
+    stats = DispatchStats()                                       # one untimed pass for the counters
+    moe_experts_forward(x, idx, wts, *weights, dispatch=mode, group=group,
+                        **schedule_options(mode, args, stats))
+    row = dict(mode=mode, profile=profile, tokens_per_rank=n, K=stats.num_chunks,
+               relocated_routes=stats.relocated_routes, migrated_experts=stats.migrated_experts,
+               max_received=stats.last_chunk_max_received, received_bound=stats.received_bound)
+    try:
+        row["fwd_s"], row["fwd_repeats_s"], row["fwd_peak_gib"] = measure(
+            lambda: forward(), device, group, args)
+        if not args.no_backward:
+            row["fwd_bwd_s"], row["fwd_bwd_repeats_s"], row["fwd_bwd_peak_gib"] = measure(
+                fwd_bwd, device, group, args)
+    except torch.cuda.OutOfMemoryError:
+        row["oom"] = True                                         # on one rank only a 1-rank run survives this
+        x.grad = wts.grad = None
+        torch.cuda.empty_cache()
+    return row
+
+
+def run(args):
+    distributed = "RANK" in os.environ or args.smoke
+    if distributed and not dist.is_initialized():
+        backend = "gloo" if args.smoke or not torch.cuda.is_available() else "nccl"
+        dist.init_process_group(backend)
+    world = dist.get_world_size() if distributed else 1
+    rank = dist.get_rank() if distributed else 0
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
+        and not args.smoke else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.experts % world:
+        raise ValueError(f"--experts {args.experts} must be divisible by the {world} ranks")
+    group = dist.group.WORLD if world > 1 else None
+    M = args.experts // world
+    gen = torch.Generator(device=device).manual_seed(rank)
+    weights = [(torch.randn(M, *shape, device=device, dtype=dtype, generator=gen) * 0.02).requires_grad_(True)
+               for shape in ((args.inter, args.hidden), (args.hidden, args.inter), (args.inter, args.hidden))]
+    modes = args.modes if world > 1 else [m for m in args.modes if m != "llep"]  # llep == ep at 1 rank
+    rows = []
+    for n in args.tokens:
+        for profile in args.profiles:
+            for mode in modes:
+                row = bench_row(mode, profile, n, weights, group, device, dtype, args)
+                row["label"] = f"{world}-rank" if world > 1 else (
+                    "1-rank unchunked" if mode == "ep" else "1-rank chunked")
+                rows.append(row)
+                if rank == 0:
+                    print(json.dumps(row), flush=True)
+    if rank == 0:
+        report(rows, args, world, device)
+    return rows
+
+
+def report(rows, args, world, device):
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                world_size=world, torch=torch.__version__, args=vars(args))
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "moe_dispatch.json")
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"\n{meta['device']} x{world}, H={args.hidden} I={args.inter} E={args.experts} "
+          f"k={args.top_k} c={args.token_budget} K_max={args.max_chunks}; lowest of {args.repeats} "
+          f"repeats; peak = max over ranks (GiB); JSON: {path}")
+    head = f"{'tokens':>7} {'profile':>8} {'mode':>15} {'label':>17} {'K':>3} {'reloc':>8} " \
+           f"{'fwd ms':>9} {'fwd GiB':>8} {'f+b ms':>9} {'f+b GiB':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        def cell(key, scale, width):
+            return f"{r[key] * scale:{width}.1f}" if key in r else f"{'OOM' if r.get('oom') else '-':>{width}}"
+        print(f"{r['tokens_per_rank']:>7} {r['profile']:>8} {r['mode']:>15} {r['label']:>17} {r['K']:>3} "
+              f"{r['relocated_routes']:>8} {cell('fwd_s', 1e3, 9)} {cell('fwd_peak_gib', 1, 8)} "
+              f"{cell('fwd_bwd_s', 1e3, 9)} {cell('fwd_bwd_peak_gib', 1, 8)}")
+
+
+def _smoke_worker(rank, world, port, argv):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        run(parse_args(argv))
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.smoke and "RANK" not in os.environ:
+        import socket
+        import torch.multiprocessing as mp
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_smoke_worker, args=(2, port, argv if argv is not None else sys.argv[1:]), nprocs=2)
+        return
+    run(args)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
