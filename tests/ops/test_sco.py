@@ -233,6 +233,23 @@ def test_boundary_must_be_first_positional_tensor():
         SelectiveCheckpointOffload(1 << 20, device="meta").wrap(ToyLayer(4, 4))(x, pos, scale=torch.ones(4))
 
 
+def test_boundary_saved_outside_the_checkpoint_machinery():
+    """Older torch checkpoints save their inputs through a custom autograd.Function next to a
+    zero-size dummy; any save of the boundary made under the hooks must take the same route."""
+    sco = SelectiveCheckpointOffload(1 << 20)
+    x = torch.randn(5, 7, requires_grad=True)
+    pos = torch.randn(5, 7, requires_grad=True)
+    dummy = torch.empty(0, requires_grad=True)
+    h = x * 3  # the boundary: a non-leaf, as a layer input is
+    with sco.saving_boundary(0, (h, pos), {}):
+        y = h * pos + dummy.sum()  # mul saves h and pos; sum saves nothing
+    del h
+    assert sco.offloaded_layers == [0]
+    y.backward(torch.ones_like(y))
+    assert_bitwise_equal(pos.grad, x.detach() * 3, name="pos.grad from the host copy")
+    assert_bitwise_equal(x.grad, 3 * pos.detach(), name="x.grad")
+
+
 def test_nested_reentrant_checkpoint():
     h, n = 16, 10
     torch.manual_seed(7)
