@@ -94,7 +94,7 @@ class Timer:
 
 
 def measure(run_pass, device, group, args):
-    """(lowest repeat seconds, all repeat seconds, max peak GiB across ranks) of `run_pass`."""
+    """(lowest repeat seconds, all repeat seconds, max peak GiB across ranks or None on CPU)."""
     timer = Timer(device)
     run_pass()                                                    # warm-up
     repeats, peak = [], 0.0
@@ -112,7 +112,7 @@ def measure(run_pass, device, group, args):
     stats = torch.tensor([max(repeats), peak], dtype=torch.float64, device=device)
     if group is not None:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)  # the slowest rank sets the time
-    return min(repeats), repeats, float(stats[1])
+    return min(repeats), repeats, float(stats[1]) if device.type == "cuda" else None
 
 
 def bench_row(mode, profile, n, weights, group, device, dtype, args):
@@ -136,7 +136,8 @@ def bench_row(mode, profile, n, weights, group, device, dtype, args):
     stats = DispatchStats()                                       # one untimed pass for the counters
     moe_experts_forward(x, idx, wts, *weights, dispatch=mode, group=group,
                         **schedule_options(mode, args, stats))
-    row = dict(mode=mode, profile=profile, tokens_per_rank=n, K=stats.num_chunks,
+    resident = torch.cuda.memory_allocated(device) / GiB if device.type == "cuda" else None
+    row = dict(mode=mode, profile=profile, tokens_per_rank=n, K=stats.num_chunks, resident_gib=resident,
                relocated_routes=stats.relocated_routes, migrated_experts=stats.migrated_experts,
                max_received=stats.last_chunk_max_received, received_bound=stats.received_bound)
     try:
@@ -198,14 +199,17 @@ def report(rows, args, world, device):
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(f"\n{meta['device']} x{world}, H={args.hidden} I={args.inter} E={args.experts} "
           f"k={args.top_k} c={args.token_budget} K_max={args.max_chunks}; lowest of {args.repeats} "
-          f"repeats; peak = max over ranks (GiB); JSON: {path}")
+          f"repeats; peak = max over ranks of max_memory_allocated (GiB, incl. resident weights); "
+          f"JSON: {path}")
     head = f"{'tokens':>7} {'profile':>8} {'mode':>15} {'label':>17} {'K':>3} {'reloc':>8} " \
            f"{'fwd ms':>9} {'fwd GiB':>8} {'f+b ms':>9} {'f+b GiB':>8}"
     print(head)
     print("-" * len(head))
     for r in rows:
         def cell(key, scale, width):
-            return f"{r[key] * scale:{width}.1f}" if key in r else f"{'OOM' if r.get('oom') else '-':>{width}}"
+            if r.get(key) is not None:
+                return f"{r[key] * scale:{width}.{1 if scale > 1 else 2}f}"
+            return f"{'OOM' if r.get('oom') else '-':>{width}}"
         print(f"{r['tokens_per_rank']:>7} {r['profile']:>8} {r['mode']:>15} {r['label']:>17} {r['K']:>3} "
               f"{r['relocated_routes']:>8} {cell('fwd_s', 1e3, 9)} {cell('fwd_peak_gib', 1, 8)} "
               f"{cell('fwd_bwd_s', 1e3, 9)} {cell('fwd_bwd_peak_gib', 1, 8)}")

@@ -191,7 +191,8 @@ def _check_pipelined_extras(rank, world, seed, tokens, kind, budget):
         assert len(stats.chunk_received) == K
         assert stats.received_bound == max_received_bound(world, K_TOP, budget)
         assert 0 < stats.last_chunk_max_received <= stats.received_bound, stats
-        assert max(stats.chunk_received) <= stats.last_chunk_max_received
+        assert all(mine <= top for mine, top in zip(stats.chunk_received, stats.chunk_max_received))
+        assert max(stats.chunk_max_received) == stats.last_chunk_max_received
     s, c = results["strided"], results["contiguous"]
     for name, a, b in zip(("y", "grad x", "grad weights"), s[:3], c[:3]):
         assert_close(a, b, rtol=1e-6, name=f"strided vs contiguous {name} [{kind}]")
@@ -242,7 +243,14 @@ def _ep_stats_case(rank, world):
     assert stats.chunk_received == [everything if rank == 0 else 0]
 
 
+def _no_tokens_anywhere(rank, world):
+    for i, (dispatch, opts) in enumerate([("ep", {}), ("llep", LLEP_OPTIONS[0]),
+                                          ("pipelined_llep", dict(token_budget=2))]):
+        check_case(rank, world, dispatch, opts, 500 + i, [0] * world, "random", i == 2)
+
+
 def _all_schedules_worker(rank, world):
+    _no_tokens_anywhere(rank, world)
     _ep_worker(rank, world)
     _ep_stats_case(rank, world)
     _llep_worker(rank, world)

@@ -7,8 +7,8 @@ Rank r of the expert group owns experts [r*E_l, (r+1)*E_l). Each route travels t
   4. the receiver regroups rows by local expert, runs the grouped SwiGLU and scales by the weight;
   5. combine: the reverse all-to-all returns each route's output; sum over the k slots per token.
 Backward is the same exchanges reversed (autograd). At group size 1 this is `dispatch="local"`.
-The receive-side stages here (`receive_order`, `weighted_experts`, `exchange_and_compute`) are shared
-with LLEP and PipelinedLLEP. Paper: section 3.1 (the baseline PipelinedLLEP is measured against).
+`receive_order`, `weighted_experts` and `DispatchStats` are shared with LLEP and PipelinedLLEP.
+Paper: section 3.1 (the baseline PipelinedLLEP is measured against).
 
 Legend: N tokens, H hidden, I expert hidden width, E experts, E_l = E / P local experts, k top-k,
 R = N*k routes, P expert-group size, S expert slots on the receiver (E_l for EP).
@@ -35,7 +35,8 @@ class DispatchStats:
     relocated_routes: int = 0                            # routes computed off their owner (group total)
     migrated_experts: int = 0                            # (expert, helper) weight copies
     chunk_received: list[int] = field(default_factory=list)  # routes this rank received, per chunk
-    last_chunk_max_received: int = 0                     # max over chunks and destinations (group)
+    chunk_max_received: list[int] = field(default_factory=list)  # per chunk, max over destinations
+    last_chunk_max_received: int = 0                     # max over chunks and destinations
     received_bound: int = 0                              # E_p * k * c_eff, the receiver bound
 
 
@@ -49,7 +50,8 @@ def record_stats(stats: DispatchStats, chunk_received: list[int], group, device,
     peak = torch.tensor(chunk_received, dtype=torch.int64, device=device)
     if group_size(group) > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    stats.last_chunk_max_received = int(peak.max())
+    stats.chunk_max_received = peak.tolist()
+    stats.last_chunk_max_received = max(stats.chunk_max_received)
     stats.received_bound = received_bound
 
 
