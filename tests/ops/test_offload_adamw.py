@@ -282,10 +282,13 @@ def test_host_state_owns_whole_pages():
     for numel in (0, 1, 81, 5000):
         state, registered = allocate_host_state(numel, pin=False)
         assert state.shape == (3, numel) and state.dtype == torch.float32 and not registered
-        assert numel == 0 or state.data_ptr() % mmap.PAGESIZE == 0
-        pages_end = state.data_ptr() + -(-state.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        if numel == 0:
+            continue
         storage = state.untyped_storage()
-        assert pages_end <= storage.data_ptr() + storage.nbytes()  # padded pages are ours
+        assert state.data_ptr() == storage.data_ptr() and storage.data_ptr() % mmap.PAGESIZE == 0
+        assert storage.nbytes() == -(-state.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages
+        state.fill_(1.5)
+        assert float(state.sum()) == 1.5 * state.numel()
 
 
 @pytest.mark.parametrize("bucket_params", [1, 3, 7, 64])

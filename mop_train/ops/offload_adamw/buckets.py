@@ -98,9 +98,10 @@ def allocate_host_state(numel: int, pin: bool) -> tuple[torch.Tensor, bool]:
     page = mmap.PAGESIZE
     nbytes = STATE_ROWS * numel * FP32_BYTES
     span = -(-nbytes // page) * page
-    raw = torch.empty(span + page, dtype=torch.uint8)
+    raw = torch.empty(span + page, dtype=torch.uint8).untyped_storage()
     start = (-raw.data_ptr()) % page
-    state = raw[start:start + nbytes].view(torch.float32).view(STATE_ROWS, numel)
+    # a storage that starts on the page boundary (it keeps `raw` alive), so is_pinned() sees it
+    state = torch.empty(0, dtype=torch.float32).set_(raw[start:start + span], 0, (STATE_ROWS, numel))
     if not pin or numel == 0:
         return state, False
     err = int(torch.cuda.cudart().cudaHostRegister(state.data_ptr(), span, 0))
