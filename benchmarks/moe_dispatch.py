@@ -9,7 +9,9 @@ shows the lowest of --repeats repeats (the paper's B.5 reading), the JSON keeps 
 
 On one GPU nothing is relocated and nothing is sent: "ep" and "llep" are the unchunked local expert
 compute and "pipelined_llep" is the chunked one (K chunks, reentrant checkpoint per chunk), so the
-single-rank rows measure chunking alone; they are labelled "1-rank".
+single-rank rows measure chunking alone; they are labelled "1-rank". On several GPUs a standard-EP
+row whose busiest receiver would not fit (estimated from the routing counts) is reported as OOM
+without running it, since an OOM on one rank would hang the others in a collective.
 
     torchrun --nproc_per_node=8 benchmarks/moe_dispatch.py          # all GPUs of a host
     torchrun --nproc_per_node=1 benchmarks/moe_dispatch.py          # one GPU (single-rank figures)
@@ -115,7 +117,26 @@ def measure(run_pass, device, group, args):
     return min(repeats), repeats, float(stats[1]) if device.type == "cuda" else None
 
 
+def ep_exceeds_memory(profile, n, group, device, dtype, args) -> bool:
+    """Whether standard EP's busiest receiver would run out of memory (estimated, same on all
+    ranks): an OOM on one rank would leave the others waiting in a collective forever."""
+    if group is None or device.type != "cuda":
+        return False
+    world = dist.get_world_size(group)
+    idx, _ = routing_profile(profile, n, args.experts, args.top_k)
+    per_owner = torch.bincount(idx.reshape(-1), minlength=args.experts).view(world, -1).sum(1)
+    received = int(per_owner.max()) * world                       # every rank routes alike
+    elem = torch.finfo(dtype).bits // 8
+    need = received * (8 * args.hidden + 6 * args.inter) * elem   # live route-sized tensors, fwd+bwd
+    free = torch.tensor([torch.cuda.mem_get_info(device)[0]], dtype=torch.int64, device=device)
+    dist.all_reduce(free, op=dist.ReduceOp.MIN, group=group)
+    return need > 0.9 * int(free)
+
+
 def bench_row(mode, profile, n, weights, group, device, dtype, args):
+    if mode == "ep" and ep_exceeds_memory(profile, n, group, device, dtype, args):
+        return dict(mode=mode, profile=profile, tokens_per_rank=n, K=1, relocated_routes=0,
+                    oom="estimated, not run")
     rank = dist.get_rank(group) if group is not None else 0
     gen = torch.Generator(device=device).manual_seed(1000 + rank)
     x = torch.randn(n, args.hidden, device=device, dtype=dtype, generator=gen).requires_grad_(True)
