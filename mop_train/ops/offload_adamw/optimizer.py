@@ -37,7 +37,7 @@ _ROW = {"master": 0, "exp_avg": 1, "exp_avg_sq": 2}  # rows of the [3, N] host s
 
 @dataclass
 class OffloadStepStats:
-    """What the last step moved. `seconds` spans first copy-in to last write-back (see step_seconds)."""
+    """What the last step moved (its duration: `OffloadStreamAdamW.step_seconds()`)."""
 
     buckets: int = 0
     h2d_bytes: int = 0
