@@ -15,7 +15,10 @@ The embedded assets are built deterministically at first use into `<cache_dir>/e
 Documents are tokenized with BOS/EOS and concatenated; every sample is a window of seq_len + 1
 tokens (input = first S, labels = last S), by torchtitan's HuggingFaceTextDataset, whose resumable
 position (sample index + token buffer) goes into the checkpoint through the StatefulDataLoader.
-Each data-parallel rank reads a disjoint shard of the documents.
+Each data-parallel rank reads a disjoint shard of the documents. Attention does not see document
+boundaries yet (the model takes one position vector per batch): packed documents attend across EOS.
+
+Legend: B local batch, S sequence length.
 """
 
 from __future__ import annotations

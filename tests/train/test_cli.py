@@ -51,8 +51,10 @@ def test_two_ranks_train_and_resume_bitwise(tmp_path):
     common = [*TINY, "--debug.seed", "11", "--checkpoint.enable", "--checkpoint.interval", "4",
               "--checkpoint.no-last_save_model_only"]
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    check_ok(run_train([*common, "--training.steps", str(STEPS), "--job.dump_folder", straight], nproc=2))
+    check_ok(run_train([*common, "--training.steps", str(STEPS), "--job.dump_folder", straight,
+                        "--metrics.enable_tensorboard"], nproc=2))
     check_loss_falls(read_metrics(straight))
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(os.path.join(straight, "tb")))
     check_ok(run_train([*common, "--training.steps", "4", "--job.dump_folder", resumed], nproc=2))
     assert os.path.isdir(os.path.join(resumed, "checkpoint", "step-4"))
     proc = run_train([*common, "--training.steps", "8", "--job.dump_folder", resumed], nproc=2)
