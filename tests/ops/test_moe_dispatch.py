@@ -249,7 +249,27 @@ def _no_tokens_anywhere(rank, world):
         check_case(rank, world, dispatch, opts, 500 + i, [0] * world, "random", i == 2)
 
 
+def _bf16_case(rank, world):
+    """In bf16 each schedule's error against the fp32 truth is no worse than local's own (x1.5)."""
+    weights_full, per_rank = build_case(600, [24 + 5 * r for r in range(world)], "80/16", world)
+    M = E // world
+    x, idx, wts, g = per_rank[rank]
+    truth = local_experts_forward(x, idx, wts, *weights_full)
+    bf = lambda ts: [t.bfloat16() for t in ts]  # noqa: E731
+    local_err = (local_experts_forward(*bf([x]), idx, wts, *bf(weights_full)).float() - truth).abs().max()
+    for dispatch, opts in [("ep", {}), ("llep", LLEP_OPTIONS[0]),
+                           ("pipelined_llep", dict(LLEP_OPTIONS[0], token_budget=8))]:
+        shards = bf([w[rank * M:(rank + 1) * M] for w in weights_full])
+        y, gx, gw, gshards = run_schedule(dispatch, opts, x.bfloat16(), idx, wts, g.bfloat16(), shards,
+                                          dist.group.WORLD, False)
+        assert y.dtype == gx.dtype == torch.bfloat16 and gw.dtype == wts.dtype
+        assert all(gs.dtype == torch.bfloat16 for gs in gshards)
+        err = (y.float() - truth).abs().max()
+        assert err <= 1.5 * local_err + 1e-6, (dispatch, float(err), float(local_err))
+
+
 def _all_schedules_worker(rank, world):
+    _bf16_case(rank, world)
     _no_tokens_anywhere(rank, world)
     _ep_worker(rank, world)
     _ep_stats_case(rank, world)
