@@ -33,7 +33,7 @@ from mop_train.models import zoo
 from mop_train.models.model import MoETransformer
 from mop_train.train.checkpoint import TrainState, build_checkpointer
 from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir
-from mop_train.train.loss import IGNORE_INDEX, LanguageModelLoss
+from mop_train.train.loss import CHUNK_SIZE, IGNORE_INDEX, LanguageModelLoss
 from mop_train.train.metrics import MetricLogger, flops_per_token, peak_tflops
 from mop_train.train.optim import OFFLOAD_ADAMW, build_lr_schedulers, build_optimizers
 from mop_train.train.parallelize import (apply_activation_checkpointing, apply_fsdp, check_layout_wired,
@@ -128,7 +128,7 @@ def describe_run(cfg, layout, module, checkpointed: list[int], sco, seed: int, d
         local_batch=t.local_batch_size, seq_len=t.seq_len, hidden=args.dim, vocab=args.vocab_size,
         top_k=args.top_k, n_layers=args.n_layers, checkpointed_layers=len(checkpointed),
         act_bytes=2 if device.type == "cuda" and t.mixed_precision_param == "bfloat16" else 4,
-        loss_chunk=module.chunk_size, optimizer_on_device=cfg.optimizer.name != OFFLOAD_ADAMW,
+        loss_chunk=CHUNK_SIZE, optimizer_on_device=cfg.optimizer.name != OFFLOAD_ADAMW,
         sco_host_budget=sco.host_budget_bytes if sco is not None else 0))
     return "\n".join([
         f"model {cfg.model.flavor}: {counts['total']:,} parameters ({counts['active']:,} active per token), "

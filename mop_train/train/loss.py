@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
+CHUNK_SIZE = 1024
+"""Default tokens per loss chunk: the live logits are [CHUNK_SIZE, V] fp32."""
 
 
 def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -32,7 +34,7 @@ def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
 
 def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                              chunk_size: int = 1024, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+                              chunk_size: int = CHUNK_SIZE, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Sum over tokens of cross_entropy(hidden @ weight.T, targets), in fp32.
 
     Args:
@@ -64,14 +66,15 @@ class LanguageModelLoss(torch.nn.Module):
 
     It is the FSDP root, so the output projection `model.output.weight` [V, H] is unsharded
     while this forward runs, and its gradient is reduced like every other root parameter.
+    `loss_fn(hidden [N, H], weight [V, H], targets [N]) -> fp32 sum` is the swap point for
+    Ring-DTP (e.g. `functools.partial(ring_dtp_cross_entropy, group=..., vocab_size=V, reduction="sum")`).
     """
 
-    def __init__(self, model: torch.nn.Module, *, chunk_size: int = 1024):
+    def __init__(self, model: torch.nn.Module, loss_fn=chunked_cross_entropy_sum):
         super().__init__()
         self.model = model
-        self.chunk_size = chunk_size
+        self.loss_fn = loss_fn
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         hidden = self.model(tokens)                                            # [B, S, H]
-        return chunked_cross_entropy_sum(hidden.flatten(0, 1), self.model.output.weight,
-                                         labels.flatten(), chunk_size=self.chunk_size)
+        return self.loss_fn(hidden.flatten(0, 1), self.model.output.weight, labels.flatten())
