@@ -145,7 +145,7 @@ def train(cfg, device: torch.device) -> None:
     layout = RankLayout.build(plan_layout(world, lay.seq_degree, lay.expert_degree, lay.vocab_degree),
                               device_type=device.type)
     check_layout_wired(cfg.mop)
-    check_titan_parallelism(cfg.parallelism, cfg.training)
+    check_titan_parallelism(cfg.parallelism, cfg.training, data_size=layout.data_size)
     if cfg.debug.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=cfg.debug.deterministic_warn_only)
     seed = seed_everything(cfg.debug.seed, device)

@@ -35,14 +35,19 @@ def check_layout_wired(mop) -> None:
                          f"training loop yet; set it to 'local'")
 
 
-def check_titan_parallelism(parallelism, training) -> None:
-    """torchtitan's own parallelism knobs are not used: the MoP layout ([mop.layout]) replaces them."""
+def check_titan_parallelism(parallelism, training, *, data_size: int) -> None:
+    """torchtitan's own parallelism knobs are not used: the MoP layout ([mop.layout]) replaces them.
+    `data_size` is the number of ranks reading distinct sequences (W / D)."""
     for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
                 "context_parallel_degree", "expert_parallel_degree"):
         value = getattr(parallelism, key)
         if value != 1:
             raise ValueError(f"parallelism.{key} = {value}: mop_train shards dense weights with FSDP2 over "
                              f"all ranks and splits sequences/experts/vocab through [mop.layout]; set it to 1")
+    one_step = training.local_batch_size * data_size
+    if training.global_batch_size not in (-1, one_step):
+        raise ValueError(f"training.global_batch_size = {training.global_batch_size}: gradient accumulation "
+                         f"is not supported; set it to -1 (or {one_step} = local_batch_size x {data_size} ranks)")
     if training.dtype != "float32":
         raise ValueError(f"training.dtype = {training.dtype!r}: weights and optimizer state stay fp32; "
                          f"use training.mixed_precision_param = \"bfloat16\" for bf16 compute on GPU")

@@ -150,8 +150,13 @@ def test_unwired_layouts_are_rejected():
     check_layout_wired(load_job_config([]).mop)
     cfg = load_job_config(["--parallelism.tensor_parallel_degree", "2"])
     with pytest.raises(ValueError, match="tensor_parallel_degree = 2"):
-        check_titan_parallelism(cfg.parallelism, cfg.training)
-    check_titan_parallelism(load_job_config([]).parallelism, load_job_config([]).training)
+        check_titan_parallelism(cfg.parallelism, cfg.training, data_size=2)
+    cfg = load_job_config(["--training.local_batch_size", "3", "--training.global_batch_size", "12"])
+    with pytest.raises(ValueError, match="gradient accumulation"):
+        check_titan_parallelism(cfg.parallelism, cfg.training, data_size=2)
+    check_titan_parallelism(cfg.parallelism, cfg.training, data_size=4)
+    cfg = load_job_config([])
+    check_titan_parallelism(cfg.parallelism, cfg.training, data_size=3)
 
 
 def test_memory_plan_terms():
