@@ -266,3 +266,22 @@ def test_gpu_peak_within_bound():
     used = torch.cuda.max_memory_allocated() - base
     bound = ring_dtp_peak_bytes(n, h, v, 1, dtype=torch.bfloat16, block_size=block)
     assert used <= bound < n * v * 2, f"peak {used} B above the inputs, bound {bound} B"
+
+
+def test_borrowed_accumulator_schedule_is_bitwise_the_plain_one():
+    """P = 1, bf16: dX accumulating inside dW's unwritten rows changes only where it lives."""
+    from mop_train.ops.ring_dtp.local import borrowed_rows, shard_backward, single_shard_backward
+    from tests.utils import assert_bitwise_equal
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    n, h, v = 7, 12, 54  # V - 2n a multiple of the block: both schedules cut the same blocks
+    x = torch.randn(n, h, generator=gen).bfloat16()
+    w = torch.randn(v, h, generator=gen).bfloat16()
+    t = torch.randint(0, v, (n,), generator=gen)
+    lse = torch.logsumexp((x @ w.t()).float(), dim=1)
+    scale = torch.rand(n, generator=gen)
+    assert borrowed_rows(n, h, v, torch.bfloat16) == 2 * n
+    dx, dw = single_shard_backward(x, w, t, lse, scale, block_size=8, impl="torch")
+    plain_dx, plain_dw = torch.zeros(n, h), torch.empty_like(w)
+    shard_backward(x, w, 0, t, lse, scale, plain_dx, plain_dw, accumulate_dw=False, block_size=8, impl="torch")
+    assert_bitwise_equal(dx, plain_dx.bfloat16(), name="dX")
+    assert_bitwise_equal(dw, plain_dw, name="dW")

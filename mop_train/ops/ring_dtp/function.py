@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mop_train.ops.ring_dtp.local import fold_shard, new_stats, shard_backward
+from mop_train.ops.ring_dtp.local import fold_shard, new_stats, shard_backward, single_shard_backward
 from mop_train.ops.ring_dtp.ring import Ring, wait_all
 
 
@@ -145,7 +145,10 @@ class RingDTPCrossEntropy(torch.autograd.Function):
         ring, counts, opts = ctx.ring, ctx.counts, ctx.opts
         valid = targets != opts.ignore_index
         scale = torch.where(valid, grad_loss.float(), 0.0).contiguous()  # [N]; ignored tokens get 0
-        if opts.mode == "move_weights":
+        if ring.size == 1:
+            dx, dw = single_shard_backward(hidden, weight_shard, targets, lse, scale,
+                                           block_size=opts.block_size, impl=opts.impl)
+        elif opts.mode == "move_weights":
             dx, dw = _backward_move_weights(ring, hidden, weight_shard, targets, lse, scale, opts)
         else:
             dx, dw = _backward_move_activations(ring, counts, hidden, weight_shard, targets, lse, scale, opts)

@@ -19,6 +19,7 @@ import torch
 from mop_train.ops.ring_dtp import kernels
 
 _LOW_PRECISION_ROWS = 2048  # rows per fp32 partial product when the cuBLAS fp32-output addmm is missing
+FINAL_BLOCK_DIVISOR = 8    # single_shard_backward's last step uses blocks of block_size // 8 rows
 _FUSED_FP32_ADDMM: dict[str, bool] = {}  # device type -> whether addmm(out_dtype=fp32, out=acc) works
 
 
@@ -96,15 +97,16 @@ def matmul_accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> No
 
 
 def shard_backward(x: torch.Tensor, w: torch.Tensor, offset: int, targets: torch.Tensor, lse: torch.Tensor,
-                   scale: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor, *, accumulate_dw: bool,
+                   scale: torch.Tensor, dx: torch.Tensor | None, dw: torch.Tensor | None, *, accumulate_dw: bool,
                    block_size: int, impl: str) -> None:
     """Add this meeting's gradients: dx [n, H] fp32 += g @ w; dw [V_r, H] (+)= g^T @ x.
 
     lse [n] and scale [n] are fp32 (scale = upstream gradient, 0 for ignored tokens). With
     accumulate_dw=False, dw (w's dtype) is overwritten block by block: the meeting is its only term.
+    dx or dw may be None to skip that gradient.
     """
     if x.shape[0] == 0:
-        if not accumulate_dw:
+        if dw is not None and not accumulate_dw:
             dw.zero_()
         return
     for start in range(0, w.shape[0], block_size):
@@ -116,9 +118,55 @@ def shard_backward(x: torch.Tensor, w: torch.Tensor, offset: int, targets: torch
         else:
             g = _torch_softmax_grad(z, targets, offset + start, lse, scale)
         del z
-        matmul_accumulate(dx, g, w_blk)
-        if accumulate_dw:
+        if dx is not None:
+            matmul_accumulate(dx, g, w_blk)
+        if dw is not None and accumulate_dw:
             matmul_accumulate(dw[start:start + block_size], g.t(), x)
-        else:
+        elif dw is not None:
             torch.mm(g.t(), x, out=dw[start:start + block_size])
         del g
+
+
+def borrowed_rows(n: int, h: int, vocab_rows: int, dtype: torch.dtype) -> int:
+    """Rows of a [V_r, H] gradient in `dtype` that can host the fp32 dX accumulator [n, H]; 0 if none.
+
+    Used when the shard has one meeting (P = 1): its dW rows are written once, so the rows not yet
+    written can hold dX's fp32 accumulator (only for 2-byte dtypes, where it saves memory).
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    rows = 2 * n
+    if itemsize != 2 or n == 0 or (h * itemsize) % 4 or rows > vocab_rows:
+        return 0
+    return rows
+
+
+def single_shard_backward(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                          scale: torch.Tensor, *, block_size: int, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dX, dW) when one shard holds the whole vocabulary (P = 1), in the input dtype.
+
+    With a 2-byte dtype the fp32 dX accumulator lives in the last 2n rows of dW's storage:
+      1. rows [0, V-2n): dX += g W_blk, dW_blk = g^T X written in place;
+      2. rows [V-2n, V): dX += g W_blk only; dX is cast out of the borrowed rows;
+      3. rows [V-2n, V) again (recomputed): dW_blk = g^T X overwrites the accumulator, in blocks of
+         block_size // 8 rows so that the dX output, alive from step 2 on, is paid for by a smaller
+         logits block (FINAL_BLOCK_DIVISOR).
+    Same arithmetic as the plain schedule; costs 2n/V of one logits recompute, saves n*H*4 bytes.
+    """
+    n, h = x.shape
+    vocab = w.shape[0]
+    dw = torch.empty_like(w)                                            # [V, H]
+    rows = borrowed_rows(n, h, vocab, w.dtype)
+    opts = dict(block_size=block_size, impl=impl, accumulate_dw=False)
+    if rows == 0:
+        dx = torch.zeros(n, h, dtype=torch.float32, device=x.device)
+        shard_backward(x, w, 0, targets, lse, scale, dx, dw, **opts)
+        return dx.to(x.dtype), dw
+    split = vocab - rows
+    acc = dw[split:].view(torch.float32).view(n, h).zero_()            # [n, H] fp32 inside dW
+    shard_backward(x, w[:split], 0, targets, lse, scale, acc, dw[:split], **opts)
+    shard_backward(x, w[split:], split, targets, lse, scale, acc, None, **opts)
+    dx = acc.to(x.dtype)
+    del acc
+    opts["block_size"] = max(1, block_size // FINAL_BLOCK_DIVISOR)
+    shard_backward(x, w[split:], split, targets, lse, scale, None, dw[split:], **opts)
+    return dx, dw

@@ -5,7 +5,8 @@ The op's live set is fixed by (N, H, V, P, dtype, mode, block size), never by N 
     plus fp32 temporaries of that block for the torch implementation;
   - two moving-operand buffers (the one in use and the one arriving): [S, H] or [N_max, H];
   - backward: the fp32 gradient of what stays (dW_r [S, H] or dX [N, H]) and two fp32 buffers of the
-    travelling gradient, the final casts to the input dtype, bounded fp32 partial products;
+    travelling gradient, the final casts to the input dtype, bounded fp32 partial products; at P = 1
+    in a 2-byte dtype dX accumulates inside dW's unwritten rows (local.single_shard_backward);
   - O(N_max) per-token fp32 accumulators.
 `ring_dtp_peak_bytes` sums every term that can be alive at once (an upper bound, not a prediction);
 `ring_dtp_largest_tensor_bytes` is the largest single allocation, checked on CPU by the tests.
@@ -17,6 +18,8 @@ P vocab-group size, S = ceil(V/P), b = min(block_size, S).
 from __future__ import annotations
 
 import torch
+
+from mop_train.ops.ring_dtp.local import FINAL_BLOCK_DIVISOR, borrowed_rows
 
 MODES = ("auto", "move_activations", "move_weights")
 _PARTIAL_ROWS = 2048      # rows of one fp32 partial product (see local.matmul_accumulate)
@@ -59,6 +62,11 @@ def _terms(n, h, v, p, dtype, mode, block_size, n_max, impl) -> dict[str, int]:
         "grad_outputs": (n + s) * h * it,                                # dX, dW_r in the input dtype
         "partials": min(_PARTIAL_ROWS, max(n_meet, b)) * h * 4 if it < 4 else 0,
     }
+    if p == 1 and borrowed_rows(n, h, v, dtype):  # dX accumulates inside dW's unwritten rows
+        b_final = min(b, max(1, block_size // FINAL_BLOCK_DIVISOR))
+        terms["grad_accumulators"] = 0
+        terms["grad_outputs"] = s * h * it
+        terms["logits_block"] = max(n * b * per_elem, n * h * it + n * b_final * per_elem)
     if impl != "triton":  # CPU fp32 upcasts of one block's operands (local.matmul_accumulate)
         terms["partials"] += (n_meet * b + (n_meet + b) * h) * 4
     return terms
