@@ -168,7 +168,7 @@ def bench_row(mode, profile, n, weights, group, device, dtype, args):
             row["fwd_bwd_s"], row["fwd_bwd_repeats_s"], row["fwd_bwd_peak_gib"] = measure(
                 fwd_bwd, device, group, args)
     except torch.cuda.OutOfMemoryError:
-        row["oom"] = True                                         # on one rank only a 1-rank run survives this
+        row["oom"] = True                 # only a 1-rank run survives this (see ep_exceeds_memory)
         x.grad = wts.grad = None
         torch.cuda.empty_cache()
     return row

@@ -156,7 +156,7 @@ def test_bad_options(dispatch, opts):
 
 
 LLEP_OPTIONS = [dict(min_tokens_per_gemm=2, imbalance_threshold=1.0),   # relocates eagerly
-                dict(min_tokens_per_gemm=1000),                         # helpers only via the forced remainder
+                dict(min_tokens_per_gemm=1000),                         # helpers only by forced remainder
                 dict(alpha=1.5, min_tokens_per_gemm=3)]
 
 
@@ -180,7 +180,7 @@ def _check_pipelined_extras(rank, world, seed, tokens, kind, budget):
     M = E // world
     shards = [w[rank * M:(rank + 1) * M] for w in weights_full]
     x, idx, wts, g = per_rank[rank]
-    results = {}
+    results, received = {}, {}
     for membership in ("strided", "contiguous"):
         stats = DispatchStats()
         opts = dict(LLEP_OPTIONS[0], token_budget=budget, membership=membership, stats=stats)
@@ -193,6 +193,12 @@ def _check_pipelined_extras(rank, world, seed, tokens, kind, budget):
         assert 0 < stats.last_chunk_max_received <= stats.received_bound, stats
         assert all(mine <= top for mine, top in zip(stats.chunk_received, stats.chunk_max_received))
         assert max(stats.chunk_max_received) == stats.last_chunk_max_received
+        received[membership] = sum(stats.chunk_received)
+    llep_stats = DispatchStats()
+    run_schedule("llep", dict(LLEP_OPTIONS[0], stats=llep_stats), x, idx, wts, g, shards,
+                 dist.group.WORLD, False)
+    # Chunking moves no route to another destination: each rank receives what LLEP sends it.
+    assert received["strided"] == received["contiguous"] == llep_stats.chunk_received[0]
     s, c = results["strided"], results["contiguous"]
     for name, a, b in zip(("y", "grad x", "grad weights"), s[:3], c[:3]):
         assert_close(a, b, rtol=1e-6, name=f"strided vs contiguous {name} [{kind}]")

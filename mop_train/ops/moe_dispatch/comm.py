@@ -11,7 +11,8 @@ expert matmul of chunk i):
     outs = AllToAllWait.apply(ticket, *bufs)                                      # ready
 
 Backward is the inverse exchange (splits swapped), issued synchronously. `all_to_all` does both
-halves at once. In a single-rank group (None or size 1) every exchange is the identity. Every tensor in one exchange shares the same row splits (rows, routing weights, ...).
+halves at once. In a single-rank group (None or size 1) every exchange is the identity. Every
+tensor in one exchange shares the same row splits (rows, routing weights, ...).
 
 Legend: P expert-group size, R routes (rows) sent, R' routes received.
 """
