@@ -7,13 +7,16 @@
 "OffloadStreamAdamW" builds `mop_train.ops.offload_adamw.OffloadStreamAdamW` (fp32 master weights
 and moments in pinned host memory, streamed through the device in buckets) inside torchtitan's
 `OptimizersContainer`, so it checkpoints through DCP like the others. The LR schedule is
-torchtitan's warmup + (stable) + decay.
+torchtitan's warmup + (stable) + decay over `lr_scheduler.total_steps` (default: training.steps).
+Setting total_steps fixes the curve whatever training.steps is, so a run stopped early and resumed
+follows the same learning rates as a straight one.
 """
 
 from __future__ import annotations
 
 from torch import nn
-from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.lr_scheduler import LRSchedulersContainer
+from torchtitan.components.lr_scheduler import build_lr_schedulers as titan_build_lr_schedulers
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer import build_optimizers as titan_build_optimizers
 from torchtitan.distributed import ParallelDims
@@ -54,3 +57,18 @@ def build_optimizers(model_parts: list[nn.Module], optimizer, offload_adamw, *,
     dims = ParallelDims(dp_replicate=1, dp_shard=world_size, cp=1, tp=1, pp=1, ep=1, etp=1,
                         world_size=world_size)
     return titan_build_optimizers(model_parts, optimizer, dims)
+
+
+def build_lr_schedulers(optimizers: OptimizersContainer, lr_scheduler, training_steps: int) -> LRSchedulersContainer:
+    """torchtitan's warmup + decay schedule; refuses to run past its end (the decay would turn
+    the learning rate negative there).
+
+    Args:
+        lr_scheduler: the `[lr_scheduler]` section (warmup_steps, total_steps, decay_ratio, ...).
+        training_steps: `training.steps`, the schedule length when total_steps is unset.
+    """
+    total = lr_scheduler.total_steps
+    if total is not None and training_steps > total:
+        raise ValueError(f"training.steps = {training_steps} runs past lr_scheduler.total_steps = {total}; "
+                         f"raise --lr_scheduler.total_steps to at least {training_steps}")
+    return titan_build_lr_schedulers(optimizers, lr_scheduler, training_steps)
