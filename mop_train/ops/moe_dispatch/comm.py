@@ -10,9 +10,11 @@ expert matmul of chunk i):
     ...                                                                           # other work
     outs = AllToAllWait.apply(ticket, *bufs)                                      # ready
 
-Backward is the inverse exchange (splits swapped), issued synchronously. `all_to_all` does both
-halves at once. In a single-rank group (None or size 1) every exchange is the identity. Every
-tensor in one exchange shares the same row splits (rows, routing weights, ...).
+Backward is the inverse exchange (splits swapped), pipelined the same way: AllToAllWait's backward
+launches it and AllToAllStart's backward collects it, so the backward of whatever ran between the
+two halves in forward overlaps it. `all_to_all` does both halves at once. In a single-rank group
+(None or size 1) every exchange is the identity. Every tensor in one exchange shares the same row
+splits (rows, routing weights, ...).
 
 Legend: P expert-group size, R routes (rows) sent, R' routes received.
 """
@@ -36,11 +38,14 @@ def group_rank(group) -> int:
 
 
 class Ticket:
-    """Holds the pending work handles of one launched exchange between its two halves."""
+    """Links the two halves of one exchange: the pending forward work, and the exchange's reverse
+    (launched by AllToAllWait's backward, collected by AllToAllStart's backward)."""
 
     def __init__(self):
         self.works = []
         self.sent = []      # send buffers stay referenced until the exchange has completed
+        self.route = None   # (send_splits, recv_splits, group, received meta) of the forward exchange
+        self.reverse = None  # (Ticket, buffers) of the launched backward exchange
 
     def wait(self) -> None:
         for work in self.works:
@@ -63,38 +68,55 @@ def _launch(tensors, send_splits, recv_splits, group, ticket: Ticket):
     return outs
 
 
+def _launch_reverse(ticket: Ticket, grads) -> None:
+    """Send the grads of the received rows back to their sources (splits swapped)."""
+    send_splits, recv_splits, group, meta = ticket.route
+    # A received tensor whose gradient is unused is still answered (zeros): every rank issues the
+    # same exchanges.
+    grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+             for g, (shape, dtype, device) in zip(grads, meta)]
+    back = Ticket()
+    ticket.reverse = (back, _launch(grads, recv_splits, send_splits, group, back))
+
+
 class AllToAllStart(torch.autograd.Function):
-    """Launch the exchange of `tensors` (rows split by `send_splits`); backward sends grads back."""
+    """Launch the exchange of `tensors` (rows split by `send_splits`); backward returns the grads
+    that AllToAllWait's backward sent back (or sends them itself)."""
 
     @staticmethod
     def forward(ctx, ticket, send_splits, recv_splits, group, *tensors):
-        ctx.send_splits, ctx.recv_splits, ctx.group = list(send_splits), list(recv_splits), group
         outs = _launch(tensors, send_splits, recv_splits, group, ticket)
-        ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs]
+        ticket.route = (list(send_splits), list(recv_splits), group,
+                        [(o.shape, o.dtype, o.device) for o in outs])
+        ctx.ticket = ticket
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        back = Ticket()
-        # Received rows of a tensor whose gradient is unused still have to be answered (zeros),
-        # so every rank issues the same exchanges.
-        grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-                 for g, (shape, dtype, device) in zip(grads, ctx.out_meta)]
-        outs = _launch(grads, ctx.recv_splits, ctx.send_splits, ctx.group, back)
+        ticket = ctx.ticket
+        if ticket.reverse is None:
+            _launch_reverse(ticket, grads)
+        back, outs = ticket.reverse
+        ticket.reverse = None
         back.wait()
         return (None, None, None, None, *outs)
 
 
 class AllToAllWait(torch.autograd.Function):
-    """Block until the exchange held by `ticket` has landed; identity for autograd."""
+    """Block until the exchange held by `ticket` has landed; identity for autograd, except that its
+    backward already launches the reverse exchange, so it overlaps whatever backward runs before
+    AllToAllStart's backward collects it (the backward mirror of the forward pipeline)."""
 
     @staticmethod
     def forward(ctx, ticket, *bufs):
         ticket.wait()
+        ctx.ticket = ticket
         return bufs
 
     @staticmethod
     def backward(ctx, *grads):
+        if ctx.ticket.route is not None:
+            _launch_reverse(ctx.ticket, grads)
         return (None, *grads)
 
 
