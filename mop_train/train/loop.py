@@ -42,17 +42,16 @@ from mop_train.train.plan import MemoryPlanInputs, format_plan, memory_plan
 
 
 def init_distributed() -> torch.device:
-    """Join the torchrun world (or a world of one when launched with plain python)."""
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
-                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517")):
-        os.environ.setdefault(key, value)
+    """Join the torchrun world, or make a world of one (in-memory store) under plain python."""
+    single = "RANK" not in os.environ
+    kwargs = dict(store=dist.HashStore(), rank=0, world_size=1) if single else {}
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, **kwargs)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **kwargs)
     return device
 
 
