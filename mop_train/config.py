@@ -93,8 +93,21 @@ class OffloadAdamW:
 
 
 @dataclass
+class Data:
+    text_column: str = "text"
+    """Column holding each document's text (jsonl / parquet / hub sources)."""
+
+    cache_dir: str = ""
+    """Where the embedded corpus and tokenizer are built; "" = $MOP_TRAIN_CACHE or ~/.cache/mop_train."""
+
+    loss_chunk_tokens: int = 1024
+    """Tokens per chunk of the plain (vocab_degree = 1, Ring-DTP off) cross-entropy: live logits are chunk x V fp32."""
+
+
+@dataclass
 class Mop:
     layout: Layout = field(default_factory=Layout)
+    data: Data = field(default_factory=Data)
     moe: MoE = field(default_factory=MoE)
     ring_dtp: RingDTP = field(default_factory=RingDTP)
     sco: SCO = field(default_factory=SCO)
@@ -251,6 +264,8 @@ def validate(cfg, *, source: str = "config") -> None:
              f"{source}: mop.moe.imbalance_threshold = {moe.imbalance_threshold} must be >= 1.0 "
              "(max/mean load is never below 1; 1.0 always relocates)")
     _require(moe.bias_update_rate >= 0, f"{source}: mop.moe.bias_update_rate = {moe.bias_update_rate} must be >= 0")
+    _require(mop.data.loss_chunk_tokens >= 1,
+             f"{source}: mop.data.loss_chunk_tokens = {mop.data.loss_chunk_tokens} must be >= 1")
     _require(mop.ring_dtp.block_size >= 1, f"{source}: mop.ring_dtp.block_size = {mop.ring_dtp.block_size} must be >= 1")
     if mop.sco.host_budget.strip().lower() != "auto":
         parse_bytes(mop.sco.host_budget, key=f"{source}: mop.sco.host_budget")

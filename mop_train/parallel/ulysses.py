@@ -16,7 +16,26 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.nn.functional import all_to_all_single
+
+
+class _EvenAllToAll(torch.autograd.Function):
+    """all_to_all_single with equal splits along dim 0. Its adjoint is the same exchange: the
+    gradient of the block this rank sent to rank j is the block rank j sends back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()  # empty_like would copy a non-contiguous layout
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
 
 
 def check_heads_divisible(n_heads: int, n_kv_heads: int, seq_degree: int) -> None:
@@ -33,7 +52,7 @@ def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     D = dist.get_world_size(group)
     B, S_l, h, d = x.shape
     send = x.reshape(B, S_l, D, h // D, d).permute(2, 0, 1, 3, 4).contiguous()   # [D, B, S/D, h/D, d]
-    recv = all_to_all_single(torch.empty_like(send), send, group=group)          # [D(src), B, S/D, h/D, d]
+    recv = _EvenAllToAll.apply(send, group)                                      # [D(src), B, S/D, h/D, d]
     return recv.permute(1, 0, 2, 3, 4).reshape(B, D * S_l, h // D, d)
 
 
@@ -42,7 +61,7 @@ def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     D = dist.get_world_size(group)
     B, S, h_l, d = x.shape
     send = x.reshape(B, D, S // D, h_l, d).permute(1, 0, 2, 3, 4).contiguous()   # [D(dst), B, S/D, h/D, d]
-    recv = all_to_all_single(torch.empty_like(send), send, group=group)          # [D(src head block), ...]
+    recv = _EvenAllToAll.apply(send, group)                                      # [D(src head block), ...]
     return recv.permute(1, 2, 0, 3, 4).reshape(B, S // D, D * h_l, d)
 
 

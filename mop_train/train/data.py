@@ -15,7 +15,8 @@ The embedded assets are built deterministically at first use into `<cache_dir>/e
 Documents are tokenized with BOS/EOS and concatenated; every sample is a window of seq_len + 1
 tokens (input = first S, labels = last S), by torchtitan's HuggingFaceTextDataset, whose resumable
 position (sample index + token buffer) goes into the checkpoint through the StatefulDataLoader.
-Each data-parallel rank reads a disjoint shard of the documents. Attention does not see document
+Every rank packs the same global stream and keeps its own rows of each global batch
+(`PackedTextDataset`), so a step's global batch does not depend on the layout. Attention does not see document
 boundaries yet (the model takes one position vector per batch): packed documents attend across EOS.
 
 Legend: B local batch, S sequence length.
@@ -191,41 +192,58 @@ def load_documents(source: str, path: str | None, *, cache_dir: str, text_column
 
 
 class PackedTextDataset(HuggingFaceTextDataset):
-    """torchtitan's packing and resumable position over documents we loaded ourselves.
+    """torchtitan's packing and resumable position, over one global stream shared by all ranks.
 
-    torchtitan's own constructor looks names up in its fixed registry; this one takes the loaded
-    dataset and sets the same fields its `__iter__`, `state_dict` and `load_state_dict` use.
+    Every data-parallel rank packs the same stream of documents and keeps only its rows of each
+    global batch: global sample j belongs to rank (j // B) % dp_world_size. So the global batch of
+    a step is the same for every layout (W, D, ...), which is what makes training
+    layout-invariant; the price is that every rank tokenizes the whole stream (cheap next to a
+    training step). torchtitan's own constructor looks names up in its fixed registry; this one
+    takes the loaded dataset and sets the fields its `__iter__` and state dict use.
     """
 
     def __init__(self, docs, tokenizer, *, seq_len: int, dp_rank: int, dp_world_size: int,
-                 text_column: str = "text", name: str = "documents"):
-        from datasets import Dataset
-        from datasets.distributed import split_dataset_by_node
-
-        if isinstance(docs, Dataset) and len(docs) < dp_world_size:
-            raise ValueError(f"dataset {name!r} has {len(docs)} documents, fewer than the "
-                             f"{dp_world_size} data-parallel ranks; use more documents or fewer ranks")
+                 rows_per_rank: int, text_column: str = "text", name: str = "documents"):
+        if rows_per_rank < 1:
+            raise ValueError(f"training.local_batch_size = {rows_per_rank} must be >= 1")
         self.dataset_name = name
-        self._data = split_dataset_by_node(docs, dp_rank, dp_world_size)
+        self._data = docs
         self._tokenizer = tokenizer
         self.seq_len = seq_len
         self.infinite = True
         self._text_processor = operator.itemgetter(text_column)
         self._sample_idx = 0
         self._token_buffer: list[int] = []
+        self._dp_rank, self._dp_world_size, self._rows = dp_rank, dp_world_size, rows_per_rank
+        self._global_sample = 0
+
+    def __iter__(self):
+        for sample in super().__iter__():
+            mine = (self._global_sample // self._rows) % self._dp_world_size == self._dp_rank
+            self._global_sample += 1
+            if mine:
+                yield sample
+
+    def state_dict(self):
+        return {**super().state_dict(), "global_sample": self._global_sample}
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        self._global_sample = state_dict["global_sample"]
 
 
 def build_dataloader(training, tokenizer, dp_rank: int, dp_world_size: int, *,
-                     cache_dir: str) -> ParallelAwareDataloader:
+                     cache_dir: str, text_column: str = "text") -> ParallelAwareDataloader:
     """A resumable dataloader yielding ({"input": tokens [B, S]}, labels [B, S]) for this rank.
 
     Args:
         training: the `[training]` config section (dataset, dataset_path, seq_len,
             local_batch_size, dataloader).
     """
-    docs = load_documents(training.dataset, training.dataset_path, cache_dir=cache_dir)
+    docs = load_documents(training.dataset, training.dataset_path, cache_dir=cache_dir,
+                          text_column=text_column)
     dataset = PackedTextDataset(docs, tokenizer, seq_len=training.seq_len, dp_rank=dp_rank,
-                                dp_world_size=dp_world_size,
-                                name=training.dataset_path or training.dataset)
+                                dp_world_size=dp_world_size, rows_per_rank=training.local_batch_size,
+                                text_column=text_column, name=training.dataset_path or training.dataset)
     return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,
                                    batch_size=training.local_batch_size, **asdict(training.dataloader))

@@ -20,11 +20,12 @@ import os
 import random
 import time
 import warnings
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torchtitan.distributed.utils import clip_grad_norm_
 from torchtitan.tools.logging import init_logger, logger
 
 from mop_train.config import load_job_config
@@ -33,10 +34,13 @@ from mop_train.models import zoo
 from mop_train.models.model import MoETransformer
 from mop_train.train.checkpoint import TrainState, build_checkpointer
 from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir
-from mop_train.train.loss import CHUNK_SIZE, IGNORE_INDEX, LanguageModelLoss
+from mop_train.parallel.apply import (apply_expert_parallel, apply_sequence_parallel,
+                                     apply_vocab_parallel, dispatch_metrics)
+from mop_train.parallel.sharding import clip_grad_norm_, local, reduce_replica_grads
+from mop_train.train.loss import IGNORE_INDEX, LanguageModelLoss, chunked_cross_entropy_sum
 from mop_train.train.metrics import MetricLogger, flops_per_token, peak_tflops
 from mop_train.train.optim import OFFLOAD_ADAMW, build_lr_schedulers, build_optimizers
-from mop_train.train.parallelize import (apply_activation_checkpointing, apply_fsdp, check_layout_wired,
+from mop_train.train.parallelize import (apply_activation_checkpointing, apply_fsdp, check_layout_fits,
                                         check_titan_parallelism)
 from mop_train.train.plan import MemoryPlanInputs, format_plan, memory_plan
 
@@ -67,20 +71,66 @@ def seed_everything(seed: int | None, device: torch.device) -> int:
     return seed
 
 
-def build_model(cfg, mesh, device: torch.device):
-    """The zoo model on meta -> per-block checkpointing -> FSDP2 (with the loss as root) -> init."""
+HOST_INIT_MAX_PARAMS = 2_000_000_000
+"""Models up to this size are initialised whole (on the host, then sharded), so every layout
+starts from the same weights; larger ones are initialised shard by shard on the device."""
+
+
+@dataclass
+class ModelParts:
+    module: LanguageModelLoss          # the FSDP root: model + loss
+    model: MoETransformer
+    sco: object | None                 # SelectiveCheckpointOffload or None
+    checkpointed: list[int]            # block indices under activation checkpointing
+    expert_params: list                # DTensors sharded over the expert group (out of FSDP)
+    vocab_params: list                 # the projection sharded over the vocab group (out of FSDP)
+    init_mode: str                     # "whole" (layout-invariant) or "per-shard"
+
+
+def build_loss_fn(cfg, layout, vocab_size: int):
+    """The chunked cross-entropy, or Ring-DTP when P > 1 or [mop.ring_dtp] enable (same contract)."""
+    if layout.vocab_size == 1 and not cfg.mop.ring_dtp.enable:
+        return partial(chunked_cross_entropy_sum, chunk_size=cfg.mop.data.loss_chunk_tokens)
+    from mop_train.ops.ring_dtp import ring_dtp_cross_entropy
+
+    rd, group = cfg.mop.ring_dtp, (layout.vocab_group if layout.vocab_size > 1 else None)
+
+    def ring_loss(hidden, weight, targets):
+        return ring_dtp_cross_entropy(hidden, local(weight), targets, group, vocab_size=vocab_size,
+                                      mode=rd.mode, ignore_index=IGNORE_INDEX, reduction="sum",
+                                      block_size=rd.block_size)
+    return ring_loss
+
+
+def build_model(cfg, layout, device: torch.device) -> ModelParts:
+    """Zoo model -> MoP layout (Ulysses, expert and vocab shards) -> checkpointing -> FSDP2 -> init.
+
+    Small models are materialised and initialised whole first (same RNG stream on every rank), so
+    the shards are slices of the same weights whatever the layout; large ones stay on meta until
+    FSDP has sharded them and are initialised shard by shard.
+    """
     args = zoo.get_model_args(cfg.model.flavor)
+    whole = zoo.param_counts(cfg.model.flavor)["total"] <= HOST_INIT_MAX_PARAMS
     with torch.device("meta"):
         model = MoETransformer(args)
+    if whole:
+        model.to_empty(device="cpu")
+        model.init_weights(buffer_device="cpu")
+        model.to(device)
+    apply_sequence_parallel(model, layout.seq_group)
+    expert_params = apply_expert_parallel(model, layout.expert_mesh, layout.expert_group, cfg.mop.moe)
+    vocab_params = apply_vocab_parallel(model, layout.vocab_mesh) if layout.vocab_size > 1 else []
     sco = build_sco(cfg.mop.sco, device)
     checkpointed = apply_activation_checkpointing(model, cfg.activation_checkpoint, sco)
-    module = LanguageModelLoss(model)
+    module = LanguageModelLoss(model, loss_fn=build_loss_fn(cfg, layout, args.vocab_size))
     on_gpu_bf16 = device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
-    apply_fsdp(module, model, mesh, param_dtype=torch.bfloat16 if on_gpu_bf16 else torch.float32,
-               reduce_dtype=torch.float32)
-    module.to_empty(device=device)
-    model.init_weights(buffer_device=device)
-    return module, model, sco, checkpointed
+    apply_fsdp(module, model, layout.mesh, param_dtype=torch.bfloat16 if on_gpu_bf16 else torch.float32,
+               reduce_dtype=torch.float32, ignored_params=set(expert_params + vocab_params))
+    if not whole:
+        module.to_empty(device=device)
+        model.init_weights(buffer_device=device)
+    return ModelParts(module, model, sco, checkpointed, expert_params, vocab_params,
+                      "whole" if whole else "per-shard")
 
 
 def build_sco(sco_cfg, device: torch.device):
@@ -96,28 +146,43 @@ def build_sco(sco_cfg, device: torch.device):
     return SelectiveCheckpointOffload(budget, device=device)
 
 
-def train_step(module, model, batch, optimizers, lr_schedulers, *, max_norm: float,
+def shard_sequence(tokens: torch.Tensor, labels: torch.Tensor, layout):
+    """This rank's S/D consecutive positions of its group's sequences, and their global positions."""
+    S, D = tokens.shape[1], layout.seq_size
+    start = layout.seq_rank * (S // D)
+    positions = torch.arange(start, start + S // D, device=tokens.device)   # [S/D]
+    return tokens[:, start:start + S // D], labels[:, start:start + S // D], positions
+
+
+def train_step(parts: ModelParts, layout, batch, optimizers, lr_schedulers, *, max_norm: float,
                bias_rate: float, device: torch.device) -> dict:
     """One optimizer step on this rank's batch; returns this step's tensors for logging."""
+    module, model = parts.module, parts.model
     inputs, labels = batch
     tokens, labels = inputs["input"].to(device), labels.to(device)   # [B, S], [B, S]
+    tokens, labels, positions = shard_sequence(tokens, labels, layout)  # [B, S/D] each
     n_tokens = (labels != IGNORE_INDEX).sum()
     dist.all_reduce(n_tokens)                                          # global target count
-    loss_sum = module(tokens, labels)                                  # fp32 sum over local tokens
+    loss_sum = module(tokens, labels, positions)                       # fp32 sum over local tokens
     loss = loss_sum / n_tokens
     if model.args.aux_loss_coef > 0:
         loss = loss + model.aux_loss() / dist.get_world_size()         # gradients sum over ranks
     loss.backward()
-    grad_norm = clip_grad_norm_(list(module.parameters()), max_norm if max_norm > 0 else float("inf"))
+    # Ranks holding the same expert / vocab shard saw different tokens: sum their gradients.
+    reduce_replica_grads(parts.expert_params, layout.expert_replica_group)
+    reduce_replica_grads(parts.vocab_params, layout.vocab_replica_group)
+    grad_norm = clip_grad_norm_(list(module.parameters()), max_norm)
     lr = lr_schedulers.schedulers[0].get_last_lr()[0]
     optimizers.step()
     lr_schedulers.step()
     optimizers.zero_grad()
     model.update_router_biases(bias_rate, reduce_fn=dist.all_reduce)
-    return {"loss_sum": loss_sum.detach(), "n_tokens": n_tokens, "grad_norm": grad_norm, "lr": lr}
+    return {"loss_sum": loss_sum.detach(), "n_tokens": n_tokens, "grad_norm": grad_norm, "lr": lr,
+            **dispatch_metrics(model)}
 
 
-def describe_run(cfg, layout, module, checkpointed: list[int], sco, seed: int, device) -> str:
+def describe_run(cfg, layout, parts: ModelParts, seed: int, device) -> str:
+    module, checkpointed, sco = parts.module, parts.checkpointed, parts.sco
     args, counts = zoo.get_model_args(cfg.model.flavor), zoo.param_counts(cfg.model.flavor)
     # DTensor parameters report their global (unsharded) numel.
     blocks = [sum(p.numel() for p in b.parameters()) for b in module.model.layers.values()]
@@ -127,14 +192,16 @@ def describe_run(cfg, layout, module, checkpointed: list[int], sco, seed: int, d
         local_batch=t.local_batch_size, seq_len=t.seq_len, hidden=args.dim, vocab=args.vocab_size,
         top_k=args.top_k, n_layers=args.n_layers, checkpointed_layers=len(checkpointed),
         act_bytes=2 if device.type == "cuda" and t.mixed_precision_param == "bfloat16" else 4,
-        loss_chunk=CHUNK_SIZE, optimizer_on_device=cfg.optimizer.name != OFFLOAD_ADAMW,
+        loss_chunk=cfg.mop.data.loss_chunk_tokens, optimizer_on_device=cfg.optimizer.name != OFFLOAD_ADAMW,
         sco_host_budget=sco.host_budget_bytes if sco is not None else 0))
     return "\n".join([
         f"model {cfg.model.flavor}: {counts['total']:,} parameters ({counts['active']:,} active per token), "
         f"{args.n_layers} blocks, H={args.dim}, V={args.vocab_size}",
         layout.plan.describe().splitlines()[0],
         f"device {device}, W={layout.plan.world_size}, B={t.local_batch_size}, S={t.seq_len}, "
-        f"steps={t.steps}, seed={seed}, checkpointed blocks {checkpointed}",
+        f"steps={t.steps}, seed={seed}, checkpointed blocks {checkpointed}, init {parts.init_mode}, "
+        f"dispatch {cfg.mop.moe.dispatch}, loss "
+        f"{'ring_dtp' if layout.vocab_size > 1 or cfg.mop.ring_dtp.enable else 'chunked cross-entropy'}",
         format_plan(plan)])
 
 
@@ -143,13 +210,13 @@ def train(cfg, device: torch.device) -> None:
     lay = cfg.mop.layout
     layout = RankLayout.build(plan_layout(world, lay.seq_degree, lay.expert_degree, lay.vocab_degree),
                               device_type=device.type)
-    check_layout_wired(cfg.mop)
+    check_layout_fits(layout.plan, cfg.training, zoo.get_model_args(cfg.model.flavor))
     check_titan_parallelism(cfg.parallelism, cfg.training, data_size=layout.data_size)
     if cfg.debug.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=cfg.debug.deterministic_warn_only)
     seed = seed_everything(cfg.debug.seed, device)
 
-    cache_dir = default_cache_dir()
+    cache_dir = cfg.mop.data.cache_dir or default_cache_dir()
     tokenizer = build_tokenizer(cfg.model.hf_assets_path, cache_dir=cache_dir)
     vocab = zoo.get_model_args(cfg.model.flavor).vocab_size
     if tokenizer.get_vocab_size() > vocab:
@@ -157,9 +224,10 @@ def train(cfg, device: torch.device) -> None:
                          f"{tokenizer.get_vocab_size()} tokens but model {cfg.model.flavor!r} has vocab_size "
                          f"{vocab}; use a model with a larger vocabulary or a smaller tokenizer")
     dataloader = build_dataloader(cfg.training, tokenizer, layout.data_rank, layout.data_size,
-                                  cache_dir=cache_dir)
+                                  cache_dir=cache_dir, text_column=cfg.mop.data.text_column)
 
-    module, model, sco, checkpointed = build_model(cfg, layout.mesh, device)
+    parts = build_model(cfg, layout, device)
+    module, model = parts.module, parts.model
     optimizers = build_optimizers([module], cfg.optimizer, cfg.mop.offload_adamw, world_size=world)
     lr_schedulers = build_lr_schedulers(optimizers, cfg.lr_scheduler, cfg.training.steps)
     train_state = TrainState(rank)
@@ -172,7 +240,7 @@ def train(cfg, device: torch.device) -> None:
             if hasattr(opt, "reset_masters_from_params"):
                 opt.reset_masters_from_params()
     if rank == 0:
-        print(describe_run(cfg, layout, module, checkpointed, sco, seed, device), flush=True)
+        print(describe_run(cfg, layout, parts, seed, device), flush=True)
         if train_state.step:
             print(f"resumed from step {train_state.step} in {checkpointer.folder}", flush=True)
         if train_state.step >= cfg.training.steps:
@@ -184,8 +252,8 @@ def train(cfg, device: torch.device) -> None:
     counts, args = zoo.param_counts(cfg.model.flavor), model.args
     flops = flops_per_token(counts["active"], args.vocab_size * args.dim, args.n_layers, args.n_heads,
                             args.qk_head_dim, cfg.training.seq_len)
-    run_steps(cfg, module, model, dataloader, optimizers, lr_schedulers, checkpointer, train_state,
-              metrics, device=device, flops_per_token=flops, sco=sco)
+    run_steps(cfg, parts, layout, dataloader, optimizers, lr_schedulers, checkpointer, train_state,
+              metrics, device=device, flops_per_token=flops)
     metrics.close()
     checkpointer.close()
     if rank == 0:
@@ -195,9 +263,9 @@ def train(cfg, device: torch.device) -> None:
               + (f", checkpoints in {checkpointer.folder}" if cfg.checkpoint.enable else ""), flush=True)
 
 
-def run_steps(cfg, module, model, dataloader, optimizers, lr_schedulers, checkpointer, train_state,
-              metrics, *, device, flops_per_token: float, sco) -> None:
-    steps, peak = cfg.training.steps, peak_tflops(device)
+def run_steps(cfg, parts: ModelParts, layout, dataloader, optimizers, lr_schedulers, checkpointer,
+              train_state, metrics, *, device, flops_per_token: float) -> None:
+    steps, peak, sco = cfg.training.steps, peak_tflops(device), parts.sco
     batches = iter(dataloader)
     window_start, window_tokens = time.perf_counter(), 0
     while train_state.step < steps:
@@ -205,7 +273,7 @@ def run_steps(cfg, module, model, dataloader, optimizers, lr_schedulers, checkpo
         step = train_state.step
         if sco is not None:
             sco.begin_step()
-        out = train_step(module, model, next(batches), optimizers, lr_schedulers,
+        out = train_step(parts, layout, next(batches), optimizers, lr_schedulers,
                          max_norm=cfg.training.max_norm, bias_rate=cfg.mop.moe.bias_update_rate,
                          device=device)
         n_tokens = int(out["n_tokens"].item())
@@ -229,6 +297,8 @@ def run_steps(cfg, module, model, dataloader, optimizers, lr_schedulers, checkpo
                 values["mfu_pct"] = 100.0 * tflops / peak if peak else None
             if sco is not None:
                 values.update({f"sco_{k}": v for k, v in sco.last_step_stats().items()})
+            values.update({f"moe_{k}": out[k] for k in ("relocated_routes", "migrated_experts", "num_chunks",
+                                                         "max_received_per_chunk") if k in out})
             metrics.log(step, values)
             window_start, window_tokens = time.perf_counter(), 0
         checkpointer.save(step, last_step=last)

@@ -75,6 +75,7 @@ class LanguageModelLoss(torch.nn.Module):
         self.model = model
         self.loss_fn = loss_fn
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        hidden = self.model(tokens)                                            # [B, S, H]
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.model(tokens, positions)                                 # [B, S, H]
         return self.loss_fn(hidden.flatten(0, 1), self.model.output.weight, labels.flatten())

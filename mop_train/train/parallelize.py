@@ -1,14 +1,16 @@
 """Parallelism applied to the model from outside: per-layer activation checkpointing, FSDP2.
 
-    check_layout_wired(cfg.mop)                          # D = E_p = P = 1 only, for now
+    check_layout_fits(layout.plan, cfg.training, model_args)   # before anything is built
     apply_activation_checkpointing(model, cfg.activation_checkpoint, sco)
-    apply_fsdp(train_module, model, layout.mesh, param_dtype=..., reduce_dtype=...)
+    apply_fsdp(train_module, model, layout.mesh, param_dtype=..., reduce_dtype=...,
+               ignored_params=expert_and_vocab_shards)
 
 Activation checkpointing wraps each decoder block (non-reentrant): its input is the retained
 boundary and everything inside is recomputed in backward. With an SCO host budget the block is
 wrapped by `SelectiveCheckpointOffload.wrap` instead, which also offloads boundaries to host.
 FSDP2 shards each block as one unit and the root (embeddings, final norm, output projection) as
-another, over all W ranks. Gradients are summed over ranks, not averaged: the loop divides the
+another, over all W ranks; weights sharded by a MoP group (experts over E_p, the projection
+over P; see mop_train.parallel.apply) stay out of FSDP. Gradients are summed over ranks, not averaged: the loop divides the
 summed token loss by the global token count, so the sum is the exact gradient of the mean.
 """
 
@@ -20,19 +22,15 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
-def check_layout_wired(mop) -> None:
-    """Reject the MoP features the loop does not wire yet, naming the key and the fix."""
-    for key in ("seq_degree", "expert_degree", "vocab_degree"):
-        value = getattr(mop.layout, key)
-        if value != 1:
-            raise ValueError(f"mop.layout.{key} = {value}: the training loop does not wire this "
-                             f"parallelism yet (pure data parallel only); set it to 1")
-    if mop.ring_dtp.enable:
-        raise ValueError("mop.ring_dtp.enable = true: Ring-DTP is not wired into the training loop yet; "
-                         "set it to false (the loop uses the chunked cross-entropy)")
-    if mop.moe.dispatch != "local":
-        raise ValueError(f"mop.moe.dispatch = {mop.moe.dispatch!r}: only 'local' is wired into the "
-                         f"training loop yet; set it to 'local'")
+def check_layout_fits(layout_plan, training, model_args) -> None:
+    """Pre-launch checks of the MoP degrees against the batch and the model (ValueError with the fix)."""
+    from mop_train.parallel.apply import check_model_fits_layout
+
+    D = layout_plan.seq_degree
+    if training.seq_len % D:
+        raise ValueError(f"training.seq_len ({training.seq_len}) must be divisible by mop.layout.seq_degree "
+                         f"({D}): each rank of a sequence group holds seq_len / D positions")
+    check_model_fits_layout(model_args, D, layout_plan.expert_degree)
 
 
 def check_titan_parallelism(parallelism, training, *, data_size: int) -> None:
@@ -46,8 +44,10 @@ def check_titan_parallelism(parallelism, training, *, data_size: int) -> None:
                              f"all ranks and splits sequences/experts/vocab through [mop.layout]; set it to 1")
     one_step = training.local_batch_size * data_size
     if training.global_batch_size not in (-1, one_step):
-        raise ValueError(f"training.global_batch_size = {training.global_batch_size}: gradient accumulation "
-                         f"is not supported; set it to -1 (or {one_step} = local_batch_size x {data_size} ranks)")
+        raise ValueError(f"training.global_batch_size = {training.global_batch_size}: a step consumes "
+                         f"local_batch_size x W/D = {training.local_batch_size} x {data_size} sequences "
+                         f"(gradient accumulation is not supported); set it to -1 or {one_step}, or change "
+                         f"local_batch_size to global_batch_size / {data_size}")
     if training.dtype != "float32":
         raise ValueError(f"training.dtype = {training.dtype!r}: weights and optimizer state stay fp32; "
                          f"use training.mixed_precision_param = \"bfloat16\" for bf16 compute on GPU")
@@ -86,7 +86,7 @@ def apply_activation_checkpointing(model: nn.Module, ac, sco=None) -> list[int]:
 
 
 def apply_fsdp(root: nn.Module, model: nn.Module, mesh, *, param_dtype: torch.dtype,
-               reduce_dtype: torch.dtype) -> None:
+               reduce_dtype: torch.dtype, ignored_params: set | None = None) -> None:
     """FSDP2 over `mesh`: one unit per block of `model.layers`, then `root` (which holds `model`).
 
     `root` must be the module whose forward also uses `model.output.weight`, so that the root
@@ -96,8 +96,9 @@ def apply_fsdp(root: nn.Module, model: nn.Module, mesh, *, param_dtype: torch.dt
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block is needed again first in backward: keep it unsharded after forward.
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(root, mesh=mesh, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1,
+                    ignored_params=ignored_params)
+    fully_shard(root, mesh=mesh, mp_policy=mp, ignored_params=ignored_params)
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

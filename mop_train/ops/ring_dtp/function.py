@@ -8,7 +8,9 @@ payload moves one hop to the next rank:
                     accumulators to their owner.
 The next round's operand is sent while the current meeting computes; accumulators move after it.
 Backward replays the rounds on recomputed logits; the gradient of the moving tensor (dW or dX,
-fp32) travels with it and a last hop delivers it to its owner. Saved: X, W_r, targets, lse [N].
+fp32) travels with it and a last hop delivers it to its owner. At P = 1 (one shard, no hops) the
+fp32 dX accumulator lives in dW's not-yet-written rows (`local.single_shard_backward`).
+Saved: X, W_r, targets, lse [N].
 
 Paper section 3.2. Legend: N tokens (this rank), N_q (rank q), H hidden, V vocab, P group size,
 S = ceil(V/P) shard rows.
