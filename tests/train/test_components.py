@@ -15,7 +15,9 @@ from mop_train.config import load_job_config
 from mop_train.train import data
 from mop_train.train.checkpoint import TrainState
 from mop_train.train.loss import chunked_cross_entropy_sum
-from mop_train.train.parallelize import check_layout_wired, check_titan_parallelism
+from mop_train.layout import plan_layout
+from mop_train.models import zoo
+from mop_train.train.parallelize import check_layout_fits, check_titan_parallelism
 from mop_train.train.plan import GIB, MemoryPlanInputs, memory_plan
 from tests.utils import assert_close
 
@@ -118,11 +120,27 @@ def test_bad_data_and_tokenizer_paths_name_the_path(tmp_path, tokenizer):
         data.build_tokenizer(str(bad_dir), cache_dir=str(tmp_path))
 
 
-def test_too_few_documents_for_the_ranks(tmp_path, tokenizer):
-    path = tmp_path / "two.jsonl"
-    path.write_text('{"text": "one"}\n{"text": "two"}\n')
-    with pytest.raises(ValueError, match="fewer than the 3 data-parallel ranks"):
-        data.build_dataloader(_training(dataset_path=str(path)), tokenizer, 2, 3, cache_dir=str(tmp_path))
+def test_global_batch_is_the_same_for_any_number_of_data_ranks(tmp_path, tokenizer):
+    path = tmp_path / "docs.jsonl"
+    rng = random.Random(torch.seed())
+    with open(path, "w") as f:
+        for i in range(7):
+            words = " ".join(rng.choice(["alpha", "beta", "gamma"]) for _ in range(rng.randint(3, 40)))
+            f.write(json.dumps({"text": f"doc {i}: {words}"}) + "\n")
+    global_rows = 6
+    whole = iter(data.build_dataloader(_training(dataset_path=str(path), local_batch_size=global_rows),
+                                       tokenizer, 0, 1, cache_dir=str(tmp_path)))
+    for world in (2, 3):
+        loaders = [iter(data.build_dataloader(_training(dataset_path=str(path), local_batch_size=global_rows // world),
+                                              tokenizer, r, world, cache_dir=str(tmp_path))) for r in range(world)]
+        reference = iter(data.build_dataloader(_training(dataset_path=str(path), local_batch_size=global_rows),
+                                               tokenizer, 0, 1, cache_dir=str(tmp_path)))
+        for _ in range(3):  # several steps: the stream wraps around the 7 documents
+            expected_x, expected_y = next(reference)
+            parts = [next(it) for it in loaders]
+            assert torch.equal(torch.cat([x["input"] for x, _ in parts]), expected_x["input"])
+            assert torch.equal(torch.cat([y for _, y in parts]), expected_y)
+    assert next(whole)[0]["input"].shape == (global_rows, 16)
 
 
 def test_train_state_restores_rng_streams():
@@ -140,19 +158,22 @@ def test_train_state_restores_rng_streams():
         TrainState(rank=0).load_state_dict(saved)
 
 
-def test_unwired_layouts_are_rejected():
-    cfg = load_job_config(["--mop.layout.seq_degree", "2"])
-    with pytest.raises(ValueError, match="seq_degree = 2"):
-        check_layout_wired(cfg.mop)
-    cfg = load_job_config(["--mop.ring_dtp.enable"])
-    with pytest.raises(ValueError, match="ring_dtp"):
-        check_layout_wired(cfg.mop)
-    check_layout_wired(load_job_config([]).mop)
+def test_inconsistent_layouts_are_rejected_before_launch():
+    debug = zoo.get_model_args("debug")  # 4 heads, 8 experts
+    cfg = load_job_config(["--training.seq_len", "130"])
+    with pytest.raises(ValueError, match=r"seq_len \(130\) must be divisible by mop.layout.seq_degree \(4\)"):
+        check_layout_fits(plan_layout(8, 4, 1, 1), cfg.training, debug)
+    cfg = load_job_config(["--training.seq_len", "128"])
+    with pytest.raises(ValueError, match=r"attention heads \(4\) must be divisible by mop.layout.seq_degree \(8\)"):
+        check_layout_fits(plan_layout(8, 8, 1, 1), cfg.training, debug)
+    with pytest.raises(ValueError, match=r"expert_degree \(3\) must divide num_experts \(8\)"):
+        check_layout_fits(plan_layout(6, 1, 3, 1), cfg.training, debug)
+    check_layout_fits(plan_layout(8, 4, 8, 2), cfg.training, debug)
     cfg = load_job_config(["--parallelism.tensor_parallel_degree", "2"])
     with pytest.raises(ValueError, match="tensor_parallel_degree = 2"):
         check_titan_parallelism(cfg.parallelism, cfg.training, data_size=2)
     cfg = load_job_config(["--training.local_batch_size", "3", "--training.global_batch_size", "12"])
-    with pytest.raises(ValueError, match="gradient accumulation"):
+    with pytest.raises(ValueError, match="local_batch_size x W/D = 3 x 2"):
         check_titan_parallelism(cfg.parallelism, cfg.training, data_size=2)
     check_titan_parallelism(cfg.parallelism, cfg.training, data_size=4)
     cfg = load_job_config([])
