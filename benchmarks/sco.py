@@ -200,7 +200,7 @@ def cap_device_memory(model, args, device, dtype) -> int:
     state = torch.cuda.memory_allocated()
     cap = state + int(args.activation_gib * GIB)
     total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(cap / total, 1.0), device)
+    torch.cuda.set_per_process_memory_fraction(min(cap / total, 1.0), torch.cuda.current_device())
     return cap
 
 

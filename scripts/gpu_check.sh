@@ -2,14 +2,17 @@
 # One H200 call: GPU tests, `small` training (plain and with every operator on), and the
 # single-GPU SCO and dispatch benchmarks. Logs and JSON land in $OUT (default ./gpu_out).
 # Usage (on the GPU machine, from the repo root, wheels carried in .whl/):
-#   bash scripts/gpu_check.sh
+#   bash scripts/gpu_check.sh [STEP ...]   # default: every step
+# Steps: train_small train_small_all_ops sco_bench dispatch_bench gpu_tests
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=$PWD:/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 MOP_TRAIN_CACHE=/tmp/mop_cache
+want=" ${*:-train_small train_small_all_ops sco_bench dispatch_bench gpu_tests} "
 step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
+  [[ $want == *" $name "* ]] || return 0
   echo "=== $name (limit ${limit}s): $*"
   local t0=$(date +%s)
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
@@ -18,12 +21,12 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 step train_small 110 torchrun --standalone --nproc_per_node=1 -m mop_train.train \
   --job.config_file configs/small_1gpu.toml --job.dump_folder /tmp/run_small --training.steps 20
-cp /tmp/run_small/metrics.jsonl "$OUT/train_small_metrics.jsonl" 2>/dev/null
+[[ $want == *" train_small "* ]] && cp /tmp/run_small/metrics.jsonl "$OUT/train_small_metrics.jsonl" 2>/dev/null
 step train_small_all_ops 120 torchrun --standalone --nproc_per_node=1 -m mop_train.train \
   --job.config_file configs/small_1gpu.toml --job.dump_folder /tmp/run_all --training.steps 20 \
   --mop.moe.dispatch pipelined_llep --mop.ring_dtp.enable --mop.sco.host_budget 8GiB \
   --optimizer.name OffloadStreamAdamW --mop.offload_adamw.bucket_params 50000000
-cp /tmp/run_all/metrics.jsonl "$OUT/train_all_ops_metrics.jsonl" 2>/dev/null
+[[ $want == *" train_small_all_ops "* ]] && cp /tmp/run_all/metrics.jsonl "$OUT/train_all_ops_metrics.jsonl" 2>/dev/null
 TAIL=40 step sco_bench 150 python3 benchmarks/sco.py --layers 12 --repeats 2
-TAIL=40 step dispatch_bench 100 torchrun --standalone --nproc_per_node=1 benchmarks/moe_dispatch.py --tokens 65536 --modes llep pipelined_llep --repeats 1
+TAIL=40 step dispatch_bench 120 torchrun --standalone --nproc_per_node=1 benchmarks/moe_dispatch.py --tokens 65536 --modes ep pipelined_llep --profiles balanced 80/16 50/4 --repeats 1
 TAIL=15 step gpu_tests 60 python3 -m pytest -q -m gpu tests/ops/test_sco.py tests/ops/test_offload_adamw.py -p no:cacheprovider
