@@ -9,6 +9,7 @@ Training itself is launched with torchrun: `torchrun ... -m mop_train.train --jo
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"mop-train {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `mop-train layout ... | head`: the reader left, nothing is wrong
+        sys.stdout = open(os.devnull, "w")
+        return 0
 
 
 if __name__ == "__main__":
