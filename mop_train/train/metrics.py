@@ -103,7 +103,14 @@ def format_line(r: dict) -> str:
         line += f"  TFLOP/s {r['tflops']:.1f}"
     if r.get("mfu_pct") is not None:
         line += f"  MFU {r['mfu_pct']:.1f}%"
-    return line + f"  peak_mem {r['peak_mem_gib']:.2f} GiB"
+    line += f"  peak_mem {r['peak_mem_gib']:.2f} GiB"
+    if "sco_offloaded_layers" in r:
+        line += (f"  sco {r['sco_offloaded_layers']} layers {r['sco_host_bytes'] / 2**30:.2f} GiB host "
+                 f"wait {1e3 * r['sco_wait_s']:.1f} ms")
+    if "moe_num_chunks" in r:
+        line += (f"  moe K {r['moe_num_chunks']} relocated {r['moe_relocated_routes']:,} "
+                 f"max_recv/chunk {r['moe_max_received_per_chunk']:,}")
+    return line
 
 
 class _AsDict:
