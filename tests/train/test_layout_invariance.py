@@ -61,3 +61,23 @@ def test_losses_and_final_parameters_match_across_layouts(tmp_path):
                 assert_close(params[key], ref, rtol=1e-5, atol=1e-6, name=f"{name} {key}")
         if layout[4] == "pipelined_llep":  # the run really chunked and relocated
             assert all(m["moe_num_chunks"] > 1 and m["moe_relocated_routes"] > 0 for m in metrics)
+
+
+@pytest.mark.slow
+def test_resume_is_exact_with_sharded_experts_and_vocab(tmp_path):
+    """DCP saves and restores the group-sharded DTensors (experts over E_p, projection over P)."""
+    common = ["--job.config_file", DEBUG_CONFIG, "--metrics.log_freq", "1", "--debug.seed", "5",
+              "--training.local_batch_size", "2", "--mop.layout.seq_degree", "2",
+              "--mop.layout.expert_degree", "4", "--mop.layout.vocab_degree", "2",
+              "--mop.moe.dispatch", "pipelined_llep", "--mop.moe.token_budget", "24",
+              "--mop.moe.min_tokens_per_gemm", "8", "--metrics.no-enable-tensorboard",
+              "--checkpoint.enable", "--checkpoint.interval", "2", "--lr_scheduler.total_steps", "4"]
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    check_ok(run_train([*common, "--training.steps", "4", "--job.dump_folder", straight], nproc=4, timeout=300))
+    check_ok(run_train([*common, "--training.steps", "2", "--job.dump_folder", resumed], nproc=4, timeout=300))
+    proc = run_train([*common, "--training.steps", "4", "--job.dump_folder", resumed], nproc=4, timeout=300)
+    check_ok(proc)
+    assert "resumed from step 2" in proc.stdout
+    want = [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(straight)][2:]
+    got = [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(resumed)][2:]
+    assert got == want, f"resumed {got} != straight {want}"
