@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from mop_train.ops.moe_dispatch import DispatchStats, max_received_bound, moe_experts_forward
@@ -293,8 +295,8 @@ def test_schedules_match_local(world):
 
 
 def test_pipelined_saves_no_expert_intermediates():
-    """The reentrant checkpoint keeps [rows, I] expert intermediates out of the saved set, and its
-    saved inputs pass through an outer saved-tensor hook (what the decoder's checkpoint packs)."""
+    """ChunkExperts keeps [rows, I] expert intermediates out of the saved set, and its saved
+    inputs pass through an outer saved-tensor hook (what the decoder's checkpoint packs)."""
     weights_full, per_rank = build_case(11, [16], "30/4", 1)
     x, idx, wts, _ = per_rank[0]
 
@@ -316,3 +318,46 @@ def test_pipelined_saves_no_expert_intermediates():
     assert not intermediates(chunked), chunked
     rows_saved = [s for s in chunked if len(s) == 2 and s[1] == H]  # each chunk's received rows
     assert len(rows_saved) >= 4, chunked                           # K = 16 / 4 chunks
+
+
+class _LargeAllocations(TorchDispatchMode):
+    """Counts op outputs of at least `numel` elements that own new memory (not views, not in place)."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                 if isinstance(t, torch.Tensor) and t.numel()}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.numel() >= self.numel and not t._is_view() \
+                    and t.untyped_storage().data_ptr() not in given:
+                self.count += 1
+        return out
+
+
+def test_pipelined_expert_grads_accumulate_once_per_layer():
+    """A K-chunk backward allocates one gradient buffer per expert weight, as K = 1 does: each
+    chunk adds its dW in place instead of making [E, I, H]-sized gradients that autograd sums."""
+    h, i, e, n = 16, 32, 24, 48                            # n*k routes x max(h, i) < e*i*h
+    gen = torch.Generator().manual_seed(21)
+    weights = [torch.randn(e, *s, generator=gen) / s[1] ** 0.5 for s in ((i, h), (h, i), (i, h))]
+    x, g = torch.randn(n, h, generator=gen), torch.randn(n, h, generator=gen)
+    idx = torch.stack([torch.randperm(e, generator=gen)[:K_TOP] for _ in range(n)])
+    wts = torch.rand(n, K_TOP, generator=gen) + 0.1
+    want = run_schedule("local", {}, x, idx, wts, g, weights, None, False)
+    counts = {}
+    for budget in (n, n // 8):
+        stats = DispatchStats()
+        xl, wl, ws = leaf(x), leaf(wts), [leaf(w) for w in weights]
+        y = moe_experts_forward(xl, idx, wl, *ws, dispatch="pipelined_llep", token_budget=budget,
+                                stats=stats)
+        with _LargeAllocations(e * i * h) as big:
+            (y * g).sum().backward()
+        counts[stats.num_chunks] = big.count
+        for got, ref in zip([xl.grad, wl.grad] + [w.grad for w in ws], want[1:3] + tuple(want[3])):
+            assert_close(got, ref, atol=1e-5 * float(ref.abs().max()), name=f"grads K={stats.num_chunks}")
+    assert counts == {1: 3, 8: 3}, counts

@@ -9,7 +9,8 @@ Every route keeps its expert; only the rank that computes it may change:
      the receiver runs its native experts and the migrated copies (two grouped matmuls, no stacking
      of native weights), scales by the routing weight, and the reverse all-to-all brings outputs back.
 `run_chunks` does step 3 over K chunks of the token axis with the exchanges of neighbouring chunks
-in flight during a chunk's expert matmul; LLEP is the K = 1 case. Paper: section 3.1, Appendix B.
+in flight during a chunk's expert matmul; LLEP is the K = 1 case. PipelinedLLEP's chunks add their
+weight gradients into per-layer sums that step 2's backward returns (chunked_experts.py). Paper: section 3.1, Appendix B.
 
 Legend: N tokens, H hidden, I expert hidden width, E experts, M = E / P native experts per rank,
 F foreign (migrated) experts on this rank, S = M + F slots, k top-k, R = N*k routes, P group size,
@@ -22,12 +23,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
 
+from mop_train.ops.moe_dispatch.chunked_experts import ChunkExperts, ExpertGradSum, slot_swiglu
 from mop_train.ops.moe_dispatch.comm import (AllToAllStart, AllToAllWait, Ticket, all_gather_counts,
                                              exchange_counts, group_rank, group_size)
-from mop_train.ops.moe_dispatch.ep import (DispatchStats, inverse_permutation, receive_order, record_stats,
-                                           weighted_experts)
+from mop_train.ops.moe_dispatch.ep import DispatchStats, inverse_permutation, receive_order, record_stats
 from mop_train.ops.moe_dispatch.llep_plan import LLEPPlan, llep_plan
 from mop_train.ops.moe_dispatch.local import local_experts_forward
 
@@ -36,12 +36,16 @@ class MigrateExperts(torch.autograd.Function):
     """Copy relocated experts owner -> helper; backward sends the copies' grads back to the owner.
 
     Returns (f1, f2, f3, anchor): [F, ...] foreign copies in this rank's slot order (filled once
-    `ticket` has been waited on, e.g. by AllToAllWait), and a zero scalar to add to the layer
-    output so this backward runs on every rank."""
+    `ticket` has been waited on), and a zero scalar to add to the layer output so this backward
+    runs on every rank. `chunk_sums` is None when the experts run under plain autograd (LLEP), or
+    the (native, foreign) ExpertGradSum that PipelinedLLEP's chunks add into: each chunk takes
+    `anchor` as input, so this backward runs after the last chunk and returns those sums, once."""
 
     @staticmethod
-    def forward(ctx, ticket, transfers, rank, experts_per_rank, group, w1, w2, w3):
+    def forward(ctx, ticket, transfers, rank, experts_per_rank, group, chunk_sums, w1, w2, w3):
         ctx.transfers, ctx.rank, ctx.M, ctx.group = transfers, rank, experts_per_rank, group
+        ctx.chunk_sums = chunk_sums
+        ctx.set_materialize_grads(False)
         foreign = [e for e, h in transfers if h == rank]
         outs = [w.new_empty((len(foreign),) + tuple(w.shape[1:])) for w in (w1, w2, w3)]
         ops = []
@@ -63,10 +67,14 @@ class MigrateExperts(torch.autograd.Function):
     def backward(ctx, g1, g2, g3, g_anchor):
         rank, M, group = ctx.rank, ctx.M, ctx.group
         foreign = [e for e, h in ctx.transfers if h == rank]
-        grads = []
-        for g, (shape, dtype, device) in zip((g1, g2, g3), ctx.weight_meta):
-            grads.append(g if g is not None else torch.zeros((len(foreign),) + tuple(shape[1:]),
-                                                             dtype=dtype, device=device))
+        if ctx.chunk_sums is not None:
+            native_sums, foreign_sums = (s.take() for s in ctx.chunk_sums)
+            grads = [f if g is None else f + g for f, g in zip(foreign_sums, (g1, g2, g3))]
+        else:
+            native_sums = None
+            grads = [g if g is not None else torch.zeros((len(foreign),) + tuple(shape[1:]),
+                                                         dtype=dtype, device=device)
+                     for g, (shape, dtype, device) in zip((g1, g2, g3), ctx.weight_meta)]
         sent = [(e, h) for e, h in ctx.transfers if e // M == rank]
         bufs = [torch.empty((len(sent),) + tuple(s[1:]), dtype=d, device=dev)
                 for s, d, dev in ctx.weight_meta]
@@ -83,24 +91,15 @@ class MigrateExperts(torch.autograd.Function):
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        if not sent:
-            return (None,) * 8
-        local = torch.tensor([e - rank * M for e, _ in sent], device=bufs[0].device)
-        dw = [torch.zeros(s, dtype=d, device=dev).index_add_(0, local, b)
-              for (s, d, dev), b in zip(ctx.weight_meta, bufs)]
-        return (None, None, None, None, None, *dw)
-
-
-def slot_swiglu(rows, route_w, slot_counts, w1, w2, w3, f1, f2, f3, num_native: int):
-    """Weighted SwiGLU over slots: native experts (w*) first, then the foreign copies (f*).
-
-    rows [R', H] sorted by slot, route_w [R'], slot_counts [M + F] -> [R', H]."""
-    if f1.shape[0] == 0:
-        return weighted_experts(rows, route_w, slot_counts, w1, w2, w3)
-    n = int(slot_counts[:num_native].sum())
-    native = weighted_experts(rows[:n], route_w[:n], slot_counts[:num_native], w1, w2, w3)
-    foreign = weighted_experts(rows[n:], route_w[n:], slot_counts[num_native:], f1, f2, f3)
-    return torch.cat([native, foreign])
+        if not sent and native_sums is None:
+            return (None,) * 9
+        if native_sums is None:
+            native_sums = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.weight_meta]
+        if sent:
+            local = torch.tensor([e - rank * M for e, _ in sent], device=bufs[0].device)
+            for dw, b in zip(native_sums, bufs):
+                dw.index_add_(0, local, b)
+        return (None,) * 6 + tuple(native_sums)
 
 
 def slot_of_expert(plan: LLEPPlan, rank: int) -> torch.Tensor:
@@ -163,7 +162,7 @@ def _plan_chunks(indices, plan, C, chunk_of_token, num_chunks, group) -> list[_C
 
 
 def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.Tensor,
-               chunk_of_token: torch.Tensor, num_chunks: int, *, checkpoint_experts: bool,
+               chunk_of_token: torch.Tensor, num_chunks: int, *, recompute_experts: bool,
                stats: DispatchStats | None = None, received_bound: int = 0) -> torch.Tensor:
     """Execute `plan` over K chunks: dispatch(i+1) and combine(i-1) are in flight during compute(i).
 
@@ -171,7 +170,8 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
         x [N, H]; indices, weights [N, k]; w1, w3 [M, I, H]; w2 [M, H, I] this rank's experts.
         plan, C: the layer's LLEP plan and the count matrix [P, E] it was built from.
         chunk_of_token: [N] int64 chunk id in [0, K) of each token.
-        checkpoint_experts: run each chunk's expert matmul inside a reentrant checkpoint.
+        recompute_experts: run each chunk's expert matmul as ChunkExperts (recomputed in backward,
+            weight grads summed in place once per layer) instead of plain autograd.
     Returns:
         y [N, H]
     """
@@ -179,7 +179,11 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
     rank = group_rank(group)
     chunks = _plan_chunks(indices, plan, C, chunk_of_token, num_chunks, group)
     migration = Ticket()          # the weight copies travel while the first dispatch is issued
-    f1, f2, f3, anchor = MigrateExperts.apply(migration, plan.transfers, rank, M, group, w1, w2, w3)
+    sums = None
+    if recompute_experts:
+        num_foreign = len(plan.foreign_experts(rank))
+        sums = (ExpertGradSum(M, w1, w2, w3), ExpertGradSum(num_foreign, w1, w2, w3))
+    f1, f2, f3, anchor = MigrateExperts.apply(migration, plan.transfers, rank, M, group, sums, w1, w2, w3)
     w_flat = weights.reshape(-1)                                             # [R]
 
     def launch_dispatch(c: _Chunk):
@@ -188,14 +192,11 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
                                            x[c.ids // k], w_flat[c.ids])
 
     def expert_matmul(rows, route_w, slot_counts):
-        nonlocal f1, f2, f3
-        if migration.works:
-            f1, f2, f3 = AllToAllWait.apply(migration, f1, f2, f3)
-        args = (rows, route_w, slot_counts, w1, w2, w3, f1, f2, f3, M)
-        if checkpoint_experts and torch.is_grad_enabled() and any(
-                t.requires_grad for t in args if isinstance(t, torch.Tensor)):
-            return checkpoint(slot_swiglu, *args, use_reentrant=True)
-        return slot_swiglu(*args)
+        migration.wait()                                                     # no-op after the first
+        args = (rows, route_w, w1, w2, w3, f1, f2, f3)
+        if recompute_experts and torch.is_grad_enabled() and any(t.requires_grad for t in args):
+            return ChunkExperts.apply(sums, slot_counts, M, anchor, *args)
+        return slot_swiglu(*args[:2], slot_counts, *args[2:], M)
 
     def finish_combine(y, pending):
         ticket, bufs, c = pending
@@ -238,4 +239,4 @@ def llep_experts_forward(x, indices, weights, w1, w2, w3, group, *, alpha: float
     plan, C = build_plan(indices, w1.shape[0] * P, group, options)
     chunk_of_token = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
     return run_chunks(x, indices, weights, w1, w2, w3, group, plan, C, chunk_of_token, 1,
-                      checkpoint_experts=False, stats=stats)
+                      recompute_experts=False, stats=stats)

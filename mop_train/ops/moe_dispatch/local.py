@@ -25,6 +25,24 @@ def _grouped_mm_supported(x: torch.Tensor, w1: torch.Tensor) -> bool:
     return x.device.type == "cpu"
 
 
+def grouped_mm(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, *, transpose: bool) -> torch.Tensor:
+    """Row block e of x times w[e]^T (transpose) or w[e].
+
+    Args:
+        x: [R, A] rows sorted by expert; counts: [E] int64 rows per expert, sum == R.
+        w: [E, B, A] if transpose else [E, A, B].
+    Returns:
+        [R, B]
+    """
+    wt = w.transpose(-2, -1) if transpose else w                  # [E, A, B]
+    if x.shape[0] == 0:
+        return x.new_zeros(0, wt.shape[-1])
+    if _grouped_mm_supported(x, w):
+        offs = torch.cumsum(counts.to(device=x.device), 0).to(torch.int32)
+        return torch._grouped_mm(x, wt, offs=offs)
+    return torch.cat([xe @ wt[e] for e, xe in enumerate(x.split(counts.tolist()))])
+
+
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                    w3: torch.Tensor) -> torch.Tensor:
     """SwiGLU over row blocks: rows [off_e, off_e + counts[e]) of x go through expert e.
@@ -39,18 +57,11 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
     if x.shape[0] == 0:
         # Keep the graph connected so every expert weight gets a (zero) gradient.
         return x.new_zeros(0, w2.shape[1]) + 0 * (w1.sum() + w2.sum() + w3.sum()).to(x.dtype)
-    if _grouped_mm_supported(x, w1):
-        offs = torch.cumsum(counts.to(device=x.device), 0).to(torch.int32)
-        h1 = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)  # [R, I]
-        h3 = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)  # [R, I]
-        return torch._grouped_mm(F.silu(h1) * h3, w2.transpose(-2, -1), offs=offs)  # [R, H]
-    outs = []
-    start = 0
-    for e, c in enumerate(counts.tolist()):
-        xe = x[start : start + c]
-        outs.append((F.silu(xe @ w1[e].t()) * (xe @ w3[e].t())) @ w2[e].t())
-        start += c
-    return torch.cat(outs)
+    if not _grouped_mm_supported(x, w1):
+        counts = counts.cpu()                                     # one sync, not one per matmul
+    h1 = grouped_mm(x, counts, w1, transpose=True)                # [R, I]
+    h3 = grouped_mm(x, counts, w3, transpose=True)                # [R, I]
+    return grouped_mm(F.silu(h1) * h3, counts, w2, transpose=True)  # [R, H]
 
 
 def local_experts_forward(x, indices, weights, w1, w2, w3):

@@ -7,10 +7,12 @@
      both are functions of N and K only, so a recompute cuts the token axis identically;
   3. the LLEP plan and the weight migration happen once per layer over all chunks; each route goes
      to the same destination as in LLEP;
-  4. per chunk: dispatch -> expert matmul in a reentrant checkpoint (nested inside the decoder's
-     non-reentrant one, its saved inputs are packed by the outer hooks, so a chunk's intermediates
-     die before the next chunk's are made) -> combine; dispatch(i+1) and combine(i-1) are in flight
-     while chunk i computes (async collectives; on gloo they run on its worker threads).
+  4. per chunk: dispatch -> expert matmul (`ChunkExperts`: only its inputs are saved, so under the
+     decoder's non-reentrant checkpoint they are packed by its hooks, and a chunk's [R', I]
+     intermediates exist only while it computes; backward recomputes them and adds each expert's
+     weight gradient in place into one per-layer sum, returned once) -> combine; dispatch(i+1) and
+     combine(i-1) are in flight while chunk i computes (async collectives; on gloo they run on its
+     worker threads).
 Bound: a destination receives at most E_p * k * c_eff routes per chunk, c_eff = ceil(N / K) <= c
 unless K_max binds. Paper: section 3.1, Appendix B.1.
 
@@ -75,5 +77,5 @@ def pipelined_llep_experts_forward(x, indices, weights, w1, w2, w3, group, *, to
                    imbalance_threshold=imbalance_threshold)
     plan, C = build_plan(indices, w1.shape[0] * P, group, options)
     return run_chunks(x, indices, weights, w1, w2, w3, group, plan, C,
-                      chunk_membership(N, K, membership, x.device), K, checkpoint_experts=True, stats=stats,
+                      chunk_membership(N, K, membership, x.device), K, recompute_experts=True, stats=stats,
                       received_bound=max_received_bound(P, k, c_eff))

@@ -1,0 +1,136 @@
+"""One chunk's expert compute for PipelinedLLEP, with the weight gradients summed once per layer.
+
+`ChunkExperts` runs a chunk's weighted SwiGLU over its slots (native experts, then migrated copies)
+and saves only its inputs: rows, routing weights and the expert weights; the [R', I] activations
+are recomputed in backward, as a reentrant checkpoint would. Its backward returns the grads of the
+rows and routing weights but no weight grads: each expert's dW over the rows this chunk gave it is
+added in place into one per-layer `ExpertGradSum` (mm into an expert's slice the first time,
+addmm_ afterwards). So no chunk makes a gradient the size of the weights, and nothing of that size
+is summed K times. The layer's `MigrateExperts` node (llep.py) is upstream of every chunk (each
+takes its zero anchor as input), so autograd runs it after the last chunk; it hands the sums back
+once, with the migrated copies' grads already added to their owners. Per chunk, with
+h1 = x W1^T, h3 = x W3^T, a = silu(h1) * h3, out = (a W2^T) * r and g the grad of out:
+    g2 = g W2;  dr = sum_I g2 * a;  da = g2 * r;  dh3 = da * silu(h1);  dh1 = silu'(h1) * da * h3
+    dx = dh1 W1 + dh3 W3;   dW1[e] += dh1_e^T x_e;  dW3[e] += dh3_e^T x_e;  dW2[e] += (g r)_e^T a_e
+Paper: section 3.1, Appendix B.1.
+
+Legend: R' rows received by this rank in one chunk, H hidden, I expert hidden width, M native
+experts, F migrated (foreign) copies on this rank, E = M or F experts of one stack, r routing weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mop_train.ops.moe_dispatch.ep import weighted_experts
+from mop_train.ops.moe_dispatch.local import grouped_mm
+
+
+class ExpertGradSum:
+    """The per-layer sum of one expert stack's w1/w2/w3 gradients, accumulated in place.
+
+    Nothing is allocated until a chunk contributes; experts no chunk reached read as zeros."""
+
+    def __init__(self, num_experts: int, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor):
+        self.meta = [((num_experts,) + tuple(w.shape[1:]), w.dtype, w.device) for w in (w1, w2, w3)]
+        self.bufs = None
+        self.touched = None
+
+    def add(self, x, counts, dh1, go, a, dh3) -> None:
+        """dW1[e] += dh1_e^T x_e, dW2[e] += go_e^T a_e, dW3[e] += dh3_e^T x_e over row blocks.
+
+        x, go [R, H]; dh1, dh3, a [R, I]; counts [E] (CPU) rows per expert."""
+        if self.bufs is None:
+            self.bufs = [torch.empty(s, dtype=d, device=dev) for s, d, dev in self.meta]
+            self.touched = [False] * self.meta[0][0][0]
+        sizes = counts.tolist()
+        blocks = zip(x.split(sizes), dh1.split(sizes), go.split(sizes), a.split(sizes), dh3.split(sizes))
+        b1, b2, b3 = self.bufs
+        for e, (xe, dh1e, goe, ae, dh3e) in enumerate(blocks):
+            if not sizes[e]:
+                continue
+            for buf, left, right in ((b1[e], dh1e, xe), (b2[e], goe, ae), (b3[e], dh3e, xe)):
+                if self.touched[e]:
+                    buf.addmm_(left.t(), right)
+                else:
+                    torch.mm(left.t(), right, out=buf)
+            self.touched[e] = True
+
+    def take(self) -> list[torch.Tensor]:
+        """The three sums [E, ...]; resets, so a second backward (retain_graph) starts from zero."""
+        if self.bufs is None:
+            return [torch.zeros(s, dtype=d, device=dev) for s, d, dev in self.meta]
+        idle = [e for e, t in enumerate(self.touched) if not t]
+        bufs, self.bufs, self.touched = self.bufs, None, None
+        if idle:
+            idle = torch.tensor(idle, device=bufs[0].device)
+            for b in bufs:
+                b.index_fill_(0, idle, 0)
+        return bufs
+
+
+def slot_swiglu(rows, route_w, slot_counts, w1, w2, w3, f1, f2, f3, num_native: int):
+    """Weighted SwiGLU over slots: native experts (w*) first, then the foreign copies (f*).
+
+    rows [R', H] sorted by slot, route_w [R'], slot_counts [M + F] (CPU) -> [R', H]."""
+    if f1.shape[0] == 0:
+        return weighted_experts(rows, route_w, slot_counts, w1, w2, w3)
+    n = int(slot_counts[:num_native].sum())
+    native = weighted_experts(rows[:n], route_w[:n], slot_counts[:num_native], w1, w2, w3)
+    foreign = weighted_experts(rows[n:], route_w[n:], slot_counts[num_native:], f1, f2, f3)
+    return torch.cat([native, foreign])
+
+
+def _stack_backward(x, r, counts, w1, w2, w3, grad, grad_sum: ExpertGradSum | None):
+    """Backward of weighted_experts on one stack by recomputation (module doc).
+
+    x, grad [R, H]; r [R]; counts [E] (CPU). Returns (dx [R, H], dr [R]); adds dW into grad_sum."""
+    h1 = grouped_mm(x, counts, w1, transpose=True)                 # [R, I]
+    h3 = grouped_mm(x, counts, w3, transpose=True)                 # [R, I]
+    g2 = grouped_mm(grad, counts, w2, transpose=False)             # [R, I]
+    s = F.silu(h1)
+    a = s * h3
+    rr = r.unsqueeze(1).to(grad.dtype)                             # [R, 1]
+    dr = (g2 * a).sum(1).to(r.dtype)
+    da = g2 * rr
+    del g2
+    dh3 = da * s
+    dh1 = torch.ops.aten.silu_backward(da * h3, h1)
+    del da, h3, h1, s
+    dx = grouped_mm(dh1, counts, w1, transpose=False) + grouped_mm(dh3, counts, w3, transpose=False)
+    if grad_sum is not None:
+        grad_sum.add(x, counts, dh1, grad * rr, a, dh3)
+    return dx, dr
+
+
+class ChunkExperts(torch.autograd.Function):
+    """slot_swiglu for one chunk; backward recomputes it and adds the weight grads into `sums`.
+
+    Inputs after the non-tensor ones: anchor (the layer's zero scalar from MigrateExperts; its grad
+    here is zero, it only orders the layer node after every chunk), rows [R', H], route_w [R'],
+    w1, w3 [M, I, H], w2 [M, H, I], f1, f3 [F, I, H], f2 [F, H, I]. Returns [R', H]."""
+
+    @staticmethod
+    def forward(ctx, sums, slot_counts, num_native, anchor, rows, route_w, w1, w2, w3, f1, f2, f3):
+        ctx.sums, ctx.slot_counts, ctx.num_native = sums, slot_counts, num_native
+        ctx.anchor_dtype = anchor.dtype
+        ctx.save_for_backward(rows, route_w, w1, w2, w3, f1, f2, f3)
+        return slot_swiglu(rows, route_w, slot_counts, w1, w2, w3, f1, f2, f3, num_native)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, route_w, w1, w2, w3, f1, f2, f3 = ctx.saved_tensors
+        M, counts = ctx.num_native, ctx.slot_counts
+        need_w = any(ctx.needs_input_grad[6:])
+        grad = grad.contiguous()
+        dx, dr = torch.empty_like(rows), torch.empty_like(route_w)
+        n = int(counts[:M].sum())
+        stacks = ((slice(0, n), counts[:M], (w1, w2, w3), ctx.sums[0]),
+                  (slice(n, rows.shape[0]), counts[M:], (f1, f2, f3), ctx.sums[1]))
+        for rows_of, stack_counts, ws, grad_sum in stacks:
+            if rows_of.stop > rows_of.start:
+                dx[rows_of], dr[rows_of] = _stack_backward(rows[rows_of], route_w[rows_of], stack_counts,
+                                                           *ws, grad[rows_of], grad_sum if need_w else None)
+        anchor_grad = torch.zeros((), dtype=ctx.anchor_dtype, device=grad.device)
+        return (None, None, None, anchor_grad, dx, dr) + (None,) * 6
