@@ -201,7 +201,7 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
     def finish_combine(y, pending):
         ticket, bufs, c = pending
         (back,) = AllToAllWait.apply(ticket, *bufs)                          # [R_i, H]
-        return y.index_add(0, c.ids // k, back)
+        return y.index_add_(0, c.ids // k, back)                          # in place: no [N, H] per chunk
 
     y = torch.zeros_like(x)
     dispatch, combine = launch_dispatch(chunks[0]), None
