@@ -122,15 +122,17 @@ class ChunkExperts(torch.autograd.Function):
     def backward(ctx, grad):
         rows, route_w, w1, w2, w3, f1, f2, f3 = ctx.saved_tensors
         M, counts = ctx.num_native, ctx.slot_counts
-        need_w = any(ctx.needs_input_grad[6:])
+        sums = ctx.sums if any(ctx.needs_input_grad[6:]) else (None, None)
         grad = grad.contiguous()
-        dx, dr = torch.empty_like(rows), torch.empty_like(route_w)
         n = int(counts[:M].sum())
-        stacks = ((slice(0, n), counts[:M], (w1, w2, w3), ctx.sums[0]),
-                  (slice(n, rows.shape[0]), counts[M:], (f1, f2, f3), ctx.sums[1]))
-        for rows_of, stack_counts, ws, grad_sum in stacks:
-            if rows_of.stop > rows_of.start:
-                dx[rows_of], dr[rows_of] = _stack_backward(rows[rows_of], route_w[rows_of], stack_counts,
-                                                           *ws, grad[rows_of], grad_sum if need_w else None)
+        stacks = ((slice(0, n), counts[:M], (w1, w2, w3), sums[0]),
+                  (slice(n, rows.shape[0]), counts[M:], (f1, f2, f3), sums[1]))
+        parts = [_stack_backward(rows[s], route_w[s], stack_counts, *ws, grad[s], grad_sum)
+                 for s, stack_counts, ws, grad_sum in stacks if s.stop > s.start]
+        if len(parts) == 1:
+            dx, dr = parts[0]
+        else:                                   # both stacks, or no rows at all
+            dx = torch.cat([p[0] for p in parts]) if parts else torch.zeros_like(rows)
+            dr = torch.cat([p[1] for p in parts]) if parts else torch.zeros_like(route_w)
         anchor_grad = torch.zeros((), dtype=ctx.anchor_dtype, device=grad.device)
         return (None, None, None, anchor_grad, dx, dr) + (None,) * 6
