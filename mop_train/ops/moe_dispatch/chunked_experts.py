@@ -46,7 +46,7 @@ class ExpertGradSum:
             self.touched = [False] * self.meta[0][0][0]
         sizes = counts.tolist()
         blocks = zip(x.split(sizes), dh1.split(sizes), go.split(sizes), a.split(sizes), dh3.split(sizes))
-        b1, b2, b3 = self.bufs
+        b1, b2, b3 = (b.unbind(0) for b in self.bufs)               # per-expert views
         for e, (xe, dh1e, goe, ae, dh3e) in enumerate(blocks):
             if not sizes[e]:
                 continue
