@@ -10,7 +10,8 @@ Every route keeps its expert; only the rank that computes it may change:
      of native weights), scales by the routing weight, and the reverse all-to-all brings outputs back.
 `run_chunks` does step 3 over K chunks of the token axis with the exchanges of neighbouring chunks
 in flight during a chunk's expert matmul; LLEP is the K = 1 case. PipelinedLLEP's chunks add their
-weight gradients into per-layer sums that step 2's backward returns (chunked_experts.py). Paper: section 3.1, Appendix B.
+weight gradients into per-layer sums that step 2's backward returns (chunked_experts.py).
+Paper: section 3.1, Appendix B.
 
 Legend: N tokens, H hidden, I expert hidden width, E experts, M = E / P native experts per rank,
 F foreign (migrated) experts on this rank, S = M + F slots, k top-k, R = N*k routes, P group size,
