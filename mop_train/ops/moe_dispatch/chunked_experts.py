@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from mop_train.ops.moe_dispatch.ep import weighted_experts
-from mop_train.ops.moe_dispatch.local import grouped_mm
+from mop_train.ops.moe_dispatch.local import group_offsets, grouped_mm
 
 
 class ExpertGradSum:
@@ -86,9 +86,10 @@ def _stack_backward(x, r, counts, w1, w2, w3, grad, grad_sum: ExpertGradSum | No
     """Backward of weighted_experts on one stack by recomputation (module doc).
 
     x, grad [R, H]; r [R]; counts [E] (CPU). Returns (dx [R, H], dr [R]); adds dW into grad_sum."""
-    h1 = grouped_mm(x, counts, w1, transpose=True)                 # [R, I]
-    h3 = grouped_mm(x, counts, w3, transpose=True)                 # [R, I]
-    g2 = grouped_mm(grad, counts, w2, transpose=False)             # [R, I]
+    groups = group_offsets(x, counts, w1)
+    h1 = grouped_mm(x, groups, w1, transpose=True)                 # [R, I]
+    h3 = grouped_mm(x, groups, w3, transpose=True)                 # [R, I]
+    g2 = grouped_mm(grad, groups, w2, transpose=False)             # [R, I]
     s = F.silu(h1)
     a = s * h3
     rr = r.unsqueeze(1).to(grad.dtype)                             # [R, 1]
@@ -98,7 +99,7 @@ def _stack_backward(x, r, counts, w1, w2, w3, grad, grad_sum: ExpertGradSum | No
     dh3 = da * s
     dh1 = torch.ops.aten.silu_backward(da * h3, h1)
     del da, h3, h1, s
-    dx = grouped_mm(dh1, counts, w1, transpose=False) + grouped_mm(dh3, counts, w3, transpose=False)
+    dx = grouped_mm(dh1, groups, w1, transpose=False) + grouped_mm(dh3, groups, w3, transpose=False)
     if grad_sum is not None:
         grad_sum.add(x, counts, dh1, grad * rr, a, dh3)
     return dx, dr

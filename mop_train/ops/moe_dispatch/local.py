@@ -25,11 +25,19 @@ def _grouped_mm_supported(x: torch.Tensor, w1: torch.Tensor) -> bool:
     return x.device.type == "cpu"
 
 
-def grouped_mm(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, *, transpose: bool) -> torch.Tensor:
+def group_offsets(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor):
+    """What `grouped_mm` takes as `groups`: int32 end offsets on x's device for torch._grouped_mm
+    (one host-device copy, reused by every matmul over the same blocks), else the counts on the CPU."""
+    if _grouped_mm_supported(x, w):
+        return torch.cumsum(counts.to(device=x.device), 0).to(torch.int32)
+    return counts.cpu().long()
+
+
+def grouped_mm(x: torch.Tensor, groups: torch.Tensor, w: torch.Tensor, *, transpose: bool) -> torch.Tensor:
     """Row block e of x times w[e]^T (transpose) or w[e].
 
     Args:
-        x: [R, A] rows sorted by expert; counts: [E] int64 rows per expert, sum == R.
+        x: [R, A] rows sorted by expert; groups: `group_offsets(x, counts, w)` of the [E] row counts.
         w: [E, B, A] if transpose else [E, A, B].
     Returns:
         [R, B]
@@ -37,10 +45,9 @@ def grouped_mm(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, *, transp
     wt = w.transpose(-2, -1) if transpose else w                  # [E, A, B]
     if x.shape[0] == 0:
         return x.new_zeros(0, wt.shape[-1])
-    if _grouped_mm_supported(x, w):
-        offs = torch.cumsum(counts.to(device=x.device), 0).to(torch.int32)
-        return torch._grouped_mm(x, wt, offs=offs)
-    return torch.cat([xe @ wt[e] for e, xe in enumerate(x.split(counts.tolist()))])
+    if groups.dtype == torch.int32:
+        return torch._grouped_mm(x, wt, offs=groups)
+    return torch.cat([xe @ wt[e] for e, xe in enumerate(x.split(groups.tolist()))])
 
 
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -57,11 +64,10 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
     if x.shape[0] == 0:
         # Keep the graph connected so every expert weight gets a (zero) gradient.
         return x.new_zeros(0, w2.shape[1]) + 0 * (w1.sum() + w2.sum() + w3.sum()).to(x.dtype)
-    if not _grouped_mm_supported(x, w1):
-        counts = counts.cpu()                                     # one sync, not one per matmul
-    h1 = grouped_mm(x, counts, w1, transpose=True)                # [R, I]
-    h3 = grouped_mm(x, counts, w3, transpose=True)                # [R, I]
-    return grouped_mm(F.silu(h1) * h3, counts, w2, transpose=True)  # [R, H]
+    groups = group_offsets(x, counts, w1)
+    h1 = grouped_mm(x, groups, w1, transpose=True)                # [R, I]
+    h3 = grouped_mm(x, groups, w3, transpose=True)                # [R, I]
+    return grouped_mm(F.silu(h1) * h3, groups, w2, transpose=True)  # [R, H]
 
 
 def local_experts_forward(x, indices, weights, w1, w2, w3):
