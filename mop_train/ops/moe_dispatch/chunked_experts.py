@@ -8,13 +8,15 @@ added in place into one per-layer `ExpertGradSum` (mm into an expert's slice the
 addmm_ afterwards). So no chunk makes a gradient the size of the weights, and nothing of that size
 is summed K times. The layer's `MigrateExperts` node (llep.py) is upstream of every chunk (each
 takes its zero anchor as input), so autograd runs it after the last chunk; it hands the sums back
-once, with the migrated copies' grads already added to their owners. Per chunk, with
+once, with the migrated copies' grads already added to their owners. The token rows each chunk
+gathers from x are handled the same way (`GatherTokens` adds into one [N, H] sum that `TokenSource`
+returns), instead of one [N, H] gradient per chunk. Per chunk, with
 h1 = x W1^T, h3 = x W3^T, a = silu(h1) * h3, out = (a W2^T) * r and g the grad of out:
     g2 = g W2;  dr = sum_I g2 * a;  da = g2 * r;  dh3 = da * silu(h1);  dh1 = silu'(h1) * da * h3
     dx = dh1 W1 + dh3 W3;   dW1[e] += dh1_e^T x_e;  dW3[e] += dh3_e^T x_e;  dW2[e] += (g r)_e^T a_e
 Paper: section 3.1, Appendix B.1.
 
-Legend: R' rows received by this rank in one chunk, H hidden, I expert hidden width, M native
+Legend: N tokens, R' rows received by this rank in one chunk, H hidden, I expert hidden width, M native
 experts, F migrated (foreign) copies on this rank, E = M or F experts of one stack, r routing weight.
 """
 
@@ -137,3 +139,53 @@ class ChunkExperts(torch.autograd.Function):
             dr = torch.cat([p[1] for p in parts]) if parts else torch.zeros_like(route_w)
         anchor_grad = torch.zeros((), dtype=ctx.anchor_dtype, device=grad.device)
         return (None, None, None, anchor_grad, dx, dr) + (None,) * 6
+
+
+class TokenGradSum:
+    """The per-layer sum of the gradients of the token rows the chunks gathered from x [N, H]."""
+
+    def __init__(self, x: torch.Tensor):
+        self.meta, self.buf = (x.shape, x.dtype, x.device), None
+
+    def add(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        if self.buf is None:
+            shape, dtype, device = self.meta
+            self.buf = torch.zeros(shape, dtype=dtype, device=device)
+        self.buf.index_put_((ids,), grad, accumulate=True)
+
+    def take(self) -> torch.Tensor:
+        buf, self.buf = self.buf, None
+        if buf is None:
+            shape, dtype, device = self.meta
+            buf = torch.zeros(shape, dtype=dtype, device=device)
+        return buf
+
+
+class TokenSource(torch.autograd.Function):
+    """x -> a zero scalar anchor that every GatherTokens takes; its backward, run after the last
+    chunk's, returns the summed gradient of x once."""
+
+    @staticmethod
+    def forward(ctx, sums: TokenGradSum, x):
+        ctx.sums = sums
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, ctx.sums.take()
+
+
+class GatherTokens(torch.autograd.Function):
+    """x[ids] -> [R_i, H]; backward adds the rows' grads into `sums` instead of returning them."""
+
+    @staticmethod
+    def forward(ctx, sums: TokenGradSum, anchor, x, ids):
+        ctx.sums, ctx.anchor_dtype = sums, anchor.dtype
+        ctx.save_for_backward(ids)
+        return x.index_select(0, ids)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        ctx.sums.add(ids, grad)
+        return None, torch.zeros((), dtype=ctx.anchor_dtype, device=grad.device), None, None

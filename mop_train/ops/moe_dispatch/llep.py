@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mop_train.ops.moe_dispatch.chunked_experts import ChunkExperts, ExpertGradSum, slot_swiglu
+from mop_train.ops.moe_dispatch.chunked_experts import (ChunkExperts, ExpertGradSum, GatherTokens,
+                                                        TokenGradSum, TokenSource, slot_swiglu)
 from mop_train.ops.moe_dispatch.comm import (AllToAllStart, AllToAllWait, Ticket, all_gather_counts,
                                              exchange_counts, group_rank, group_size)
 from mop_train.ops.moe_dispatch.ep import DispatchStats, inverse_permutation, receive_order, record_stats
@@ -186,11 +187,16 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
         sums = (ExpertGradSum(M, w1, w2, w3), ExpertGradSum(num_foreign, w1, w2, w3))
     f1, f2, f3, anchor = MigrateExperts.apply(migration, plan.transfers, rank, M, group, sums, w1, w2, w3)
     w_flat = weights.reshape(-1)                                             # [R]
+    token_sums = token_anchor = None
+    if recompute_experts and torch.is_grad_enabled() and x.requires_grad:
+        token_sums = TokenGradSum(x)
+        token_anchor = TokenSource.apply(token_sums, x)
 
     def launch_dispatch(c: _Chunk):
         ticket = Ticket()
-        return ticket, AllToAllStart.apply(ticket, c.send_splits, c.recv_splits, group,
-                                           x[c.ids // k], w_flat[c.ids])
+        ids = c.ids // k                                                     # [R_i] token of each route
+        rows = x[ids] if token_sums is None else GatherTokens.apply(token_sums, token_anchor, x, ids)
+        return ticket, AllToAllStart.apply(ticket, c.send_splits, c.recv_splits, group, rows, w_flat[c.ids])
 
     def expert_matmul(rows, route_w, slot_counts):
         migration.wait()                                                     # no-op after the first
@@ -222,6 +228,8 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
         record_stats(stats, [sum(c.recv_splits) for c in chunks], group, x.device,
                      relocated_routes=plan.relocated_routes, migrated_experts=len(plan.transfers),
                      received_bound=received_bound)
+    if token_anchor is not None:
+        y = y + token_anchor.to(y.dtype)
     return y + anchor.to(y.dtype)
 
 
