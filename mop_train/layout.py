@@ -29,7 +29,8 @@ import torch.distributed as dist
 KINDS = ("seq", "expert", "vocab")
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """Positive divisors of n, ascending (the valid degrees for a world, head or expert count of n)."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -54,7 +55,7 @@ class LayoutPlan:
             if not isinstance(degree, int) or degree < 1 or W % degree:
                 raise ValueError(
                     f"{kind}_degree ({degree!r}) must be a positive divisor of the world size ({W}); "
-                    f"valid values: {_divisors(W)}")
+                    f"valid values: {divisors(W)}")
 
     def degree(self, kind: str) -> int:
         return {"seq": self.seq_degree, "expert": self.expert_degree, "vocab": self.vocab_degree}[kind]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
+from mop_train.layout import divisors
 from mop_train.ops.moe_dispatch import DispatchStats
 from mop_train.parallel.sharding import shard_rows
 from mop_train.parallel.ulysses import UlyssesAttention, check_heads_divisible
@@ -32,9 +33,8 @@ def check_model_fits_layout(args, seq_degree: int, expert_degree: int) -> None:
     if seq_degree > 1:
         check_heads_divisible(args.n_heads, kv_heads, seq_degree)
     if args.num_experts % expert_degree:
-        divisors = [d for d in range(1, args.num_experts + 1) if args.num_experts % d == 0]
         raise ValueError(f"expert_degree ({expert_degree}) must divide num_experts ({args.num_experts}); "
-                         f"set [mop.layout] expert_degree to one of {divisors}")
+                         f"set [mop.layout] expert_degree to one of {divisors(args.num_experts)}")
 
 
 def moe_blocks(model: nn.Module):

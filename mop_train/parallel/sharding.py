@@ -20,12 +20,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from mop_train.ops.ring_dtp.ring import shard_bounds
+
 
 def chunk_rows(num_rows: int, num_chunks: int, index: int) -> tuple[int, int]:
-    """[start, end) of chunk `index` when `num_rows` rows are cut like torch.chunk (ceil-sized)."""
-    size = -(-num_rows // num_chunks) if num_rows else 0
-    start = min(num_rows, index * size)
-    return start, min(num_rows, start + size)
+    """[start, end) of chunk `index` when `num_rows` rows are cut like torch.chunk (ceil-sized).
+
+    The same rule as Ring-DTP's vocabulary shards, which the sharded projection must match, so it
+    is that one function."""
+    return shard_bounds(num_rows, num_chunks, index)
 
 
 def shard_rows(param: torch.Tensor, mesh) -> nn.Parameter:

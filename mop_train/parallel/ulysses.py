@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from mop_train.layout import divisors
+
 
 class _EvenAllToAll(torch.autograd.Function):
     """all_to_all_single with equal splits along dim 0. Its adjoint is the same exchange: the
@@ -42,9 +44,8 @@ def check_heads_divisible(n_heads: int, n_kv_heads: int, seq_degree: int) -> Non
     """Raise ValueError when a head count cannot be split over the sequence group."""
     for name, count in (("attention heads", n_heads), ("key/value heads", n_kv_heads)):
         if count % seq_degree:
-            divisors = [d for d in range(1, count + 1) if count % d == 0]
             raise ValueError(f"{name} ({count}) must be divisible by mop.layout.seq_degree ({seq_degree}) "
-                             f"for Ulysses attention; valid seq_degree values: {divisors}")
+                             f"for Ulysses attention; valid seq_degree values: {divisors(count)}")
 
 
 def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:

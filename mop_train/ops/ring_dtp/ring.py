@@ -16,6 +16,13 @@ import torch
 import torch.distributed as dist
 
 
+def shard_bounds(vocab_size: int, num_shards: int, index: int) -> tuple[int, int]:
+    """Rows [lo, hi) of shard `index` when `vocab_size` rows are cut into `num_shards` contiguous
+    ceil-sized shards (torch.chunk's rule; trailing shards may be short or empty)."""
+    rows = -(-vocab_size // num_shards)
+    return min(vocab_size, index * rows), min(vocab_size, (index + 1) * rows)
+
+
 @dataclass(frozen=True)
 class Ring:
     group: object  # a torch ProcessGroup, or None for a single rank
@@ -36,9 +43,7 @@ class Ring:
 
     def shard_bounds(self, owner: int) -> tuple[int, int]:
         """Global vocabulary rows [lo, hi) held by group rank `owner`."""
-        lo = min(self.vocab_size, owner * self.shard_rows)
-        hi = min(self.vocab_size, (owner + 1) * self.shard_rows)
-        return lo, hi
+        return shard_bounds(self.vocab_size, self.size, owner)
 
     def previous(self, owner: int) -> int:
         """The group rank whose payload arrives after one more hop of a payload now from `owner`."""
