@@ -3,7 +3,8 @@
 Working weights and gradients are bf16 on the device, as a handful of big tensors. Every method
 keeps the fp32 masters and both moments in host memory; each is reported as a fraction of the
 host-link floor measured in the same run (12 B/param host->device and device->host at once):
-  ours            OffloadStreamAdamW over bucket sizes x slots (staging bytes reported)
+  ours            OffloadStreamAdamW over bucket sizes x slots (staging bytes reported), then
+                  host fractions (the CPU updates that share in place) at the --fraction-staging points
   torch_cpu       torch fused AdamW on (pinned) CPU fp32 tensors + gradient download + weight upload
   deepspeed       DeepSpeed CPUAdam (AVX, JIT-compiled on first use) with the same transfers
   fsdp2_offload   FSDP2 + CPUOffloadPolicy on 1 rank: iteration time minus the same model's
@@ -133,35 +134,36 @@ def time_step(opt, device, repeats):
     return statistics.median(walls), (statistics.median(ready) if ready else None)
 
 
-def bench_ours(params, buckets, slots_list, repeats, device):
+def bench_ours(params, points, repeats, device):
+    """points: (bucket_params, slots, host_fraction) in the order to measure."""
     rows = []
     cuda = device.type == "cuda"
     sync(device)
     base = torch.cuda.memory_allocated(device) if cuda else 0  # before any staging exists
     t0 = time.perf_counter()
-    opt = OffloadStreamAdamW(params, **HP, bucket_params=buckets[0], slots=slots_list[0])
+    opt = OffloadStreamAdamW(params, **HP, bucket_params=points[0][0], slots=points[0][1])
     build_s = time.perf_counter() - t0
     sync(device)
     if cuda:
         print(f"  built in {build_s:.1f} s; device bytes held after construction: "
               f"{torch.cuda.memory_allocated(device) - base:,} (staging counter {opt.staging_bytes:,})", flush=True)
-    for bucket in buckets:
-        for slots in slots_list:
-            opt.resize_staging(bucket, slots)  # frees the previous staging first
-            sync(device)
-            staged = (torch.cuda.memory_allocated(device) - base) if cuda else opt.staging_bytes
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            sec, ready = time_step(opt, device, repeats)
-            peak_extra = (torch.cuda.max_memory_allocated(device) - base) if cuda else 0
-            rows.append(dict(bucket_params=bucket, slots=slots, seconds=sec, weights_ready_seconds=ready,
-                             copy_span_seconds=opt.step_seconds(), staging_bytes=staged,
-                             staging_counter_bytes=opt.staging_bytes,
-                             staging_bound=staging_bytes_bound(bucket, slots),
-                             step_peak_over_staging_bytes=max(peak_extra - staged, 0),
-                             h2d_bytes=opt.last_step.h2d_bytes, buckets=opt.last_step.buckets))
-            print(f"  ours B={bucket:>11,} s={slots}: {sec:.4f} s (weights ready {ready or 0:.4f} s) "
-                  f"staging {staged / 2**20:.0f} MiB", flush=True)
+    for bucket, slots, fraction in points:
+        opt.resize_staging(bucket, slots, fraction)  # frees the previous staging first
+        sync(device)
+        staged = (torch.cuda.memory_allocated(device) - base) if cuda else opt.staging_bytes
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        sec, ready = time_step(opt, device, repeats)
+        peak_extra = (torch.cuda.max_memory_allocated(device) - base) if cuda else 0
+        rows.append(dict(bucket_params=bucket, slots=slots, host_fraction=fraction, seconds=sec,
+                         weights_ready_seconds=ready, copy_span_seconds=opt.step_seconds(),
+                         staging_bytes=staged, staging_counter_bytes=opt.staging_bytes,
+                         staging_bound=staging_bytes_bound(bucket, slots),
+                         step_peak_over_staging_bytes=max(peak_extra - staged, 0),
+                         host_buffer_bytes=opt.host_buffer_bytes, h2d_bytes=opt.last_step.h2d_bytes,
+                         d2h_bytes=opt.last_step.d2h_bytes, buckets=opt.last_step.buckets))
+        print(f"  ours B={bucket:>11,} s={slots} f={fraction:.2f}: {sec:.4f} s (weights ready {ready or 0:.4f} s) "
+              f"staging {staged / 2**20:.0f} MiB, host buffers {opt.host_buffer_bytes / 2**20:.0f} MiB", flush=True)
     del opt
     free_host_memory()
     return rows, build_s
@@ -271,6 +273,10 @@ def main():
     ap.add_argument("--sizes", default="1000000000,2600000000")
     ap.add_argument("--buckets", default="25000000,50000000,100000000,200000000,400000000")
     ap.add_argument("--slots", default="1,2,3,4")
+    ap.add_argument("--host-fractions", default="0.3,0.4,0.5,0.6",
+                    help="host_fraction values measured at each --fraction-staging point")
+    ap.add_argument("--fraction-staging", default="100000000x2,25000000x3",
+                    help="comma list of BUCKETxSLOTS where the host fractions are measured")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--baseline-repeats", type=int, default=2)
     ap.add_argument("--skip", default="", help="comma list of: torch_cpu,deepspeed,fsdp2_offload")
@@ -283,6 +289,11 @@ def main():
         sizes, buckets, piece, chunk = [30_001, 78_000], [2_500, 5_000, 10_000, 20_000, 40_000], 7_001, 1 << 20
         args.repeats = args.baseline_repeats = 1
     slots_list = [int(s) for s in args.slots.split(",")]
+    fractions = [float(f) for f in args.host_fractions.split(",") if f]
+    staging = [tuple(int(float(v)) for v in point.split("x")) for point in args.fraction_staging.split(",") if point]
+    if args.smoke:
+        staging = [(buckets[2], 2)]
+    points = [(b, s, 0.0) for b in buckets for s in slots_list] + [(b, s, f) for b, s in staging for f in fractions]
     skip = set(filter(None, args.skip.split(",")))
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -303,7 +314,7 @@ def main():
         entry["floor_seconds"] = link_floor(total, device, chunk, repeats=3)
         print(f"  link floor (12 B/param each way, concurrent): {entry['floor_seconds']:.4f} s", flush=True)
         params = make_working(total, piece, device)
-        entry["ours"], entry["ours_build_seconds"] = bench_ours(params, buckets, slots_list, args.repeats, device)
+        entry["ours"], entry["ours_build_seconds"] = bench_ours(params, points, args.repeats, device)
         del params
         free_host_memory()
         save()
@@ -328,13 +339,13 @@ def main():
 
 
 def print_table(result):
-    print(f"\n{'params':>14} {'method':<14} {'bucket':>12} {'slots':>5} {'seconds':>9} {'of floor':>8} "
+    print(f"\n{'params':>14} {'method':<14} {'bucket':>12} {'slots':>5} {'host f':>6} {'seconds':>9} {'of floor':>8} "
           f"{'staging MiB':>11} {'ready s':>8}")
     for total, entry in result["sizes"].items():
         floor = entry["floor_seconds"]
-        print(f"{int(total):>14,} {'link floor':<14} {'':>12} {'':>5} {floor:>9.4f} {1.0:>8.3f} {'':>11}")
+        print(f"{int(total):>14,} {'link floor':<14} {'':>12} {'':>5} {'':>6} {floor:>9.4f} {1.0:>8.3f} {'':>11}")
         for row in entry["ours"]:
-            print(f"{int(total):>14,} {'ours':<14} {row['bucket_params']:>12,} {row['slots']:>5} "
+            print(f"{int(total):>14,} {'ours':<14} {row['bucket_params']:>12,} {row['slots']:>5} {row['host_fraction']:>6.2f} "
                   f"{row['seconds']:>9.4f} {floor / row['seconds']:>8.3f} {row['staging_bytes'] / 2**20:>11.0f} "
                   f"{row['weights_ready_seconds'] or 0:>8.4f}")
         for name in ("torch_cpu", "deepspeed", "fsdp2_offload"):
@@ -342,7 +353,7 @@ def print_table(result):
             if r is None:
                 continue
             if "seconds" in r:
-                print(f"{int(total):>14,} {name:<14} {'':>12} {'':>5} {r['seconds']:>9.4f} "
+                print(f"{int(total):>14,} {name:<14} {'':>12} {'':>5} {'':>6} {r['seconds']:>9.4f} "
                       f"{floor / r['seconds']:>8.3f} {'':>11}")
             else:
                 print(f"{int(total):>14,} {name:<14} error: {r['error'][:60]}")

@@ -91,6 +91,9 @@ class OffloadAdamW:
     slots: int = 2
     """Device staging slots (2+ overlaps transfers with the update)."""
 
+    host_fraction: float = 0.0
+    """Share of parameters the CPU updates in place while the rest streams (0 = stream all; see benchmarks/RESULTS.md)."""
+
 
 @dataclass
 class Data:
@@ -272,6 +275,9 @@ def validate(cfg, *, source: str = "config") -> None:
     _require(mop.offload_adamw.bucket_params >= 1,
              f"{source}: mop.offload_adamw.bucket_params = {mop.offload_adamw.bucket_params} must be >= 1")
     _require(mop.offload_adamw.slots >= 1, f"{source}: mop.offload_adamw.slots = {mop.offload_adamw.slots} must be >= 1")
+    _require(0.0 <= mop.offload_adamw.host_fraction <= 1.0,
+             f"{source}: mop.offload_adamw.host_fraction = {mop.offload_adamw.host_fraction} must be in [0, 1] "
+             "(the share of parameters updated on the CPU; 0 streams everything through the device)")
     _require(lay.expert_degree == 1 or moe.dispatch != "local",
              f"{source}: mop.moe.dispatch = 'local' keeps all experts on every rank, but "
              f"mop.layout.expert_degree = {lay.expert_degree}; set dispatch to 'ep', 'llep' or 'pipelined_llep'")

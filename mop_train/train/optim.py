@@ -46,7 +46,7 @@ def build_optimizers(model_parts: list[nn.Module], optimizer, offload_adamw, *,
     if optimizer.name == OFFLOAD_ADAMW:
         kwargs = dict(lr=optimizer.lr, betas=(optimizer.beta1, optimizer.beta2), eps=optimizer.eps,
                       weight_decay=optimizer.weight_decay, bucket_params=offload_adamw.bucket_params,
-                      slots=offload_adamw.slots)
+                      slots=offload_adamw.slots, host_fraction=offload_adamw.host_fraction)
         return OptimizersContainer(model_parts, _offload_adamw_cls(), kwargs)
     if optimizer.name not in TITAN_OPTIMIZERS:
         raise ValueError(f"optimizer.name = {optimizer.name!r} is not supported; use one of "

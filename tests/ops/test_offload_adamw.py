@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict)
 
 from mop_train.ops.offload_adamw import (
-    OffloadStreamAdamW, adamw_reference_step, plan_buckets, reference_adamw, staging_bytes_bound)
+    OffloadStreamAdamW, adamw_reference_step, host_update, plan_buckets, reference_adamw, staging_bytes_bound)
 from tests.dist_utils import run_distributed
 from tests.utils import assert_bitwise_equal, assert_close
 
@@ -121,6 +121,67 @@ def test_bf16_working_weights_masters_match_fp32_adamw():
     _assert_state_close(ours, ref.state_dict())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("host_fraction", [0.3, 1.0])
+def test_host_fraction_matches_torch_adamw(dtype, host_fraction, monkeypatch):
+    monkeypatch.setattr(host_update, "CHUNK", 6)  # several CPU chunks, tensors split across them
+    seed = 51 + int(10 * host_fraction) + (dtype == torch.bfloat16)
+    ours_p = _params(seed, dtype)
+    ref_p = [nn.Parameter(p.detach().float().clone()) for p in ours_p]
+    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2, host_fraction=host_fraction)
+    ref = reference_adamw(_groups(ref_p), **HP)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lambda)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, _lambda)
+    for step in range(5):
+        for p, q, g in zip(ours_p, ref_p, _grads(step, SHAPES, dtype, seed)):
+            p.grad = g
+            q.grad = None if g is None else g.float()
+        opt.step()
+        ref.step()
+        sched.step()
+        ref_sched.step()
+    ours = opt.state_dict()
+    for i, (p, q) in enumerate(zip(ours_p, ref_p)):
+        master = ours["state"][i]["master"]
+        assert_close(master, q, rtol=RTOL, atol=ATOL, name=f"master {i}")
+        assert_bitwise_equal(p.detach(), master.to(dtype), name=f"weight {i}")
+    _assert_state_close(ours, ref.state_dict())
+    numel = sum(p.numel() for p in ours_p)
+    on_host = round(host_fraction * numel)  # the last step has every gradient
+    assert opt.last_step.host_updated_elements == on_host
+    assert opt.last_step.h2d_bytes == opt.last_step.d2h_bytes == 12 * (numel - on_host) + dtype.itemsize * on_host
+    assert opt.host_buffer_bytes >= on_host * dtype.itemsize * (1 if dtype == torch.float32 else 2)
+
+
+def test_host_fraction_resume_is_exact(monkeypatch):
+    monkeypatch.setattr(host_update, "CHUNK", 5)
+    seed, kwargs = 61, dict(**HP, bucket_params=6, slots=2, host_fraction=0.5)
+    full_p = _params(seed, torch.bfloat16)
+    full = OffloadStreamAdamW(_groups(full_p), **kwargs)
+    _run(full, full_p, 5, seed)
+    first_p = _params(seed, torch.bfloat16)
+    first = OffloadStreamAdamW(_groups(first_p), **kwargs)
+    _run(first, first_p, 3, seed)
+    saved = first.state_dict()
+    resumed_p = _params(seed + 1, torch.bfloat16)
+    for p, q in zip(resumed_p, first_p):
+        p.data.copy_(q)
+    resumed = OffloadStreamAdamW(_groups(resumed_p), **kwargs)
+    resumed.load_state_dict(saved)
+    _run(resumed, resumed_p, 5, seed, start=3)
+    _assert_same_run(full_p, full, resumed_p, resumed)
+
+
+def test_host_state_is_outside_autograd():
+    params = _params(8)
+    opt = OffloadStreamAdamW(params, bucket_params=4, host_fraction=0.5)
+    opt.load_state_dict(opt.state_dict())
+    opt.reset_masters_from_params()
+    assert not opt._host.requires_grad and opt._host.grad_fn is None
+    for entry in opt.state_dict()["state"].values():
+        assert not any(t.requires_grad for t in entry.values())
+
+
 def _assert_same_run(params_a, opt_a, params_b, opt_b):
     for i, (a, b) in enumerate(zip(params_a, params_b)):
         assert_bitwise_equal(a.detach(), b.detach(), name=f"param {i}")
@@ -218,7 +279,7 @@ def _fsdp2_worker(rank, world_size, path):
         fully_shard(model, mesh=mesh)
         return model, OptimizersContainer([model], cls, kwargs)
 
-    ours_kwargs = dict(**HP, bucket_params=3, slots=2)
+    ours_kwargs = dict(**HP, bucket_params=3, slots=2, host_fraction=0.5)  # streamed and CPU-updated halves
     ref_kwargs = dict(**HP, foreach=False)
     full, full_opt = build(0, OffloadStreamAdamW, ours_kwargs)
     ref, ref_opt = build(0, torch.optim.AdamW, ref_kwargs)
@@ -330,6 +391,10 @@ def test_bad_arguments_raise_value_error():
         (dict(betas=(1.0, 0.9)), r"betas \(\(1.0, 0.9\)\)"),
         (dict(eps=-1e-8), r"eps \(-1e-08\)"),
         (dict(weight_decay=-0.1), r"weight_decay \(-0.1\)"),
+        (dict(host_fraction=-0.1), r"host_fraction \(-0.1\)"),
+        (dict(host_fraction=1.5), r"host_fraction \(1.5\)"),
+        (dict(host_fraction=True), r"host_fraction \(True\)"),
+        (dict(host_fraction="0.5"), r"host_fraction \('0.5'\)"),
     ]
     for kwargs, match in bad:
         with pytest.raises(ValueError, match=match):
@@ -351,11 +416,13 @@ def test_bad_arguments_raise_value_error():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_matches_torch_fused_adamw(dtype):
+@pytest.mark.parametrize("host_fraction", [0.0, 0.5])
+def test_cuda_matches_torch_fused_adamw(dtype, host_fraction, monkeypatch):
+    monkeypatch.setattr(host_update, "CHUNK", 6)
     seed = 41
     ours_p = _params(seed, dtype, "cuda")
     ref_p = [nn.Parameter(p.detach().float().clone()) for p in ours_p]  # never alias ours
-    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2)
+    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2, host_fraction=host_fraction)
     assert opt._host.is_pinned()
     ref = torch.optim.AdamW(_groups(ref_p), **HP, fused=True)
     for step in range(5):

@@ -7,13 +7,15 @@ device in buckets of `bucket_params` over `slots` staging buffers (paper section
 
 - optimizer.py: the optimizer (torch.optim.Optimizer; DCP-checkpointable state_dict).
 - buckets.py:   flat host layout, bucket plan, staging_bytes_bound (the device memory bound).
+- host_update.py: the tail fraction updated on the CPU while the rest streams (host_fraction).
 - reference.py: the plain AdamW math / torch.optim.AdamW oracle.
 Legend: N local elements, B bucket capacity (elements), s slots.
 """
 
+from mop_train.ops.offload_adamw import host_update
 from mop_train.ops.offload_adamw.buckets import host_state_bytes, plan_buckets, staging_bytes_bound
 from mop_train.ops.offload_adamw.optimizer import OffloadStepStats, OffloadStreamAdamW
 from mop_train.ops.offload_adamw.reference import adamw_reference_step, reference_adamw
 
 __all__ = ["OffloadStreamAdamW", "OffloadStepStats", "staging_bytes_bound", "host_state_bytes",
-           "plan_buckets", "reference_adamw", "adamw_reference_step"]
+           "plan_buckets", "reference_adamw", "adamw_reference_step", "host_update"]

@@ -48,8 +48,9 @@ def param_offsets(numels: list[int]) -> list[int]:
     return offsets
 
 
-def plan_buckets(numels: list[int], bucket_params: int) -> list[Bucket]:
-    """Cut the flat space of `numels` (elements per parameter) into buckets of <= bucket_params.
+def plan_buckets(numels: list[int], bucket_params: int, start: int = 0, end: int | None = None) -> list[Bucket]:
+    """Cut the flat range [start, end) of `numels` (elements per parameter; end defaults to all of
+    them) into buckets of <= bucket_params.
 
     Every bucket but the last holds exactly `bucket_params` elements; empty parameters own no
     segment. Segments of one bucket are in flat order and tile [0, bucket.numel) without gaps.
@@ -58,21 +59,24 @@ def plan_buckets(numels: list[int], bucket_params: int) -> list[Bucket]:
         raise ValueError(f"bucket_params ({bucket_params}) must be >= 1")
     offsets = param_offsets(numels)
     total = sum(numels)
+    stop = total if end is None else end
+    if not 0 <= start <= stop <= total:
+        raise ValueError(f"range [{start}, {stop}) is not inside the flat space [0, {total})")
     buckets = []
     param = 0
-    for start in range(0, total, bucket_params):
-        end = min(start + bucket_params, total)
+    for lo_flat in range(start, stop, bucket_params):
+        hi_flat = min(lo_flat + bucket_params, stop)
         segments = []
-        while param < len(numels) and offsets[param] + numels[param] <= start:
+        while param < len(numels) and offsets[param] + numels[param] <= lo_flat:
             param += 1  # parameters wholly before this bucket (or empty)
         p = param
-        while p < len(numels) and offsets[p] < end:
-            lo = max(start, offsets[p])
-            hi = min(end, offsets[p] + numels[p])
+        while p < len(numels) and offsets[p] < hi_flat:
+            lo = max(lo_flat, offsets[p])
+            hi = min(hi_flat, offsets[p] + numels[p])
             if hi > lo:
-                segments.append(Segment(p, lo - offsets[p], lo - start, hi - lo))
+                segments.append(Segment(p, lo - offsets[p], lo - lo_flat, hi - lo))
             p += 1
-        buckets.append(Bucket(start, end - start, tuple(segments)))
+        buckets.append(Bucket(lo_flat, hi_flat - lo_flat, tuple(segments)))
     return buckets
 
 
@@ -86,8 +90,8 @@ def host_state_bytes(numel: int) -> int:
     return numel * STATE_ROWS * FP32_BYTES
 
 
-def allocate_host_state(numel: int, pin: bool) -> tuple[torch.Tensor, bool]:
-    """A [3, N] fp32 host buffer on whole pages of its own, page-locked for the copy engines when `pin`.
+def allocate_host_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
+    """A [nbytes] uint8 host buffer on whole pages of its own, page-locked for the copy engines when `pin`.
 
     The buffer comes from the ordinary CPU allocator and is registered with CUDA (cudaHostRegister),
     because torch's pinned allocator rounds each block up to a power of two (a 17 GB state would
@@ -96,20 +100,31 @@ def allocate_host_state(numel: int, pin: bool) -> tuple[torch.Tensor, bool]:
     registered); the caller must `unregister_host_state` before the storage is freed.
     """
     page = mmap.PAGESIZE
-    nbytes = STATE_ROWS * numel * FP32_BYTES
     span = -(-nbytes // page) * page
     raw = torch.empty(span + page, dtype=torch.uint8).untyped_storage()
     start = (-raw.data_ptr()) % page
     # a storage that starts on the page boundary (it keeps `raw` alive), so is_pinned() sees it
-    state = torch.empty(0, dtype=torch.float32).set_(raw[start:start + span], 0, (STATE_ROWS, numel))
-    if not pin or numel == 0:
-        return state, False
-    err = int(torch.cuda.cudart().cudaHostRegister(state.data_ptr(), span, 0))
+    buffer = torch.empty(0, dtype=torch.uint8).set_(raw[start:start + span], 0, (nbytes,))
+    if not pin or nbytes == 0:
+        return buffer, False
+    err = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), span, 0))
     if err != 0:
         raise RuntimeError(f"cudaHostRegister of {span} host bytes failed (cudaError {err}); "
                            "free host memory or lower the parameters per rank")
-    return state, True
+    return buffer, True
+
+
+def allocate_host_state(numel: int, pin: bool) -> tuple[torch.Tensor, bool]:
+    """The [3, N] fp32 host state (master, exp_avg, exp_avg_sq) in a buffer of `allocate_host_buffer`."""
+    buffer, registered = allocate_host_buffer(STATE_ROWS * numel * FP32_BYTES, pin)
+    return buffer.view(torch.float32).view(STATE_ROWS, numel), registered
 
 
 def unregister_host_state(data_ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(data_ptr)
+
+
+def release_when_idle(data_ptr: int, streams) -> None:
+    """Unregister a host buffer once no copy on `streams` can still target it (a weakref finalizer)."""
+    streams.synchronize()
+    unregister_host_state(data_ptr)

@@ -11,6 +11,9 @@ One step:
      working weights (bf16 or fp32, on the device) refreshed in place from the updated masters;
   4. the slot goes device -> host on the D2H stream. With s >= 2 the copy-in of b+1 and the
      write-back of b-1 overlap the update of b; the host link (12 B/param each way) is the floor.
+With host_fraction f > 0 the last f of the flat space is updated on the CPU instead, concurrently
+(host_update.py): its gradients go down and its weights up (2 B/param each way for bf16), so link
+and CPU share the step.
 On a CPU-only build the "device" is the CPU and the same code runs in program order.
 Paper: section 3.4 (OffloadStreamAdamW) and Appendix E.1 (bucket and slot sweep).
 Legend: N local elements (all parameters), B bucket capacity, s slots.
@@ -30,7 +33,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.optim import Optimizer
 
 from mop_train.ops.offload_adamw.buckets import (
-    allocate_host_state, param_offsets, plan_buckets, unregister_host_state)
+    allocate_host_state, param_offsets, plan_buckets, release_when_idle)
+from mop_train.ops.offload_adamw.host_update import HostUpdate, host_split
 
 _ROW = {"master": 0, "exp_avg": 1, "exp_avg_sq": 2}  # rows of the [3, N] host state
 
@@ -43,6 +47,7 @@ class OffloadStepStats:
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     params_updated: int = 0
+    host_updated_elements: int = 0  # elements of the flat state updated on the CPU
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -73,6 +78,14 @@ def _check_staging(bucket_params, slots) -> None:
                          "set [mop.offload_adamw] slots")
 
 
+def _check_host_fraction(host_fraction) -> None:
+    if isinstance(host_fraction, bool) or not isinstance(host_fraction, (int, float)) \
+            or not 0.0 <= host_fraction <= 1.0:
+        raise ValueError(f"host_fraction ({host_fraction!r}) must be a number in [0, 1]: the share of "
+                         "parameters updated on the CPU (0 streams everything through the device); "
+                         "set [mop.offload_adamw] host_fraction")
+
+
 def _check_group(group: dict) -> None:
     lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     if not float(lr) >= 0.0:
@@ -89,13 +102,16 @@ def _check_group(group: dict) -> None:
 
 
 class _Streams:
-    """The H2D and D2H copy streams beside the current (compute) stream; on CPU, program order."""
+    """Copy streams beside the current (compute) stream; on CPU, program order.
+
+    h2d / d2h carry the streamed buckets; down / up the host-updated range's gradients and weights,
+    so that those interleave with the buckets instead of queueing behind them."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.device = device
-        self.h2d = torch.cuda.Stream(device) if self.cuda else None
-        self.d2h = torch.cuda.Stream(device) if self.cuda else None
+        self.h2d, self.d2h, self.down, self.up = (
+            (torch.cuda.Stream(device) for _ in range(4)) if self.cuda else (None,) * 4)
 
     def use(self, stream):
         return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
@@ -114,13 +130,8 @@ class _Streams:
 
     def synchronize(self) -> None:
         if self.cuda:
-            self.h2d.synchronize()
-            self.d2h.synchronize()
-
-
-def _release_host(data_ptr: int, streams: _Streams) -> None:
-    streams.synchronize()  # no copy may still target the buffer
-    unregister_host_state(data_ptr)
+            for stream in (self.h2d, self.d2h, self.down, self.up):
+                stream.synchronize()
 
 
 class OffloadStreamAdamW(Optimizer):
@@ -141,6 +152,9 @@ class OffloadStreamAdamW(Optimizer):
         lr, betas, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay).
         bucket_params: flat elements per streamed bucket (B); buckets may split tensors.
         slots: device staging buffers (s); device staging is s*B*12 + B*4 bytes.
+        host_fraction: share f of the flat state (its tail) updated by the CPU while the rest
+            streams; 0 streams everything. Costs pinned host buffers of about f*N*2*itemsize bytes
+            (`host_buffer_bytes`), no device memory. Same math (torch's fused AdamW on the CPU).
 
     State per parameter (state_dict, DCP): "step" (fp32 scalar, per parameter), "exp_avg",
     "exp_avg_sq", "master" (fp32, host; DTensors with the parameter's sharding for DTensor
@@ -148,8 +162,10 @@ class OffloadStreamAdamW(Optimizer):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, *, bucket_params: int = 100_000_000, slots: int = 2):
+                 weight_decay: float = 0.01, *, bucket_params: int = 100_000_000, slots: int = 2,
+                 host_fraction: float = 0.0):
         _check_staging(bucket_params, slots)
+        _check_host_fraction(host_fraction)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
@@ -160,18 +176,20 @@ class OffloadStreamAdamW(Optimizer):
         self._streams = _Streams(self.device)
         self._host, registered = allocate_host_state(sum(self._numels), pin=self._streams.cuda)
         if registered:
-            weakref.finalize(self, _release_host, self._host.data_ptr(), self._streams)
+            weakref.finalize(self, release_when_idle, self._host.data_ptr(), self._streams)
         self._host[1:].zero_()
         self._steps = torch.zeros(len(self._params), dtype=torch.float32)  # torch keeps fp32 steps
         for i, p in enumerate(self._params):
-            self._host_slice(_ROW["master"], i).copy_(shards[i].reshape(-1))
+            with torch.no_grad():  # the host state must not join the parameters' autograd graph
+                self._host_slice(_ROW["master"], i).copy_(shards[i].reshape(-1))
             self.state[p] = {"step": self._steps[i]} | {
                 key: _as_param_state(self._host_slice(row, i), p)
                 for key, row in (("exp_avg", 1), ("exp_avg_sq", 2), ("master", 0))}
         self._writeback_done = None
-        self._timing = (None, None, 0.0)
+        self._host_update = None
+        self._timing = (None, (), 0.0)
         self.last_step = OffloadStepStats()
-        self.resize_staging(bucket_params, slots)
+        self.resize_staging(bucket_params, slots, host_fraction)
 
     # ---- construction helpers -------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -200,13 +218,23 @@ class OffloadStreamAdamW(Optimizer):
     def _host_slice(self, row: int, i: int) -> torch.Tensor:
         return self._host[row, self._offsets[i]:self._offsets[i] + self._numels[i]]
 
-    def resize_staging(self, bucket_params: int, slots: int) -> None:
-        """Re-cut the buckets and reallocate the device staging (s*B*12 + B*4 bytes)."""
+    def resize_staging(self, bucket_params: int, slots: int, host_fraction: float | None = None) -> None:
+        """Re-cut the buckets, reallocate the device staging (s*B*12 + B*4 bytes) and, when given,
+        move the boundary of the host-updated tail (host_fraction)."""
         _check_staging(bucket_params, slots)
+        if host_fraction is not None:
+            _check_host_fraction(host_fraction)
         self.wait_for_writeback()
         self._streams.synchronize()
         self.bucket_params, self.slots = bucket_params, slots
-        self._buckets = plan_buckets(self._numels, bucket_params)
+        if host_fraction is not None:
+            self.host_fraction = float(host_fraction)
+            self._split = host_split(sum(self._numels), self.host_fraction)
+            self._host_update = None  # frees the previous pinned buffers first
+            self._host_update = HostUpdate(self._numels, [_local(p).dtype for p in self._params],
+                                           self._split, self._streams)
+            self.host_buffer_bytes = self._host_update.host_bytes
+        self._buckets = plan_buckets(self._numels, bucket_params, end=self._split)
         capacity = max((b.numel for b in self._buckets), default=0)
         self._slot_buffers = self._grad_buffer = None  # free the old staging first
         self._slot_buffers = [torch.empty(3, capacity, dtype=torch.float32, device=self.device)
@@ -243,18 +271,26 @@ class OffloadStreamAdamW(Optimizer):
         self._steps += torch.tensor(active, dtype=torch.float32)
         hparams = [(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]),
                     float(g["weight_decay"]), float(g["eps"])) for g in self.param_groups]
-        self._stream_buckets(grads, fresh, hparams)
-        moved = sum(b.numel for b in self._buckets) * 12
-        self.last_step = OffloadStepStats(len(self._buckets), moved, moved, sum(active))
+        s, host = self._streams, self._host_update
+        work = [_local(p).view(-1) for p in self._params]  # FSDP2 may swap local tensors: re-read
+        wall = time.perf_counter()
+        start = s.record(timing=True)  # gradients and weights are final from here on
+        host.download(grads, work, fresh, self._host, start)  # queued first: the CPU starts early
+        written = self._stream_buckets(grads, work, fresh, hparams)
+        uploaded = host.update(grads, work, self._host, self._steps, self._group_of, hparams)
+        s.wait(uploaded)  # the next reader of the weights waits for the CPU-updated ones too
+        self._timing = (start, [e for e in (written, uploaded) if e is not None], time.perf_counter() - wall)
+        streamed = sum(b.numel for b in self._buckets) * 12
+        up, down = host.bytes_moved(grads)
+        self.last_step = OffloadStepStats(len(self._buckets), streamed + up, streamed + down, sum(active),
+                                          host.numel)
         return loss
 
-    def _stream_buckets(self, grads, fresh, hparams) -> None:
+    def _stream_buckets(self, grads, work, fresh, hparams):
+        """Queue every bucket's copy-in, update, weight refresh and write-back; returns the event of
+        the last write-back (None without buckets)."""
         s = self._streams
-        work = [_local(p).view(-1) for p in self._params]  # FSDP2 may swap local tensors: re-read
         steps = self._steps.pin_memory().to(self.device, non_blocking=True) if s.cuda else self._steps
-        wall = time.perf_counter()
-        with s.use(s.h2d):
-            start = s.record(timing=True)
         for b, bucket in enumerate(self._buckets):
             k = b % self.slots
             staged = self._slot_buffers[k][:, :bucket.numel]                   # [3, n] device
@@ -273,13 +309,14 @@ class OffloadStreamAdamW(Optimizer):
                 s.wait(updated)
                 for row in range(3):
                     host[row].copy_(staged[row], non_blocking=True)
-                self._slot_free[k] = s.record(timing=b == len(self._buckets) - 1)
+                self._slot_free[k] = s.record(timing=True)
             for param, src, dst in live:  # refresh the working weights while the write-back runs
                 work[param][src].copy_(staged[0, dst])
             self._slot_read[k] = s.record()
-        if self._buckets:
-            self._writeback_done = self._slot_free[(len(self._buckets) - 1) % self.slots]
-        self._timing = (start, self._writeback_done, time.perf_counter() - wall)
+        if not self._buckets:
+            return None
+        self._writeback_done = self._slot_free[(len(self._buckets) - 1) % self.slots]
+        return self._writeback_done
 
     def _upcast_grads(self, bucket, grads) -> list[tuple[int, slice, slice]]:
         """fp32 gradients of the bucket's updated segments; returns (param, src, dst) per segment."""
@@ -313,17 +350,20 @@ class OffloadStreamAdamW(Optimizer):
 
     # ---- stats and synchronisation ----------------------------------------------------------
     def wait_for_writeback(self) -> None:
-        """Block the host until the last step's state is back in host memory."""
-        if self._writeback_done is not None:
-            self._writeback_done.synchronize()
+        """Block the host until the last step's state is back in host memory and no upload still
+        reads it."""
+        for event in (self._writeback_done, self._host_update and self._host_update.uploaded):
+            if event is not None:
+                event.synchronize()
 
     def step_seconds(self) -> float:
-        """Seconds from the last step's first copy-in to its last write-back (waits for it on CUDA)."""
-        start, end, wall = self._timing
-        if start is None or end is None:
+        """Seconds from the last step's start to its last write-back or upload (waits for it on CUDA)."""
+        start, done, wall = self._timing
+        if start is None or not done:
             return wall
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        for end in done:
+            end.synchronize()
+        return max(start.elapsed_time(end) for end in done) / 1e3
 
     # ---- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -332,6 +372,7 @@ class OffloadStreamAdamW(Optimizer):
         out["state"] = {k: dict(v) for k, v in out["state"].items()}  # callers may edit entries
         return out
 
+    @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Copy a state dict (ours, torch.optim.AdamW's, or DCP's) into the host buffers.
 
@@ -391,6 +432,7 @@ class OffloadStreamAdamW(Optimizer):
                              f"(local shape {tuple(local_shape)})")
         return value
 
+    @torch.no_grad()
     def reset_masters_from_params(self) -> None:
         """Re-read every master from its working weight (after loading weights without optimizer state)."""
         self.wait_for_writeback()

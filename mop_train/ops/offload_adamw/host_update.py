@@ -1,0 +1,158 @@
+"""The tail of the flat state that AdamW updates on the CPU, in place, while the rest streams.
+
+Streaming a parameter through the device moves 12 bytes each way over the host link (master and
+both moments). Updating it on the CPU moves only its gradient down and its refreshed working
+weight up (2 bytes each way for bf16) and spends CPU time instead. The link and the CPU are
+separate resources, so with the last fraction f of the flat space updated on the CPU a step takes
+about max(link time of 12(1-f) + 2f bytes/param, CPU time of f) instead of the link time alone.
+
+One step, per chunk c of the host range (chunks of at most CHUNK elements, in flat order):
+  1. before any bucket is streamed, gradients go device -> pinned host on the `down` stream (and,
+     on a parameter's first update, its working weight, which becomes its master);
+  2. the CPU waits for chunk c, upcasts the gradients to fp32, runs torch's fused AdamW on the host
+     masters and moments in place, and casts the masters to the working dtype (fp32 masters are
+     uploaded as they are);
+  3. the working weights are refreshed from host on the `up` stream; the caller makes the compute
+     stream wait for the last upload before anything reads the weights.
+On a CPU-only build the "device" is the CPU and the same steps run in program order.
+Legend: N local elements, f host fraction, c chunk.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from mop_train.ops.offload_adamw.buckets import allocate_host_buffer, plan_buckets, release_when_idle
+
+CHUNK = 1 << 22  # elements per CPU update: ~1 ms of CPU work, so the first download and last upload stay short
+
+
+def host_split(total: int, host_fraction: float) -> int:
+    """First flat element updated on the CPU: the last round(f * N) elements go to the host."""
+    return total - round(host_fraction * total)
+
+
+class HostUpdate:
+    """Gradient download, CPU AdamW and weight upload for the flat range [start, N).
+
+    Holds pinned buffers of (range elements x working itemsize) for the gradients, and the same
+    again for the refreshed weights of non-fp32 parameters; `host_bytes` says how many.
+    """
+
+    def __init__(self, numels: list[int], dtypes: list[torch.dtype], start: int, streams):
+        self.chunks = plan_buckets(numels, CHUNK, start=start)
+        self.numel = sum(chunk.numel for chunk in self.chunks)
+        self._streams = streams
+        self._down_views, self._up_views, self.host_bytes = self._allocate(dtypes, streams.cuda)
+        widest = max((chunk.numel for chunk in self.chunks), default=0)
+        self._grad32 = torch.empty(widest, dtype=torch.float32)  # CPU upcast scratch, not pinned
+        self._arrived = [None] * len(self.chunks)
+        self.uploaded = None  # event after the last weight upload (None on CPU)
+
+    def _allocate(self, dtypes, pin):
+        """One pinned pool, cut into a gradient view per segment and an upload view per non-fp32 one."""
+        layout, nbytes = [], 0
+        for chunk in self.chunks:
+            for seg in chunk.segments:
+                dtype = dtypes[seg.param]
+                size = seg.numel * dtype.itemsize
+                up = dtype != torch.float32
+                layout.append((dtype, nbytes, nbytes + size if up else None))
+                nbytes += 2 * size if up else size
+                nbytes += -nbytes % 16  # every view 16-byte aligned
+        pool, registered = allocate_host_buffer(nbytes, pin)
+        if registered:
+            weakref.finalize(self, release_when_idle, pool.data_ptr(), self._streams)
+        down, up = [], []
+        for (dtype, at, up_at), seg in zip(layout, (s for c in self.chunks for s in c.segments)):
+            size = seg.numel * dtype.itemsize
+            down.append(pool[at:at + size].view(dtype))
+            up.append(None if up_at is None else pool[up_at:up_at + size].view(dtype))
+        return down, up, nbytes
+
+    def _segments(self):
+        """(chunk index, segment, flat position of the segment, view index) over the host range."""
+        view = 0
+        for c, chunk in enumerate(self.chunks):
+            for seg in chunk.segments:
+                yield c, seg, chunk.start + seg.bucket_start, view
+                view += 1
+
+    def download(self, grads, work, fresh, host_state, ready) -> None:
+        """Enqueue every gradient of the range (and fresh working weights) for the host.
+
+        ready: an event on the compute stream after which gradients and weights are final."""
+        s = self._streams
+        with s.use(s.down):
+            s.wait(ready)
+            last = -1
+            for c, seg, flat, view in self._segments():
+                if c != last and last >= 0:
+                    self._arrived[last] = s.record()
+                last = c
+                grad = grads[seg.param]
+                if grad is None:
+                    continue  # no gradient: master, moments and step stay as they are
+                src = slice(seg.param_start, seg.param_start + seg.numel)
+                self._down_views[view].copy_(grad[src], non_blocking=True)
+                if fresh[seg.param]:
+                    host_state[0, flat:flat + seg.numel].copy_(work[seg.param][src], non_blocking=True)
+            if last >= 0:
+                self._arrived[last] = s.record()
+
+    def update(self, grads, work, host_state, steps, group_of, hparams):
+        """CPU AdamW chunk by chunk as the gradients arrive; each chunk's weights go up when done.
+
+        Returns the event after this step's last upload (None on CPU or when nothing was updated);
+        `uploaded` keeps the latest one of any step."""
+        s = self._streams
+        by_chunk: dict[int, list] = {}
+        for c, seg, flat, view in self._segments():
+            if grads[seg.param] is not None:
+                by_chunk.setdefault(c, []).append((seg, flat, view))
+        last = None
+        for c, live in by_chunk.items():
+            if self._arrived[c] is not None:
+                self._arrived[c].synchronize()
+            self._adamw(live, host_state, steps, group_of, hparams)
+            with s.use(s.up):
+                for seg, flat, view in live:
+                    master = host_state[0, flat:flat + seg.numel]
+                    up = self._up_views[view]
+                    if up is not None:
+                        up.copy_(master)  # cast on the CPU: half the bytes cross the link
+                    dst = work[seg.param][seg.param_start:seg.param_start + seg.numel]
+                    dst.copy_(master if up is None else up, non_blocking=True)
+                last = s.record(timing=True)
+        self.uploaded = last or self.uploaded
+        return last
+
+    def _adamw(self, live, host_state, steps, group_of, hparams) -> None:
+        per_group: dict[int, tuple[list, list, list, list, list]] = {}
+        pos = 0
+        for seg, flat, view in live:
+            rows = host_state[:, flat:flat + seg.numel]                 # [3, n] master, exp_avg, exp_avg_sq
+            grad = self._down_views[view]
+            if grad.dtype != torch.float32:
+                grad = self._grad32[pos:pos + seg.numel].copy_(grad)
+                pos += seg.numel
+            lists = per_group.setdefault(group_of[seg.param], ([], [], [], [], []))
+            for lst, t in zip(lists, (rows[0], grad, rows[1], rows[2], steps[seg.param])):
+                lst.append(t)
+        for group, (masters, grads32, exp_avgs, exp_avg_sqs, step_list) in per_group.items():
+            lr, beta1, beta2, weight_decay, eps = hparams[group]
+            torch._fused_adamw_(masters, grads32, exp_avgs, exp_avg_sqs, [], step_list, lr=lr,
+                                beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+                                amsgrad=False, maximize=False)
+
+    def bytes_moved(self, grads) -> tuple[int, int]:
+        """(host->device, device->host) bytes of one step with these gradients."""
+        up = down = 0
+        for _, seg, _, view in self._segments():
+            if grads[seg.param] is not None:
+                size = seg.numel * self._down_views[view].element_size()
+                up, down = up + size, down + size
+        return up, down
+
