@@ -3,7 +3,8 @@
 # single-GPU SCO and dispatch benchmarks. Logs and JSON land in $OUT (default ./gpu_out).
 # Usage (on the GPU machine, from the repo root, wheels carried in .whl/):
 #   bash scripts/gpu_check.sh [STEP ...]   # default: every step
-# Steps: train_small train_small_all_ops sco_bench dispatch_bench gpu_tests
+# Steps: train_small train_small_all_ops sco_bench dispatch_bench gpu_tests (the default set), and
+#        optimizer_bench vocab_bench (only when named)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -29,4 +30,7 @@ step train_small_all_ops 120 torchrun --standalone --nproc_per_node=1 -m mop_tra
 [[ $want == *" train_small_all_ops "* ]] && cp /tmp/run_all/metrics.jsonl "$OUT/train_all_ops_metrics.jsonl" 2>/dev/null
 TAIL=40 step sco_bench 150 python3 benchmarks/sco.py --layers 12 --repeats 2
 TAIL=40 step dispatch_bench 120 torchrun --standalone --nproc_per_node=1 benchmarks/moe_dispatch.py --tokens 65536 --modes ep pipelined_llep --profiles balanced 80/16 50/4 --repeats 1
-TAIL=15 step gpu_tests 60 python3 -m pytest -q -m gpu tests/ops/test_sco.py tests/ops/test_offload_adamw.py -p no:cacheprovider
+TAIL=15 step gpu_tests 120 python3 -m pytest -q -m gpu tests/ops/test_sco.py tests/ops/test_offload_adamw.py -p no:cacheprovider
+TAIL=45 step optimizer_bench 330 python3 benchmarks/optimizer_step.py --buckets 25000000,100000000 --slots 2,3 \
+  --skip fsdp2_offload
+TAIL=12 step vocab_bench 150 python3 benchmarks/vocab_projection.py --dtypes bfloat16 --block-sizes 8192
