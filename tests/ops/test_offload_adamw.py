@@ -55,13 +55,17 @@ def _lambda(step):
     return 1.0 / (1 + step)
 
 
-def _assert_state_close(ours, ref, rtol=RTOL, atol=ATOL):
+def _assert_state_close(ours, ref, rtol=RTOL):
+    """Moments within rtol of the reference, relative to each tensor's largest value: torch's AdamW
+    kernels (CPU fused, CUDA fused, for-loop) order the moment updates differently, so an element
+    much smaller than its neighbours may differ by a few ulps of their magnitude."""
     assert set(ours["state"]) == set(ref["state"])
     for i, b in ref["state"].items():
         a = ours["state"][i]
         assert float(a["step"]) == float(b["step"]), f"param {i}: step {a['step']} != {b['step']}"
         for key in ("exp_avg", "exp_avg_sq"):
-            assert_close(a[key], b[key], rtol=rtol, atol=atol, name=f"param {i} {key}")
+            scale = float(b[key].abs().max()) if b[key].numel() else 0.0
+            assert_close(a[key], b[key], rtol=rtol, atol=rtol * scale + ATOL, name=f"param {i} {key}")
 
 
 @pytest.mark.parametrize("bucket_params,slots", [(7, 1), (7, 2), (7, 3), (1, 2), (5, 3), (10_000, 2)])
