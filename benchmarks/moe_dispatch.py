@@ -58,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=2, help="timed passes per repeat")
     p.add_argument("--no-backward", action="store_true", help="forward passes only")
     p.add_argument("--smoke", action="store_true", help="CPU, 2 gloo ranks, tiny shapes")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, profile one forward+backward per row (rank 0 writes the top kernels "
+                        "and a chrome trace to $OUT or benchmarks/results)")
     args = p.parse_args(argv)
     if args.smoke:
         args.tokens, args.hidden, args.inter, args.experts, args.top_k = [48, 20], 16, 16, 32, 4
@@ -167,11 +170,33 @@ def bench_row(mode, profile, n, weights, group, device, dtype, args):
         if not args.no_backward:
             row["fwd_bwd_s"], row["fwd_bwd_repeats_s"], row["fwd_bwd_peak_gib"] = measure(
                 fwd_bwd, device, group, args)
+        if args.profile and not args.no_backward:
+            profile_pass(fwd_bwd, f"{mode}_{profile.replace('/', '-')}_{n}", device, rank)
     except torch.cuda.OutOfMemoryError:
         row["oom"] = True                 # only a 1-rank run survives this (see ep_exceeds_memory)
         x.grad = wts.grad = None
         torch.cuda.empty_cache()
     return row
+
+
+def profile_pass(run_pass, name, device, rank):
+    """One pass under torch.profiler: the top 30 ops by device (or CPU) time and a chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run_pass()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    if rank != 0:
+        return
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60)
+    with open(os.path.join(out_dir, f"profile_{name}.txt"), "w") as f:
+        f.write(table)
+    prof.export_chrome_trace(os.path.join(out_dir, f"trace_{name}.json"))
+    print(f"profile {name}\n{table}", flush=True)
 
 
 def run(args):
