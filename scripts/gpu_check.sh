@@ -31,6 +31,6 @@ step train_small_all_ops 120 torchrun --standalone --nproc_per_node=1 -m mop_tra
 TAIL=40 step sco_bench 150 python3 benchmarks/sco.py --layers 12 --repeats 2
 TAIL=40 step dispatch_bench 120 torchrun --standalone --nproc_per_node=1 benchmarks/moe_dispatch.py --tokens 65536 --modes ep pipelined_llep --profiles balanced 80/16 50/4 --repeats 1
 TAIL=15 step gpu_tests 120 python3 -m pytest -q -m gpu tests/ops/test_sco.py tests/ops/test_offload_adamw.py -p no:cacheprovider
-TAIL=45 step optimizer_bench 330 python3 benchmarks/optimizer_step.py --buckets 25000000,100000000 --slots 2,3 \
+TAIL=45 step optimizer_bench 330 python3 benchmarks/optimizer_step.py ${OPT_BENCH_ARGS:---buckets 25000000,100000000 --slots 2,3} \
   --skip fsdp2_offload
 TAIL=12 step vocab_bench 150 python3 benchmarks/vocab_projection.py --dtypes bfloat16 --block-sizes 8192

@@ -64,7 +64,8 @@ def _assert_state_close(ours, ref, rtol=RTOL):
         a = ours["state"][i]
         assert float(a["step"]) == float(b["step"]), f"param {i}: step {a['step']} != {b['step']}"
         for key in ("exp_avg", "exp_avg_sq"):
-            scale = float(b[key].abs().max()) if b[key].numel() else 0.0
+            local = b[key].to_local() if hasattr(b[key], "to_local") else b[key]  # this rank's shard
+            scale = float(local.abs().max()) if local.numel() else 0.0
             assert_close(a[key], b[key], rtol=rtol, atol=rtol * scale + ATOL, name=f"param {i} {key}")
 
 
@@ -153,8 +154,8 @@ def test_host_fraction_matches_torch_adamw(dtype, host_fraction, monkeypatch):
     numel = sum(p.numel() for p in ours_p)
     on_host = round(host_fraction * numel)  # the last step has every gradient
     assert opt.last_step.host_updated_elements == on_host
-    assert opt.last_step.h2d_bytes == opt.last_step.d2h_bytes == 12 * (numel - on_host) + dtype.itemsize * on_host
-    assert opt.host_buffer_bytes >= on_host * dtype.itemsize * (1 if dtype == torch.float32 else 2)
+    assert opt.last_step.h2d_bytes == opt.last_step.d2h_bytes == 12 * (numel - on_host) + 4 * on_host
+    assert opt.host_buffer_bytes == 4 * on_host
 
 
 def test_host_fraction_resume_is_exact(monkeypatch):
@@ -459,16 +460,19 @@ def test_cuda_resume_is_exact():
 
 
 @pytest.mark.gpu
-def test_cuda_staging_memory_within_bound():
+@pytest.mark.parametrize("host_fraction", [0.0, 0.5])
+def test_cuda_staging_memory_within_bound(host_fraction):
     bucket, slots = 1 << 16, 2
     params = [nn.Parameter(torch.randn(1_000_003, device="cuda", dtype=torch.bfloat16))]
     params[0].grad = torch.randn_like(params[0])
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    opt = OffloadStreamAdamW(params, bucket_params=bucket, slots=slots)
+    opt = OffloadStreamAdamW(params, bucket_params=bucket, slots=slots, host_fraction=host_fraction)
     assert opt.staging_bytes == staging_bytes_bound(bucket, slots)
     assert torch.cuda.memory_allocated() - before <= opt.staging_bytes + 512 * (slots + 1)  # block rounding
     torch.cuda.reset_peak_memory_stats()
-    opt.step()
+    for _ in range(2):
+        opt.step()
     torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - before <= staging_bytes_bound(bucket, slots) + 4096
+    bound = staging_bytes_bound(bucket, slots, host_share=host_fraction > 0)
+    assert torch.cuda.max_memory_allocated() - before <= bound + 4096

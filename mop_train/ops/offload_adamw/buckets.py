@@ -20,6 +20,8 @@ import torch
 
 STATE_ROWS = 3  # master, exp_avg, exp_avg_sq (fp32 each)
 FP32_BYTES = 4
+HOST_CHUNK = 1 << 22  # elements per CPU update of the host share: ~1 ms of CPU work, so its first
+                      # download and last upload stay short
 
 
 @dataclass(frozen=True)
@@ -80,9 +82,11 @@ def plan_buckets(numels: list[int], bucket_params: int, start: int = 0, end: int
     return buckets
 
 
-def staging_bytes_bound(bucket_params: int, slots: int) -> int:
-    """Device bytes the optimizer may hold for staging: s x B x 12 (slots) + B x 4 (grad upcast)."""
-    return slots * bucket_params * STATE_ROWS * FP32_BYTES + bucket_params * FP32_BYTES
+def staging_bytes_bound(bucket_params: int, slots: int, host_share: bool = False) -> int:
+    """Device bytes the optimizer may use during a step: s x B x 12 (slots) + B x 4 (grad upcast),
+    plus, with a host share, one fp32 cast temporary of HOST_CHUNK elements per copy direction."""
+    host = 2 * HOST_CHUNK * FP32_BYTES if host_share else 0
+    return slots * bucket_params * STATE_ROWS * FP32_BYTES + bucket_params * FP32_BYTES + host
 
 
 def host_state_bytes(numel: int) -> int:

@@ -1,19 +1,20 @@
 """The tail of the flat state that AdamW updates on the CPU, in place, while the rest streams.
 
 Streaming a parameter through the device moves 12 bytes each way over the host link (master and
-both moments). Updating it on the CPU moves only its gradient down and its refreshed working
-weight up (2 bytes each way for bf16) and spends CPU time instead. The link and the CPU are
-separate resources, so with the last fraction f of the flat space updated on the CPU a step takes
-about max(link time of 12(1-f) + 2f bytes/param, CPU time of f) instead of the link time alone.
+both moments). Updating it on the CPU moves only its gradient down and its refreshed master up
+(4 bytes each way) and spends CPU time instead. The link and the CPU are separate resources, so
+with the last fraction f of the flat space updated on the CPU a step takes about
+max(link time of 12(1-f) + 4f bytes/param, CPU time of f) instead of the link time alone. The
+casts between the working dtype and fp32 run on the device (inside the non-blocking copies): on
+the CPU they would cost more than the AdamW update itself while the copy engines share its memory
+bandwidth (benchmarks/RESULTS.md, host_update_cpu).
 
 One step, per chunk c of the host range (chunks of at most CHUNK elements, in flat order):
-  1. before any bucket is streamed, gradients go device -> pinned host on the `down` stream (and,
-     on a parameter's first update, its working weight, which becomes its master);
-  2. the CPU waits for chunk c, upcasts the gradients to fp32, runs torch's fused AdamW on the host
-     masters and moments in place, and casts the masters to the working dtype (fp32 masters are
-     uploaded as they are);
-  3. the working weights are refreshed from host on the `up` stream; the caller makes the compute
-     stream wait for the last upload before anything reads the weights.
+  1. before any bucket is streamed, fp32 gradients go device -> pinned host on the `down` stream
+     (and, on a parameter's first update, its working weight, which becomes its master);
+  2. the CPU waits for chunk c and runs torch's fused AdamW on the host masters and moments in place;
+  3. the masters go host -> device into the working weights (cast there) on the `up` stream; the
+     caller makes the compute stream wait for the last upload before anything reads the weights.
 On a CPU-only build the "device" is the CPU and the same steps run in program order.
 Legend: N local elements, f host fraction, c chunk.
 """
@@ -24,9 +25,9 @@ import weakref
 
 import torch
 
-from mop_train.ops.offload_adamw.buckets import allocate_host_buffer, plan_buckets, release_when_idle
+from mop_train.ops.offload_adamw.buckets import HOST_CHUNK, allocate_host_buffer, plan_buckets, release_when_idle
 
-CHUNK = 1 << 22  # elements per CPU update: ~1 ms of CPU work, so the first download and last upload stay short
+CHUNK = HOST_CHUNK  # read at construction, so tests can cut smaller chunks
 
 
 def host_split(total: int, host_fraction: float) -> int:
@@ -35,42 +36,22 @@ def host_split(total: int, host_fraction: float) -> int:
 
 
 class HostUpdate:
-    """Gradient download, CPU AdamW and weight upload for the flat range [start, N).
+    """Gradient download, CPU AdamW and master upload for the flat range [start, N).
 
-    Holds pinned buffers of (range elements x working itemsize) for the gradients, and the same
-    again for the refreshed weights of non-fp32 parameters; `host_bytes` says how many.
-    """
+    Holds one pinned fp32 buffer for the range's gradients (`host_bytes`)."""
 
-    def __init__(self, numels: list[int], dtypes: list[torch.dtype], start: int, streams):
+    def __init__(self, numels: list[int], start: int, streams):
         self.chunks = plan_buckets(numels, CHUNK, start=start)
         self.numel = sum(chunk.numel for chunk in self.chunks)
         self._streams = streams
-        self._down_views, self._up_views, self.host_bytes = self._allocate(dtypes, streams.cuda)
-        widest = max((chunk.numel for chunk in self.chunks), default=0)
-        self._grad32 = torch.empty(widest, dtype=torch.float32)  # CPU upcast scratch, not pinned
+        self.host_bytes = self.numel * 4
+        pool, registered = allocate_host_buffer(self.host_bytes, streams.cuda)
+        if registered:
+            weakref.finalize(self, release_when_idle, pool.data_ptr(), streams)
+        grads = pool.view(torch.float32)                      # [range] fp32, in flat order
+        self._grad_views = [grads[flat - start:flat - start + seg.numel] for _, seg, flat, _ in self._segments()]
         self._arrived = [None] * len(self.chunks)
         self.uploaded = None  # event after the last weight upload (None on CPU)
-
-    def _allocate(self, dtypes, pin):
-        """One pinned pool, cut into a gradient view per segment and an upload view per non-fp32 one."""
-        layout, nbytes = [], 0
-        for chunk in self.chunks:
-            for seg in chunk.segments:
-                dtype = dtypes[seg.param]
-                size = seg.numel * dtype.itemsize
-                up = dtype != torch.float32
-                layout.append((dtype, nbytes, nbytes + size if up else None))
-                nbytes += 2 * size if up else size
-                nbytes += -nbytes % 16  # every view 16-byte aligned
-        pool, registered = allocate_host_buffer(nbytes, pin)
-        if registered:
-            weakref.finalize(self, release_when_idle, pool.data_ptr(), self._streams)
-        down, up = [], []
-        for (dtype, at, up_at), seg in zip(layout, (s for c in self.chunks for s in c.segments)):
-            size = seg.numel * dtype.itemsize
-            down.append(pool[at:at + size].view(dtype))
-            up.append(None if up_at is None else pool[up_at:up_at + size].view(dtype))
-        return down, up, nbytes
 
     def _segments(self):
         """(chunk index, segment, flat position of the segment, view index) over the host range."""
@@ -96,7 +77,7 @@ class HostUpdate:
                 if grad is None:
                     continue  # no gradient: master, moments and step stay as they are
                 src = slice(seg.param_start, seg.param_start + seg.numel)
-                self._down_views[view].copy_(grad[src], non_blocking=True)
+                self._grad_views[view].copy_(grad[src], non_blocking=True)  # cast (if any) on the device
                 if fresh[seg.param]:
                     host_state[0, flat:flat + seg.numel].copy_(work[seg.param][src], non_blocking=True)
             if last >= 0:
@@ -118,26 +99,18 @@ class HostUpdate:
                 self._arrived[c].synchronize()
             self._adamw(live, host_state, steps, group_of, hparams)
             with s.use(s.up):
-                for seg, flat, view in live:
-                    master = host_state[0, flat:flat + seg.numel]
-                    up = self._up_views[view]
-                    if up is not None:
-                        up.copy_(master)  # cast on the CPU: half the bytes cross the link
+                for seg, flat, _ in live:
                     dst = work[seg.param][seg.param_start:seg.param_start + seg.numel]
-                    dst.copy_(master if up is None else up, non_blocking=True)
+                    dst.copy_(host_state[0, flat:flat + seg.numel], non_blocking=True)  # cast on the device
                 last = s.record(timing=True)
         self.uploaded = last or self.uploaded
         return last
 
     def _adamw(self, live, host_state, steps, group_of, hparams) -> None:
         per_group: dict[int, tuple[list, list, list, list, list]] = {}
-        pos = 0
         for seg, flat, view in live:
             rows = host_state[:, flat:flat + seg.numel]                 # [3, n] master, exp_avg, exp_avg_sq
-            grad = self._down_views[view]
-            if grad.dtype != torch.float32:
-                grad = self._grad32[pos:pos + seg.numel].copy_(grad)
-                pos += seg.numel
+            grad = self._grad_views[view]                               # [n] fp32
             lists = per_group.setdefault(group_of[seg.param], ([], [], [], [], []))
             for lst, t in zip(lists, (rows[0], grad, rows[1], rows[2], steps[seg.param])):
                 lst.append(t)
@@ -148,11 +121,7 @@ class HostUpdate:
                                 amsgrad=False, maximize=False)
 
     def bytes_moved(self, grads) -> tuple[int, int]:
-        """(host->device, device->host) bytes of one step with these gradients."""
-        up = down = 0
-        for _, seg, _, view in self._segments():
-            if grads[seg.param] is not None:
-                size = seg.numel * self._down_views[view].element_size()
-                up, down = up + size, down + size
-        return up, down
+        """(host->device, device->host) bytes of one step with these gradients: 4 B/element each way."""
+        moved = sum(seg.numel * 4 for _, seg, _, _ in self._segments() if grads[seg.param] is not None)
+        return moved, moved
 

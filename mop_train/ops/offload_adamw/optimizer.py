@@ -12,8 +12,8 @@ One step:
   4. the slot goes device -> host on the D2H stream. With s >= 2 the copy-in of b+1 and the
      write-back of b-1 overlap the update of b; the host link (12 B/param each way) is the floor.
 With host_fraction f > 0 the last f of the flat space is updated on the CPU instead, concurrently
-(host_update.py): its gradients go down and its weights up (2 B/param each way for bf16), so link
-and CPU share the step.
+(host_update.py): its gradients go down and its masters up (4 B/param each way), so link and CPU
+share the step.
 On a CPU-only build the "device" is the CPU and the same code runs in program order.
 Paper: section 3.4 (OffloadStreamAdamW) and Appendix E.1 (bucket and slot sweep).
 Legend: N local elements (all parameters), B bucket capacity, s slots.
@@ -153,8 +153,9 @@ class OffloadStreamAdamW(Optimizer):
         bucket_params: flat elements per streamed bucket (B); buckets may split tensors.
         slots: device staging buffers (s); device staging is s*B*12 + B*4 bytes.
         host_fraction: share f of the flat state (its tail) updated by the CPU while the rest
-            streams; 0 streams everything. Costs pinned host buffers of about f*N*2*itemsize bytes
-            (`host_buffer_bytes`), no device memory. Same math (torch's fused AdamW on the CPU).
+            streams; 0 streams everything. Costs a pinned fp32 gradient buffer of f*N*4 bytes
+            (`host_buffer_bytes`) and, on the device, the casts' temporaries (<= 2 x CHUNK x 4 bytes,
+            `staging_bytes_bound(..., host_share=True)`). Same math (torch's fused AdamW on the CPU).
 
     State per parameter (state_dict, DCP): "step" (fp32 scalar, per parameter), "exp_avg",
     "exp_avg_sq", "master" (fp32, host; DTensors with the parameter's sharding for DTensor
@@ -231,8 +232,7 @@ class OffloadStreamAdamW(Optimizer):
             self.host_fraction = float(host_fraction)
             self._split = host_split(sum(self._numels), self.host_fraction)
             self._host_update = None  # frees the previous pinned buffers first
-            self._host_update = HostUpdate(self._numels, [_local(p).dtype for p in self._params],
-                                           self._split, self._streams)
+            self._host_update = HostUpdate(self._numels, self._split, self._streams)
             self.host_buffer_bytes = self._host_update.host_bytes
         self._buckets = plan_buckets(self._numels, bucket_params, end=self._split)
         capacity = max((b.numel for b in self._buckets), default=0)
