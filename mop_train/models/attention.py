@@ -1,7 +1,8 @@
 """Causal self-attention of the MoE decoder: GQA or DeepSeek-V3 MLA, around a swappable core.
 
 Both variants project the hidden state to per-head q/k/v, rotate (part of) q and k with RoPE at
-the tokens' global positions, and call `self.sdpa(q, k, v)`: the core attention, a submodule that
+the tokens' global positions, and call `self.sdpa(q, k, v)` (or `self.sdpa(q, k, v, doc_ids)` with
+a document mask, see document_mask.py): the core attention, a submodule that
 sequence parallelism replaces with a wrapper (all-to-all heads <-> sequence around the same core),
 so the core takes and returns head-major-last tensors [B, S, heads, d] and does the GQA
 repeat itself. MLA (DeepSeek-V3 / Kimi-K2) compresses k/v through a rank-`kv_lora_rank`
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mop_train.models.args import MoEModelArgs
+from mop_train.models.document_mask import document_attention
 
 
 def rope_inv_freq(rope_dim: int, theta: float, device=None) -> torch.Tensor:
@@ -43,9 +45,18 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 class ScaledDotProductAttention(nn.Module):
     """Causal core attention: q [B, S, h, d_qk], k [B, S, h_kv, d_qk], v [B, S, h_kv, d_v]
-    -> [B, S, h, d_v]. Scale 1/sqrt(d_qk). GQA (h_kv < h) is handled here, not by the caller."""
+    -> [B, S, h, d_v]. Scale 1/sqrt(d_qk). GQA (h_kv < h) is handled here, not by the caller.
+    With doc_ids [B, S] a query also sees only its own document (`document_attention` with
+    `document_impl`: None picks by device)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __init__(self, document_impl: str | None = None):
+        super().__init__()
+        self.document_impl = document_impl
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if doc_ids is not None:
+            return document_attention(q, k, v, doc_ids, impl=self.document_impl)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))           # [B, heads, S, d]
         gqa = k.shape[1] != q.shape[1]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -68,12 +79,14 @@ class GroupedQueryAttention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.sdpa = ScaledDotProductAttention()
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S, H], rope [S, r/2, 2], doc_ids None or [B, S_full] (see ScaledDotProductAttention)."""
         B, S, _ = x.shape
         q = self.wq(x).view(B, S, self.n_heads, self.head_dim)     # [B, S, h, d]
         k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)  # [B, S, h_kv, d]
         v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)  # [B, S, h_kv, d]
-        out = self.sdpa(apply_rope(q, rope), apply_rope(k, rope), v)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = self.sdpa(q, k, v) if doc_ids is None else self.sdpa(q, k, v, doc_ids)
         return self.wo(out.reshape(B, S, self.n_heads * self.head_dim))  # [B, S, H]
 
     def init_weights(self, init_std: float) -> None:
@@ -104,7 +117,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
         self.sdpa = ScaledDotProductAttention()
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S, H], rope [S, r/2, 2], doc_ids None or [B, S_full] (see ScaledDotProductAttention)."""
         B, S, _ = x.shape
         if hasattr(self, "wq"):
             q = self.wq(x)
@@ -119,7 +133,7 @@ class MultiHeadLatentAttention(nn.Module):
         kv = self.wkv_b(self.kv_norm(kv)).view(B, S, self.n_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)  # [B, S, h, d_qk]
-        out = self.sdpa(q, k, v)                                          # [B, S, h, d_v]
+        out = self.sdpa(q, k, v) if doc_ids is None else self.sdpa(q, k, v, doc_ids)  # [B, S, h, d_v]
         return self.wo(out.reshape(B, S, self.n_heads * self.v_dim))      # [B, S, H]
 
     def init_weights(self, init_std: float) -> None:

@@ -41,9 +41,9 @@ class TransformerBlock(nn.Module):
         # Depth-scaled std for the projections that write into the residual stream.
         self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """x [B, S, H], rope [S, r/2, 2] -> [B, S, H]."""
-        x = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S, H], rope [S, r/2, 2], doc_ids None or [B, S_full] int -> [B, S, H]."""
+        x = x + self.attention(self.attention_norm(x), rope, doc_ids)
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
         return x + ffn(self.ffn_norm(x))
 
@@ -70,10 +70,13 @@ class MoETransformer(KeepFp32Buffers):
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, S] int64; positions [S] int64 global RoPE positions of these tokens
-        (default arange(S); a sequence shard passes its offset) -> hidden [B, S, H], normed."""
-        S = tokens.shape[1]
+        (default arange(S); a sequence shard passes its offset); doc_ids None (plain causal
+        attention) or [B, S_full] int document ids of the WHOLE sequence, also when `tokens` is a
+        sequence shard (see models/document_mask.py) -> hidden [B, S, H], normed."""
+        B, S = tokens.shape
         if S > self.args.max_seq_len:
             raise ValueError(f"sequence length {S} exceeds max_seq_len={self.args.max_seq_len}; "
                              f"raise max_seq_len in the model args")
@@ -81,10 +84,14 @@ class MoETransformer(KeepFp32Buffers):
             positions = torch.arange(S, device=tokens.device)
         elif positions.shape != (S,):
             raise ValueError(f"positions must have shape [S]=({S},), got {tuple(positions.shape)}")
+        if doc_ids is not None and (doc_ids.dim() != 2 or doc_ids.shape[0] != B or doc_ids.shape[1] < S):
+            raise ValueError(f"doc_ids must be [B, S_full] with B = {B} and S_full >= S = {S} (tokens "
+                             f"{tuple(tokens.shape)}), got {tuple(doc_ids.shape)}; pass the document ids "
+                             f"of the whole sequence these tokens are part of")
         rope = rope_cos_sin(positions.to(self.rope_inv_freq.device), self.rope_inv_freq)  # [S, r/2, 2]
         h = self.tok_embeddings(tokens)                                                    # [B, S, H]
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope) if doc_ids is None else layer(h, rope, doc_ids=doc_ids)
         return self.norm(h)
 
     def moe_layers(self) -> list[MoE]:

@@ -5,7 +5,8 @@ all heads. Before attention one all-to-all gives every rank the full sequence fo
 attention runs locally (causal, full length); a second all-to-all returns each rank its own
 positions with all heads. Backward is the same two all-to-alls, reversed. Exact: attention per head
 is unchanged, only where it runs moves. Heads split into D contiguous blocks, so with GQA each
-block of h/D query heads travels with its own h_kv/D key/value heads.
+block of h/D query heads travels with its own h_kv/D key/value heads. A document mask needs no
+exchange: its doc_ids [B, S] already cover the full sequence, which is what the core sees.
 
 Legend: B batch, S sequence length, D sequence-group size, h query heads, h_kv key/value heads,
 d head dim.
@@ -70,6 +71,7 @@ class UlyssesAttention(nn.Module):
     """Wraps a core attention `inner(q, k, v) -> out` ([B, S, h, d] layout) for a sequence group.
 
     q [B, S/D, h, d_qk], k [B, S/D, h_kv, d_qk], v [B, S/D, h_kv, d_v] -> [B, S/D, h, d_v].
+    doc_ids: None, or [B, S] document ids of the FULL sequence, passed to `inner` unchanged.
     At group size 1 it calls `inner` directly.
     """
 
@@ -78,11 +80,13 @@ class UlyssesAttention(nn.Module):
         self.inner = inner
         self.group = group
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        extra = () if doc_ids is None else (doc_ids,)
         if self.group is None or dist.get_world_size(self.group) == 1:
-            return self.inner(q, k, v)
+            return self.inner(q, k, v, *extra)
         D = dist.get_world_size(self.group)
         check_heads_divisible(q.shape[2], k.shape[2], D)
         out = self.inner(_seq_to_heads(q, self.group), _seq_to_heads(k, self.group),
-                         _seq_to_heads(v, self.group))                           # [B, S, h/D, d_v]
+                         _seq_to_heads(v, self.group), *extra)                   # [B, S, h/D, d_v]
         return _heads_to_seq(out, self.group)

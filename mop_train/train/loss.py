@@ -76,6 +76,7 @@ class LanguageModelLoss(torch.nn.Module):
         self.loss_fn = loss_fn
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.model(tokens, positions)                                 # [B, S, H]
+                positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """doc_ids: None or [B, S_full] document ids of the whole sequence (the model's argument)."""
+        hidden = self.model(tokens, positions, doc_ids)                        # [B, S, H]
         return self.loss_fn(hidden.flatten(0, 1), self.model.output.weight, labels.flatten())
