@@ -106,6 +106,9 @@ class Data:
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the plain (vocab_degree = 1, Ring-DTP off) cross-entropy: live logits are chunk x V fp32."""
 
+    document_mask: bool = False
+    """Keep attention inside each packed document (split at the tokenizer's EOS); off = documents attend across EOS."""
+
 
 @dataclass
 class Mop:

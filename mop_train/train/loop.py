@@ -6,7 +6,9 @@
 One step: every rank reads its own B sequences of S tokens; the FSDP2-sharded model returns the
 summed token loss; the loop divides by the global count of target tokens (all-reduced), runs
 backward (gradients are summed over ranks), clips the global gradient norm, steps the optimizer
-and LR schedule, then moves the router biases from the all-reduced expert loads. Checkpoints
+and LR schedule, then moves the router biases from the all-reduced expert loads. With
+[mop.data] document_mask, document ids are taken from the full sequences (before the sequence
+split) at the tokenizer's EOS, and attention stays inside each packed document. Checkpoints
 (DCP) save and restore every piece of that state, so a resumed run repeats the same losses.
 Build order: config -> layout -> data -> model (meta, checkpointing, FSDP2, init) -> optimizer ->
 checkpoint (resume) -> steps.
@@ -31,6 +33,7 @@ from torchtitan.tools.logging import init_logger, logger
 from mop_train.config import load_job_config
 from mop_train.layout import RankLayout, plan_layout
 from mop_train.models import zoo
+from mop_train.models.document_mask import document_ids
 from mop_train.models.model import MoETransformer
 from mop_train.train.checkpoint import TrainState, build_checkpointer
 from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir
@@ -155,15 +158,17 @@ def shard_sequence(tokens: torch.Tensor, labels: torch.Tensor, layout):
 
 
 def train_step(parts: ModelParts, layout, batch, optimizers, lr_schedulers, *, max_norm: float,
-               bias_rate: float, device: torch.device) -> dict:
-    """One optimizer step on this rank's batch; returns this step's tensors for logging."""
+               bias_rate: float, device: torch.device, eos_id: int | None = None) -> dict:
+    """One optimizer step on this rank's batch; returns this step's tensors for logging.
+    `eos_id`: None (plain causal attention) or the EOS token id that closes packed documents."""
     module, model = parts.module, parts.model
     inputs, labels = batch
     tokens, labels = inputs["input"].to(device), labels.to(device)   # [B, S], [B, S]
+    doc_ids = None if eos_id is None else document_ids(tokens, eos_id)  # [B, S]: full sequences
     tokens, labels, positions = shard_sequence(tokens, labels, layout)  # [B, S/D] each
     n_tokens = (labels != IGNORE_INDEX).sum()
     dist.all_reduce(n_tokens)                                          # global target count
-    loss_sum = module(tokens, labels, positions)                       # fp32 sum over local tokens
+    loss_sum = module(tokens, labels, positions, doc_ids)              # fp32 sum over local tokens
     loss = loss_sum / n_tokens
     if model.args.aux_loss_coef > 0:
         loss = loss + model.aux_loss() / dist.get_world_size()         # gradients sum over ranks
@@ -179,6 +184,17 @@ def train_step(parts: ModelParts, layout, batch, optimizers, lr_schedulers, *, m
     model.update_router_biases(bias_rate, reduce_fn=dist.all_reduce)
     return {"loss_sum": loss_sum.detach(), "n_tokens": n_tokens, "grad_norm": grad_norm, "lr": lr,
             **dispatch_metrics(model)}
+
+
+def document_eos_id(cfg, tokenizer) -> int | None:
+    """The EOS id that splits packed documents when [mop.data] document_mask is on, else None."""
+    if not cfg.mop.data.document_mask:
+        return None
+    if tokenizer.eos_id is None:
+        raise ValueError(f"mop.data.document_mask = true but the tokenizer at model.hf_assets_path = "
+                         f"{cfg.model.hf_assets_path!r} has no EOS token to split documents at; give it an "
+                         f"eos_token (tokenizer_config.json) or set mop.data.document_mask = false")
+    return tokenizer.eos_id
 
 
 def describe_run(cfg, layout, parts: ModelParts, seed: int, device) -> str:
@@ -201,7 +217,8 @@ def describe_run(cfg, layout, parts: ModelParts, seed: int, device) -> str:
         f"device {device}, W={layout.plan.world_size}, B={t.local_batch_size}, S={t.seq_len}, "
         f"steps={t.steps}, seed={seed}, checkpointed blocks {checkpointed}, init {parts.init_mode}, "
         f"dispatch {cfg.mop.moe.dispatch}, loss "
-        f"{'ring_dtp' if layout.vocab_size > 1 or cfg.mop.ring_dtp.enable else 'chunked cross-entropy'}",
+        f"{'ring_dtp' if layout.vocab_size > 1 or cfg.mop.ring_dtp.enable else 'chunked cross-entropy'}"
+        + (", document mask on" if cfg.mop.data.document_mask else ""),
         format_plan(plan)])
 
 
@@ -225,6 +242,7 @@ def train(cfg, device: torch.device) -> None:
                          f"{vocab}; use a model with a larger vocabulary or a smaller tokenizer")
     dataloader = build_dataloader(cfg.training, tokenizer, layout.data_rank, layout.data_size,
                                   cache_dir=cache_dir, text_column=cfg.mop.data.text_column)
+    eos_id = document_eos_id(cfg, tokenizer)
 
     parts = build_model(cfg, layout, device)
     module, model = parts.module, parts.model
@@ -253,7 +271,7 @@ def train(cfg, device: torch.device) -> None:
     flops = flops_per_token(counts["active"], args.vocab_size * args.dim, args.n_layers, args.n_heads,
                             args.qk_head_dim, cfg.training.seq_len)
     run_steps(cfg, parts, layout, dataloader, optimizers, lr_schedulers, checkpointer, train_state,
-              metrics, device=device, flops_per_token=flops)
+              metrics, device=device, flops_per_token=flops, eos_id=eos_id)
     metrics.close()
     checkpointer.close()
     if rank == 0:
@@ -264,7 +282,7 @@ def train(cfg, device: torch.device) -> None:
 
 
 def run_steps(cfg, parts: ModelParts, layout, dataloader, optimizers, lr_schedulers, checkpointer,
-              train_state, metrics, *, device, flops_per_token: float) -> None:
+              train_state, metrics, *, device, flops_per_token: float, eos_id: int | None = None) -> None:
     steps, peak, sco = cfg.training.steps, peak_tflops(device), parts.sco
     batches = iter(dataloader)
     window_start, window_tokens = time.perf_counter(), 0
@@ -275,7 +293,7 @@ def run_steps(cfg, parts: ModelParts, layout, dataloader, optimizers, lr_schedul
             sco.begin_step()
         out = train_step(parts, layout, next(batches), optimizers, lr_schedulers,
                          max_norm=cfg.training.max_norm, bias_rate=cfg.mop.moe.bias_update_rate,
-                         device=device)
+                         device=device, eos_id=eos_id)
         n_tokens = int(out["n_tokens"].item())
         train_state.tokens_seen += n_tokens
         window_tokens += n_tokens
