@@ -21,10 +21,14 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mop_train.ops.offload_adamw import adamw_reference_step  # noqa: E402
 
 HP = dict(lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8)
 
@@ -68,13 +72,8 @@ def variants(st, tile):
         _adamw(p, g32, m, v, step)
 
     def one_pass(p, m, v, g16, out16, t):
-        lr, b1, b2, wd, eps = HP["lr"], HP["beta1"], HP["beta2"], HP["weight_decay"], HP["eps"]
-        g = g16.float()
-        p.mul_(1 - lr * wd)
-        m.lerp_(g, 1 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        denom = (v.sqrt() / (1 - b2 ** t) ** 0.5).add_(eps)
-        p.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+        adamw_reference_step([p], [g16], [m], [v], [t], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]),
+                             eps=HP["eps"], weight_decay=HP["weight_decay"])
         out16.copy_(p)
 
     compiled_fn = torch.compile(one_pass, dynamic=False)

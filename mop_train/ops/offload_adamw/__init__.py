@@ -8,6 +8,7 @@ device in buckets of `bucket_params` over `slots` staging buffers (paper section
 - optimizer.py: the optimizer (torch.optim.Optimizer; DCP-checkpointable state_dict).
 - buckets.py:   flat host layout, bucket plan, staging_bytes_bound (the device memory bound).
 - host_update.py: the tail fraction updated on the CPU while the rest streams (host_fraction).
+- update.py:    torch's fused AdamW over tensor pieces, one call per param group (both paths).
 - reference.py: the plain AdamW math / torch.optim.AdamW oracle.
 Legend: N local elements, B bucket capacity (elements), s slots.
 """

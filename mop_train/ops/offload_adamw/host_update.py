@@ -26,6 +26,7 @@ import weakref
 import torch
 
 from mop_train.ops.offload_adamw.buckets import HOST_CHUNK, allocate_host_buffer, plan_buckets, release_when_idle
+from mop_train.ops.offload_adamw.update import fused_adamw_by_group
 
 CHUNK = HOST_CHUNK  # read at construction, so tests can cut smaller chunks
 
@@ -107,18 +108,12 @@ class HostUpdate:
         return last
 
     def _adamw(self, live, host_state, steps, group_of, hparams) -> None:
-        per_group: dict[int, tuple[list, list, list, list, list]] = {}
+        pieces = []
         for seg, flat, view in live:
             rows = host_state[:, flat:flat + seg.numel]                 # [3, n] master, exp_avg, exp_avg_sq
-            grad = self._grad_views[view]                               # [n] fp32
-            lists = per_group.setdefault(group_of[seg.param], ([], [], [], [], []))
-            for lst, t in zip(lists, (rows[0], grad, rows[1], rows[2], steps[seg.param])):
-                lst.append(t)
-        for group, (masters, grads32, exp_avgs, exp_avg_sqs, step_list) in per_group.items():
-            lr, beta1, beta2, weight_decay, eps = hparams[group]
-            torch._fused_adamw_(masters, grads32, exp_avgs, exp_avg_sqs, [], step_list, lr=lr,
-                                beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-                                amsgrad=False, maximize=False)
+            pieces.append((group_of[seg.param], rows[0], self._grad_views[view], rows[1], rows[2],
+                           steps[seg.param]))
+        fused_adamw_by_group(pieces, hparams)
 
     def bytes_moved(self, grads) -> tuple[int, int]:
         """(host->device, device->host) bytes of one step with these gradients: 4 B/element each way."""

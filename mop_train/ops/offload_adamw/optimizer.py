@@ -35,6 +35,7 @@ from torch.optim import Optimizer
 from mop_train.ops.offload_adamw.buckets import (
     allocate_host_state, param_offsets, plan_buckets, release_when_idle)
 from mop_train.ops.offload_adamw.host_update import HostUpdate, host_split
+from mop_train.ops.offload_adamw.update import fused_adamw_by_group
 
 _ROW = {"master": 0, "exp_avg": 1, "exp_avg_sq": 2}  # rows of the [3, N] host state
 
@@ -334,19 +335,13 @@ class OffloadStreamAdamW(Optimizer):
 
     def _adamw(self, staged, live, work, fresh, steps, hparams) -> None:
         """torch's fused AdamW over the live segments of a staged bucket, one call per group."""
-        per_group: dict[int, tuple[list, list, list, list, list]] = {}
+        pieces = []
         for param, src, dst in live:
             if fresh[param]:  # first update: the master is the current working weight
                 staged[0, dst].copy_(work[param][src])
-            lists = per_group.setdefault(self._group_of[param], ([], [], [], [], []))
-            for lst, t in zip(lists, (staged[0, dst], self._grad_buffer[dst], staged[1, dst],
-                                      staged[2, dst], steps[param])):
-                lst.append(t)
-        for group, (masters, grads32, exp_avgs, exp_avg_sqs, step_list) in per_group.items():
-            lr, beta1, beta2, weight_decay, eps = hparams[group]
-            torch._fused_adamw_(masters, grads32, exp_avgs, exp_avg_sqs, [], step_list, lr=lr,
-                                beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-                                amsgrad=False, maximize=False)
+            pieces.append((self._group_of[param], staged[0, dst], self._grad_buffer[dst], staged[1, dst],
+                           staged[2, dst], steps[param]))
+        fused_adamw_by_group(pieces, hparams)
 
     # ---- stats and synchronisation ----------------------------------------------------------
     def wait_for_writeback(self) -> None:
