@@ -1,4 +1,5 @@
 import os
+import random
 import sys
 
 import pytest
@@ -15,3 +16,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_configure(config):
+    # One base seed per session, exported so that spawned ranks see it (tests.utils.fresh_seed).
+    from tests.utils import SEED_ENV
+    os.environ.setdefault(SEED_ENV, str(random.SystemRandom().randrange(1 << 31)))
+
+
+def pytest_report_header(config):
+    from tests.utils import SEED_ENV
+    return f"random inputs: {SEED_ENV}={os.environ[SEED_ENV]} (set it to reproduce this session)"

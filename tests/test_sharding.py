@@ -9,7 +9,7 @@ from mop_train.layout import RankLayout, plan_layout
 from mop_train.parallel.sharding import (chunk_rows, clip_grad_norm_, local, reduce_replica_grads,
                                          shard_rows)
 from tests.dist_utils import run_distributed
-from tests.utils import assert_close
+from tests.utils import assert_close, fresh_seed
 
 
 def test_chunk_rows_matches_torch_chunk_and_spec():
@@ -27,7 +27,7 @@ def test_chunk_rows_matches_torch_chunk_and_spec():
 def _sharded_weights(rank, world_size, seed):
     for degree in (d for d in (1, 2, world_size) if world_size % d == 0):
         layout = RankLayout.build(plan_layout(world_size, 1, degree, degree))
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator().manual_seed(fresh_seed(seed))
         V, H = 9, 6  # 9 rows over 2 or 4 ranks: uneven, and at 4 one chunk is short
         full_w = torch.randn(V, H, generator=g)
         dense = torch.randn(7, H, generator=g)

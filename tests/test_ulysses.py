@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from mop_train.parallel.ulysses import UlyssesAttention, check_heads_divisible
 from tests.dist_utils import run_distributed
-from tests.utils import assert_close
+from tests.utils import assert_close, fresh_seed
 
 
 class CausalGQA(torch.nn.Module):
@@ -23,7 +23,7 @@ def _ulysses_matches_full(rank, world_size, seed):
     for B, S_per_rank, h, h_kv, d, dv in ((2, 3, 4 * world_size, 2 * world_size, 8, 6),
                                           (1, 5, 2 * world_size, world_size, 4, 4)):
         S = S_per_rank * world_size
-        g = torch.Generator().manual_seed(seed + S)
+        g = torch.Generator().manual_seed(fresh_seed(seed + S))
         q = torch.randn(B, S, h, d, generator=g)
         k = torch.randn(B, S, h_kv, d, generator=g)
         v = torch.randn(B, S, h_kv, dv, generator=g)

@@ -1,8 +1,21 @@
-"""Shared numerical assertions for mop_train tests."""
+"""Shared numerical assertions and seeds for mop_train tests."""
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+SEED_ENV = "MOP_TEST_SEED"
+
+
+def fresh_seed(offset: int = 0) -> int:
+    """A seed for random test inputs that changes from one test session to the next.
+
+    conftest.py draws the session's base seed once (or takes $MOP_TEST_SEED, to reproduce a run;
+    pytest prints it in its header) and exports it, so spawned ranks derive the same seeds. Tests
+    pass a distinct `offset` per use; the same offset gives the same seed within a session."""
+    return (int(os.environ.get(SEED_ENV, "0")) + offset) % (1 << 62)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float = 1e-5,

@@ -10,7 +10,7 @@ import torch
 from mop_train.models import MoETransformer
 from mop_train.models.attention import apply_rope, rope_cos_sin, rope_inv_freq
 from mop_train.models import zoo
-from tests.utils import assert_bitwise_equal, assert_close
+from tests.utils import assert_bitwise_equal, assert_close, fresh_seed
 
 GQA = dict(attention="gqa", n_heads=4, n_kv_heads=2, head_dim=16)
 MLA_LORA = dict(attention="mla", q_lora_rank=24)
@@ -29,7 +29,7 @@ def _variants():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_backward_shapes(variant, dtype):
     args = _variants()[variant]
-    torch.manual_seed(0)
+    torch.manual_seed(fresh_seed(0))
     model = zoo.build_model(args, dtype=dtype)
     tokens = torch.randint(0, args.vocab_size, (2, 12))
     hidden = model(tokens)
@@ -47,23 +47,23 @@ def test_forward_backward_shapes(variant, dtype):
 
 
 def test_deterministic_under_seed():
-    tokens = torch.randint(0, 2048, (2, 10), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 2048, (2, 10), generator=torch.Generator().manual_seed(fresh_seed(1)))
     runs = []
     for _ in range(2):
-        torch.manual_seed(123)
+        torch.manual_seed(fresh_seed(123))
         model = zoo.build_model("debug")
         hidden = model(tokens)
-        hidden.backward(torch.randn(hidden.shape, generator=torch.Generator().manual_seed(2)))
+        hidden.backward(torch.randn(hidden.shape, generator=torch.Generator().manual_seed(fresh_seed(2))))
         runs.append((hidden, model.layers["1"].moe.experts.w1.grad, model.tok_embeddings.weight.grad))
     for a, b in zip(*runs):
         assert_bitwise_equal(a, b)
-    torch.manual_seed(124)
+    torch.manual_seed(fresh_seed(124))
     other = zoo.build_model("debug")
     assert not torch.equal(other.tok_embeddings.weight, zoo.build_model("debug").tok_embeddings.weight)
 
 
 def test_causal_prefix_matches():
-    torch.manual_seed(3)
+    torch.manual_seed(fresh_seed(3))
     model = zoo.build_model("debug")
     tokens = torch.randint(0, 2048, (1, 16))
     full = model(tokens)
@@ -79,7 +79,7 @@ def test_rope_offset_equals_slice_of_full_sequence():
     assert_bitwise_equal(apply_rope(x[:, 3000:3100], shard), apply_rope(x, full)[:, 3000:3100])
     # Through the model: RoPE sees only relative positions, so a uniform offset changes nothing
     # beyond rounding, while stretched positions do change the output.
-    torch.manual_seed(4)
+    torch.manual_seed(fresh_seed(4))
     model = zoo.build_model("debug")
     tokens = torch.randint(0, 2048, (1, 6))
     assert_bitwise_equal(model(tokens, positions=torch.arange(6)), model(tokens))
@@ -105,9 +105,9 @@ def test_meta_build_and_init_weights():
         model = MoETransformer(zoo.get_model_args("debug"))
     assert all(p.is_meta for p in model.parameters())
     model.to_empty(device="cpu")
-    torch.manual_seed(0)
+    torch.manual_seed(fresh_seed(0))
     model.init_weights(buffer_device="cpu")
-    torch.manual_seed(0)
+    torch.manual_seed(fresh_seed(0))
     direct = zoo.build_model("debug")
     for (name, a), b in zip(model.state_dict().items(), direct.state_dict().values()):
         assert_bitwise_equal(a, b, name=name)

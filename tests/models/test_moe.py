@@ -14,11 +14,11 @@ from mop_train.models.attention import rope_cos_sin
 from mop_train.models.moe import MoE
 from mop_train.models.router import TopKRouter
 from mop_train.ops.moe_dispatch import reference_experts_forward
-from tests.utils import assert_bitwise_equal, assert_close
+from tests.utils import assert_bitwise_equal, assert_close, fresh_seed
 
 
 def _moe(seed: int, **overrides) -> MoE:
-    torch.manual_seed(seed)
+    torch.manual_seed(fresh_seed(seed))
     moe = MoE(replace(zoo.get_model_args("debug"), **overrides))
     moe.init_weights(init_std=0.3)
     with torch.no_grad():
@@ -54,8 +54,8 @@ CASES = {
 def test_local_dispatch_matches_reference(case):
     moe = _moe(11, **CASES[case])
     N, H = 37, moe.experts.w1.shape[2]
-    x = torch.randn(N, H, generator=torch.Generator().manual_seed(12), requires_grad=True)
-    grad_out = torch.randn(N, H, generator=torch.Generator().manual_seed(13))
+    x = torch.randn(N, H, generator=torch.Generator().manual_seed(fresh_seed(12)), requires_grad=True)
+    grad_out = torch.randn(N, H, generator=torch.Generator().manual_seed(fresh_seed(13)))
 
     out = moe(x.view(1, N, H)).view(N, H)
     out.backward(grad_out)
@@ -76,8 +76,8 @@ def test_forced_routing_tuple_and_callable():
     moe = _moe(21)
     N, H, E = 9, 64, moe.router.num_experts
     x = torch.randn(N, H)
-    indices = torch.randint(0, E, (N, 3), generator=torch.Generator().manual_seed(22))
-    weights = torch.rand(N, 3, generator=torch.Generator().manual_seed(23))
+    indices = torch.randint(0, E, (N, 3), generator=torch.Generator().manual_seed(fresh_seed(22)))
+    weights = torch.rand(N, 3, generator=torch.Generator().manual_seed(fresh_seed(23)))
     shared = moe.shared_expert(x)
     expected = reference_experts_forward(x, indices, weights, moe.experts.w1, moe.experts.w2, moe.experts.w3)
     moe.forced_routing = (indices, weights)
@@ -94,7 +94,7 @@ def test_forced_routing_tuple_and_callable():
 
 
 def test_bias_changes_selection_not_gate_weights():
-    torch.manual_seed(31)
+    torch.manual_seed(fresh_seed(31))
     router = TopKRouter(16, num_experts=6, top_k=2, score_func="sigmoid", route_norm=True, route_scale=1.7)
     scores = router.scores(torch.randn(50, 16))                               # [N, E]
     idx0, w0 = router.select(scores)
@@ -119,7 +119,7 @@ def _imbalance(load: torch.Tensor) -> float:
 
 
 def test_bias_updates_balance_a_skewed_batch():
-    torch.manual_seed(41)
+    torch.manual_seed(fresh_seed(41))
     model = zoo.build_model("debug")
     moes = model.moe_layers()
     x = torch.randn(256, 64) + 1.0                      # a shared offset along which experts 0, 1 are hot
@@ -141,7 +141,7 @@ def test_bias_updates_balance_a_skewed_batch():
 
 
 def test_update_router_biases_reduce_fn_and_state_dict():
-    torch.manual_seed(51)
+    torch.manual_seed(fresh_seed(51))
     model = zoo.build_model("debug")
     model(torch.randint(0, 2048, (2, 8)))
     counted = [moe.router.tokens_per_expert.clone() for moe in model.moe_layers()]
@@ -161,7 +161,7 @@ def test_update_router_biases_reduce_fn_and_state_dict():
     state = model.state_dict()
     assert "layers.1.moe.router.expert_bias" in state
     assert not any("tokens_per_expert" in key for key in state)
-    torch.manual_seed(52)
+    torch.manual_seed(fresh_seed(52))
     fresh = zoo.build_model("debug")
     fresh.load_state_dict(state)
     assert_bitwise_equal(fresh.layers["2"].moe.router.expert_bias, expected)
@@ -176,12 +176,12 @@ def test_aux_loss_value_and_gradient():
     # f = [1, 0], P = [0.75, 0.25]: coef * E * sum f * P = 0.1 * 2 * 0.75
     assert_close(router.aux_loss(scores, indices, 0.1), torch.tensor(0.15))
 
-    torch.manual_seed(61)
+    torch.manual_seed(fresh_seed(61))
     tokens = torch.randint(0, 2048, (2, 8))
     off = zoo.build_model("debug")
     off(tokens)
     assert off.aux_loss().item() == 0.0 and all(m.last_aux_loss is None for m in off.moe_layers())
-    torch.manual_seed(61)
+    torch.manual_seed(fresh_seed(61))
     on = zoo.build_model(replace(zoo.get_model_args("debug"), aux_loss_coef=0.01))
     on(tokens)
     parts = [m.last_aux_loss for m in on.moe_layers()]
@@ -193,7 +193,7 @@ def test_aux_loss_value_and_gradient():
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_checkpoint_recompute_counts_routes_once(use_reentrant):
-    torch.manual_seed(71)
+    torch.manual_seed(fresh_seed(71))
     model = zoo.build_model(replace(zoo.get_model_args("debug"), aux_loss_coef=0.01))
     block, moe = model.layers["1"], model.layers["1"].moe
     x = torch.randn(2, 6, 64, requires_grad=True)
@@ -209,10 +209,10 @@ def test_checkpoint_recompute_counts_routes_once(use_reentrant):
 def test_aux_loss_gradient_through_checkpoint():
     grads = []
     for mode in ("plain", "non-reentrant", "reentrant"):
-        torch.manual_seed(81)
+        torch.manual_seed(fresh_seed(81))
         model = zoo.build_model(replace(zoo.get_model_args("debug"), aux_loss_coef=0.1))
         block = model.layers["1"]
-        x = torch.randn(2, 6, 64, requires_grad=True, generator=torch.Generator().manual_seed(82))
+        x = torch.randn(2, 6, 64, requires_grad=True, generator=torch.Generator().manual_seed(fresh_seed(82)))
         rope = rope_cos_sin(torch.arange(6), model.rope_inv_freq)
         out = (block(x, rope) if mode == "plain"
                else torch.utils.checkpoint.checkpoint(block, x, rope, use_reentrant=mode == "reentrant"))
@@ -220,7 +220,7 @@ def test_aux_loss_gradient_through_checkpoint():
             with pytest.raises(ValueError, match="non-reentrant"):
                 model.aux_loss()
             continue
-        loss = (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(83))).sum() + model.aux_loss()
+        loss = (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(fresh_seed(83)))).sum() + model.aux_loss()
         loss.backward()
         grads.append((x.grad, block.moe.router.gate.weight.grad))
     for a, b in zip(*grads):
@@ -230,9 +230,9 @@ def test_aux_loss_gradient_through_checkpoint():
 def test_bf16_error_no_worse_than_reference_in_bf16():
     moe = _moe(91, n_shared_experts=0)
     N, H, E = 40, 64, moe.router.num_experts
-    x = torch.randn(N, H, generator=torch.Generator().manual_seed(92))
-    indices = torch.randint(0, E, (N, 2), generator=torch.Generator().manual_seed(93))
-    weights = torch.rand(N, 2, generator=torch.Generator().manual_seed(94))
+    x = torch.randn(N, H, generator=torch.Generator().manual_seed(fresh_seed(92)))
+    indices = torch.randint(0, E, (N, 2), generator=torch.Generator().manual_seed(fresh_seed(93)))
+    weights = torch.rand(N, 2, generator=torch.Generator().manual_seed(fresh_seed(94)))
     w = [moe.experts.w1, moe.experts.w2, moe.experts.w3]
     truth = reference_experts_forward(x.double(), indices, weights.double(), *(t.double() for t in w))
     ref_bf16 = reference_experts_forward(x.bfloat16(), indices, weights, *(t.bfloat16() for t in w))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mop_train.ops.moe_dispatch.llep_plan import llep_plan
+from tests.utils import fresh_seed
 
 
 def counts(rows):
@@ -62,7 +63,7 @@ def test_alpha_raises_capacity():
 
 
 def test_deterministic_and_covering():
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(fresh_seed(3))
     C = torch.randint(0, 50, (4, 16), generator=gen)
     C[:, 5] += 400                                                  # one hot expert
     a = llep_plan(C, min_tokens_per_gemm=8, imbalance_threshold=1.0)

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import (
 from mop_train.ops.offload_adamw import (
     OffloadStreamAdamW, adamw_reference_step, host_update, plan_buckets, reference_adamw, staging_bytes_bound)
 from tests.dist_utils import run_distributed
-from tests.utils import assert_bitwise_equal, assert_close
+from tests.utils import assert_bitwise_equal, assert_close, fresh_seed
 
 SHAPES = [(3, 5), (7,), (), (0, 4), (11, 3), (2, 2, 3), (13,)]
 HP = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
@@ -29,7 +29,7 @@ def _groups(params):
 
 def _grads(step: int, shapes, dtype, seed: int):
     """Fresh random gradients; parameter 1 has none at step 1, parameter 5 none before step 2."""
-    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    gen = torch.Generator().manual_seed(fresh_seed(seed * 1000 + step))
     out = []
     for i, shape in enumerate(shapes):
         skip = (i == 1 and step == 1) or (i == 5 and step < 2)
@@ -38,7 +38,7 @@ def _grads(step: int, shapes, dtype, seed: int):
 
 
 def _params(seed: int, dtype=torch.float32, device="cpu"):
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(fresh_seed(seed))
     return [nn.Parameter(torch.randn(s, generator=gen).to(device=device, dtype=dtype)) for s in SHAPES]
 
 
@@ -71,7 +71,7 @@ def _assert_state_close(ours, ref, rtol=RTOL):
 
 @pytest.mark.parametrize("bucket_params,slots", [(7, 1), (7, 2), (7, 3), (1, 2), (5, 3), (10_000, 2)])
 def test_matches_torch_adamw_fp32(bucket_params, slots):
-    seed = 11 + bucket_params + slots
+    seed = fresh_seed(11 + bucket_params + slots)
     ours_p, ref_p = _params(seed), _params(seed)
     opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=bucket_params, slots=slots)
     ref = reference_adamw(_groups(ref_p), **HP)
@@ -89,14 +89,14 @@ def test_matches_torch_adamw_fp32(bucket_params, slots):
 
 
 def test_reference_math_matches_torch():
-    seed = 5
+    seed = fresh_seed(5)
     ref_p = _params(seed)
     ref = reference_adamw(ref_p, **HP)
     mine = [p.detach().clone() for p in ref_p]
     m = [torch.zeros_like(p) for p in mine]
     v = [torch.zeros_like(p) for p in mine]
     for step in range(3):
-        grads = [torch.randn(s, generator=torch.Generator().manual_seed(step * 7 + i))
+        grads = [torch.randn(s, generator=torch.Generator().manual_seed(fresh_seed(step * 7 + i)))
                  for i, s in enumerate(SHAPES)]
         for p, g in zip(ref_p, grads):
             p.grad = g
@@ -107,7 +107,7 @@ def test_reference_math_matches_torch():
 
 
 def test_bf16_working_weights_masters_match_fp32_adamw():
-    seed = 23
+    seed = fresh_seed(23)
     ours_p = _params(seed, torch.bfloat16)
     ref_p = [nn.Parameter(p.detach().float().clone()) for p in ours_p]
     opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2)
@@ -130,7 +130,7 @@ def test_bf16_working_weights_masters_match_fp32_adamw():
 @pytest.mark.parametrize("host_fraction", [0.3, 1.0])
 def test_host_fraction_matches_torch_adamw(dtype, host_fraction, monkeypatch):
     monkeypatch.setattr(host_update, "CHUNK", 6)  # several CPU chunks, tensors split across them
-    seed = 51 + int(10 * host_fraction) + (dtype == torch.bfloat16)
+    seed = fresh_seed(51 + int(10 * host_fraction) + (dtype == torch.bfloat16))
     ours_p = _params(seed, dtype)
     ref_p = [nn.Parameter(p.detach().float().clone()) for p in ours_p]
     opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2, host_fraction=host_fraction)
@@ -199,7 +199,7 @@ def _assert_same_run(params_a, opt_a, params_b, opt_b):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_resume_from_state_dict_is_exact(dtype):
-    seed = 31
+    seed = fresh_seed(31)
     full_p = _params(seed, dtype)
     full = OffloadStreamAdamW(_groups(full_p), **HP, bucket_params=7, slots=2)
     full_sched = torch.optim.lr_scheduler.LambdaLR(full, _lambda)
@@ -229,7 +229,7 @@ def test_resume_from_state_dict_is_exact(dtype):
 class _Tiny(nn.Module):
     def __init__(self, seed: int):
         super().__init__()
-        torch.manual_seed(seed)
+        torch.manual_seed(fresh_seed(seed))
         self.a = nn.Linear(5, 7)
         self.b = nn.Linear(7, 1)
         self.c = nn.Linear(1, 3)
@@ -240,7 +240,7 @@ class _Tiny(nn.Module):
 
 def _train(model, opt, steps, start=0, rank=0):
     for step in range(start, steps):
-        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + rank))
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(fresh_seed(100 * step + rank)))
         opt.zero_grad()
         model(x).square().sum().backward()
         opt.step()
@@ -359,7 +359,7 @@ def test_host_state_owns_whole_pages():
 
 @pytest.mark.parametrize("bucket_params", [1, 3, 7, 64])
 def test_bucket_plan_tiles_every_parameter_once(bucket_params):
-    gen = torch.Generator().manual_seed(bucket_params)
+    gen = torch.Generator().manual_seed(fresh_seed(bucket_params))
     numels = torch.randint(0, 20, (9,), generator=gen).tolist()
     covered = [[0] * n for n in numels]
     buckets = plan_buckets(numels, bucket_params)
@@ -424,7 +424,7 @@ def test_bad_arguments_raise_value_error():
 @pytest.mark.parametrize("host_fraction", [0.0, 0.5])
 def test_cuda_matches_torch_fused_adamw(dtype, host_fraction, monkeypatch):
     monkeypatch.setattr(host_update, "CHUNK", 6)
-    seed = 41
+    seed = fresh_seed(41)
     ours_p = _params(seed, dtype, "cuda")
     ref_p = [nn.Parameter(p.detach().float().clone()) for p in ours_p]  # never alias ours
     opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2, host_fraction=host_fraction)
@@ -445,7 +445,7 @@ def test_cuda_matches_torch_fused_adamw(dtype, host_fraction, monkeypatch):
 
 @pytest.mark.gpu
 def test_cuda_resume_is_exact():
-    seed = 43
+    seed = fresh_seed(43)
     full_p = _params(seed, torch.bfloat16, "cuda")
     full = OffloadStreamAdamW(_groups(full_p), **HP, bucket_params=6, slots=3)
     _run(full, full_p, 5, seed)

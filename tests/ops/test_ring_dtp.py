@@ -10,7 +10,6 @@ up to 1.25x (rms) / 2x (max, a noisy statistic on tiny tensors) plus 0.2% / 0.4%
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 
@@ -22,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 from mop_train.ops.ring_dtp import (reference_cross_entropy, resolve_mode, ring_dtp_cross_entropy,
                                     ring_dtp_largest_tensor_bytes, ring_dtp_peak_bytes)
 from tests.dist_utils import run_distributed
-from tests.utils import assert_close
+from tests.utils import assert_close, fresh_seed
 
 MODES = ("move_activations", "move_weights", "auto")
 REDUCTIONS = ("mean", "sum", "none")
@@ -31,7 +30,7 @@ COUNTS = {1: [6], 2: [7, 0], 3: [5, 0, 8], 4: [6, 3, 0, 9]}  # uneven N, one ran
 
 def _problem(seed, counts, vocab, hidden, dtype):
     """All ranks' tokens, targets (some ignored), upstream gradients, and the full weight."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(fresh_seed(seed))
     weight = (torch.randn(vocab, hidden, generator=gen) * 2 / hidden ** 0.5).to(dtype)
     xs, ts, gouts = [], [], []
     for n in counts:
@@ -159,12 +158,12 @@ class _LargestTensor(TorchDispatchMode):
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_ring_matches_full_logits_reference(world_size):
-    run_distributed(_ring_cases, world_size, random.randrange(1 << 30))
+    run_distributed(_ring_cases, world_size, fresh_seed(1000 * world_size))
 
 
 def test_single_device_path_and_largest_block():
     """group=None is the fused single-device path; its largest allocation stays within the bound."""
-    seed = random.randrange(1 << 30)
+    seed = fresh_seed(17)
     for dtype in (torch.float32, torch.bfloat16):
         _check_case(0, None, [11], 41, 12, dtype, "mean", seed, block_size=6, impl="torch")
     weight, xs, ts, gouts = _problem(seed, [13], 101, 8, torch.float32)
@@ -202,10 +201,11 @@ def test_errors_name_the_argument():
 
 
 _INTERPRETED = """
-import random, sys, torch
+import sys, torch
 sys.path.insert(0, {root!r})
 from tests.ops.test_ring_dtp import _check_case
-seed = random.randrange(1 << 30)
+from tests.utils import fresh_seed
+seed = fresh_seed(11)
 for dtype, reduction in ((torch.float32, "none"), (torch.bfloat16, "sum")):
     _check_case(0, None, [5], 23, 8, dtype, reduction, seed, block_size=7, impl="triton")
 print("ok")
@@ -226,7 +226,7 @@ def test_triton_kernels_in_interpreter():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_triton_matches_reference(dtype):
     torch.cuda.set_device(0)
-    seed = random.randrange(1 << 30)
+    seed = fresh_seed(19)
     for reduction in REDUCTIONS:
         _check_case_cuda([1536], 5003, 256, dtype, reduction, seed, block_size=1024)
 
@@ -274,7 +274,7 @@ def test_borrowed_accumulator_schedule_is_bitwise_the_plain_one():
     """P = 1, bf16: dX accumulating inside dW's unwritten rows changes only where it lives."""
     from mop_train.ops.ring_dtp.local import borrowed_rows, shard_backward, single_shard_backward
     from tests.utils import assert_bitwise_equal
-    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    gen = torch.Generator().manual_seed(fresh_seed(13))
     n, h, v = 7, 12, 54  # V - 2n a multiple of the block: both schedules cut the same blocks
     x = torch.randn(n, h, generator=gen).bfloat16()
     w = torch.randn(v, h, generator=gen).bfloat16()

@@ -16,7 +16,7 @@ from mop_train.ops.sco import (SelectiveCheckpointOffload, boundary_bytes, check
                                resolve_host_budget, retained_boundary_bytes, select_offloaded)
 from mop_train.ops.sco.host_buffer import power_of_two_parts
 from tests.dist_utils import run_distributed
-from tests.utils import assert_bitwise_equal
+from tests.utils import assert_bitwise_equal, fresh_seed
 
 
 class ToyLayer(nn.Module):
@@ -63,7 +63,7 @@ class ChunkedExpertLayer(nn.Module):
 
 
 def _widths_stack(widths, seed):
-    torch.manual_seed(seed)
+    torch.manual_seed(fresh_seed(seed))
     return [ToyLayer(a, b) for a, b in zip(widths[:-1], widths[1:])]
 
 
@@ -74,13 +74,13 @@ def _step(mods, x, pos, scales, grad_seed):
     h = x
     for mod, s in zip(mods, scales):
         h = mod(h, pos, scale=s)
-    g = torch.randn(h.shape, generator=torch.Generator().manual_seed(grad_seed), dtype=h.dtype)
+    g = torch.randn(h.shape, generator=torch.Generator().manual_seed(fresh_seed(grad_seed)), dtype=h.dtype)
     h.backward(g.to(h.device))
     return [h.detach(), x.grad, *(s.grad for s in scales), *(p.grad for m in mods for p in m.parameters())]
 
 
 def _inputs(n, widths, seed, dtype=torch.float32, device="cpu"):
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(fresh_seed(seed))
     x = torch.randn(n, widths[0], generator=gen).to(device, dtype).requires_grad_()
     pos = torch.randn(n, max(widths), generator=gen).to(device, dtype)
     scales = [(1 + 0.1 * torch.randn(w, generator=gen)).to(device, dtype).requires_grad_() for w in widths[1:]]
@@ -168,7 +168,7 @@ def test_offloaded_boundaries_leave_device_and_come_back_from_host():
     assert sco.offloaded_layers == [0, 1]
     assert boundary_refs[1]() is None
     assert all(r() is not None for r in boundary_refs[2:])
-    g = torch.randn(h.shape, generator=torch.Generator().manual_seed(3))
+    g = torch.randn(h.shape, generator=torch.Generator().manual_seed(fresh_seed(3)))
     for t in [x, *scales, *(p for m in ours for p in m.parameters())]:
         t.grad = None
     h.backward(g)
@@ -213,7 +213,7 @@ def test_reuse_retain_graph_and_changing_sizes():
         h = x
         for mod, s in zip(mods, scales):
             h = mod(h, pos, scale=s)
-        g = torch.randn(h.shape, generator=torch.Generator().manual_seed(5))
+        g = torch.randn(h.shape, generator=torch.Generator().manual_seed(fresh_seed(5)))
         h.backward(g, retain_graph=True)
         h.backward(2 * g)
         results.append([x.grad, *(s.grad for s in scales), *(p.grad for m in mods for p in m.parameters())])
@@ -252,7 +252,7 @@ def test_boundary_saved_outside_the_checkpoint_machinery():
 
 def test_nested_reentrant_checkpoint():
     h, n = 16, 10
-    torch.manual_seed(7)
+    torch.manual_seed(fresh_seed(7))
     layers = [ChunkedExpertLayer(h, 24, chunks=3) for _ in range(4)]
     ref = [checkpointed(copy.deepcopy(m)) for m in layers]
     budget = 2 * boundary_bytes(n, h, torch.float32)
@@ -271,12 +271,12 @@ def test_zoo_model_blocks_bitwise():
     from mop_train.models.attention import rope_cos_sin
     from mop_train.models.zoo import build_model
 
-    torch.manual_seed(11)
+    torch.manual_seed(fresh_seed(11))
     base = build_model("debug")
     B, S, H = 2, 24, base.args.dim
     size = boundary_bytes(B * S, H, torch.float32)
-    tokens = torch.randint(0, base.args.vocab_size, (B, S), generator=torch.Generator().manual_seed(12))
-    upstream = torch.randn(B, S, H, generator=torch.Generator().manual_seed(13))
+    tokens = torch.randint(0, base.args.vocab_size, (B, S), generator=torch.Generator().manual_seed(fresh_seed(12)))
+    upstream = torch.randn(B, S, H, generator=torch.Generator().manual_seed(fresh_seed(13)))
     results = {}
     for budget in (None, 2 * size):
         model = copy.deepcopy(base)
@@ -331,7 +331,7 @@ def _fsdp_case(rank, world_size):
                 model.zero_grad(set_to_none=True)
                 x.grad = None
                 y = model(x, pos, scales)
-                y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(rank + step)))
+                y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(fresh_seed(rank + step))))
                 outs.append([y.detach(), x.grad.clone(), *(p.grad.to_local().clone() for p in model.parameters())])
             _assert_all_equal(outs[1], outs[0], f"fsdp rank {rank} inside={shard_inside} step {step}")
             assert sco.offloaded_layers == [0, 1]
@@ -345,7 +345,7 @@ def test_fsdp2_two_ranks():
 # ---- GPU --------------------------------------------------------------------------------------
 
 def _gpu_stack(n_layers=6, h=512, seed=9):
-    torch.manual_seed(seed)
+    torch.manual_seed(fresh_seed(seed))
     return [ToyLayer(h, h) for _ in range(n_layers)]
 
 
@@ -363,7 +363,7 @@ def test_gpu_bitwise_no_default_stream_sync_memory_baseline():
             want = _step(ref, x, pos, scales, step)
             for t in [x, *scales, *(p for m in ours for p in m.parameters())]:
                 t.grad = None
-            g = torch.randn(x.shape, generator=torch.Generator().manual_seed(step), dtype=dtype).to(dev)  # as _step
+            g = torch.randn(x.shape, generator=torch.Generator().manual_seed(fresh_seed(step)), dtype=dtype).to(dev)  # as _step
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             baseline = torch.cuda.memory_allocated()
