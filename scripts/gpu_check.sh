@@ -4,7 +4,7 @@
 # Usage (on the GPU machine, from the repo root, wheels carried in .whl/):
 #   bash scripts/gpu_check.sh [STEP ...]   # default: every step
 # Steps: train_small train_small_all_ops sco_bench dispatch_bench gpu_tests (the default set), and
-#        optimizer_bench vocab_bench (only when named)
+#        optimizer_bench vocab_bench train_small_offload_0.0 train_small_offload_0.45 (only when named)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -28,6 +28,13 @@ step train_small_all_ops 120 torchrun --standalone --nproc_per_node=1 -m mop_tra
   --mop.moe.dispatch pipelined_llep --mop.ring_dtp.enable --mop.sco.host_budget 8GiB \
   --optimizer.name OffloadStreamAdamW --mop.offload_adamw.bucket_params 50000000
 [[ $want == *" train_small_all_ops "* ]] && cp /tmp/run_all/metrics.jsonl "$OUT/train_all_ops_metrics.jsonl" 2>/dev/null
+for share in 0.0 0.45; do  # OffloadStreamAdamW alone, streamed only and with a CPU share
+  step train_small_offload_$share 150 torchrun --standalone --nproc_per_node=1 -m mop_train.train \
+    --job.config_file configs/small_1gpu.toml --job.dump_folder /tmp/run_offload_$share --training.steps 20 \
+    --optimizer.name OffloadStreamAdamW --mop.offload_adamw.bucket_params 25000000 --mop.offload_adamw.slots 3 \
+    --mop.offload_adamw.host_fraction $share
+  [[ $want == *" train_small_offload_$share "* ]] && cp /tmp/run_offload_$share/metrics.jsonl "$OUT/train_offload_${share}_metrics.jsonl" 2>/dev/null
+done
 TAIL=40 step sco_bench 150 python3 benchmarks/sco.py --layers 12 --repeats 2
 TAIL=40 step dispatch_bench 120 torchrun --standalone --nproc_per_node=1 benchmarks/moe_dispatch.py --tokens 65536 --modes ep pipelined_llep --profiles balanced 80/16 50/4 --repeats 1
 TAIL=15 step gpu_tests 120 python3 -m pytest -q -m gpu tests/ops/test_sco.py tests/ops/test_offload_adamw.py -p no:cacheprovider
