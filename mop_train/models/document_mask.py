@@ -161,16 +161,18 @@ def document_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     _check(q, k, v, doc_ids)
     B, S, h, d_qk = q.shape
     group = h // k.shape[2]
-    out = q.new_zeros(B, S, h, v.shape[3])
+    rows = []
     for b in range(B):
+        pieces, order = [], []
         for doc in torch.unique(doc_ids[b]).tolist():
             idx = (doc_ids[b] == doc).nonzero().squeeze(1)              # [n] positions of this document
             qd = q[b, idx].transpose(0, 1)                              # [h, n, d_qk]
             kd = k[b, idx].transpose(0, 1).repeat_interleave(group, 0)  # [h, n, d_qk]
             vd = v[b, idx].transpose(0, 1).repeat_interleave(group, 0)  # [h, n, d_v]
             scores = qd @ kd.transpose(1, 2) / math.sqrt(d_qk)          # [h, n, n]
-            n = idx.numel()
-            future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+            future = torch.ones(idx.numel(), idx.numel(), dtype=torch.bool, device=q.device).triu(1)
             probs = scores.masked_fill(future, float("-inf")).softmax(-1)
-            out = out.index_put((torch.full_like(idx, b), idx), (probs @ vd).transpose(0, 1))
-    return out
+            pieces.append((probs @ vd).transpose(0, 1))                 # [n, h, d_v]
+            order.append(idx)
+        rows.append(torch.cat(pieces)[torch.cat(order).argsort()])      # [S, h, d_v] in position order
+    return torch.stack(rows)                                            # [B, S, h, d_v]
