@@ -127,17 +127,21 @@ def test_bias_updates_balance_a_skewed_batch():
         for moe in moes:
             moe.router.gate.weight.normal_(0, 0.1)
             moe.router.gate.weight[:2] += 0.03
-    history = []
+    history, first = [], None
     for _ in range(60):
         with torch.no_grad():
             for moe in moes:
                 moe.router.record_load(moe.router(x)[0])
         loads = model.update_router_biases(rate=0.01)                         # [L_moe, E]
+        first = loads.clone() if first is None else first
         history.append(max(_imbalance(load) for load in loads))
         assert not any(moe.router.tokens_per_expert.any() for moe in moes)
-    assert history[0] > 3.0, history[0]
+    assert history[0] > 2.5, history[0]
     assert max(history[-10:]) < 1.5, history
-    assert all(moe.router.expert_bias[:2].max() < moe.router.expert_bias[2:].min() for moe in moes)
+    # The most loaded expert at the start ends below every expert that started under the mean.
+    for moe, load in zip(moes, first):
+        bias = moe.router.expert_bias
+        assert bias[int(load.argmax())] < bias[load < load.mean()].min(), (load, bias)
 
 
 def test_update_router_biases_reduce_fn_and_state_dict():
