@@ -16,8 +16,9 @@ Documents are tokenized with BOS/EOS and concatenated; every sample is a window 
 tokens (input = first S, labels = last S), by torchtitan's HuggingFaceTextDataset, whose resumable
 position (sample index + token buffer) goes into the checkpoint through the StatefulDataLoader.
 Every rank packs the same global stream and keeps its own rows of each global batch
-(`PackedTextDataset`), so a step's global batch does not depend on the layout. Attention does not see document
-boundaries yet (the model takes one position vector per batch): packed documents attend across EOS.
+(`PackedTextDataset`), so a step's global batch does not depend on the layout. By default packed
+documents attend across EOS; `[mop.data] document_mask = true` keeps attention inside each
+document (the loop splits rows at EOS, see mop_train/models/document_mask.py).
 
 Legend: B local batch, S sequence length.
 """
