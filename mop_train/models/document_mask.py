@@ -125,6 +125,7 @@ def _block_mask(doc_ids: torch.Tensor):
         ref, version, device, block_mask = _LAST_MASK[0]
         if ref() is doc_ids and version == doc_ids._version and device == doc_ids.device:
             return block_mask
+    _LAST_MASK.clear()  # free the previous step's mask (O((S/128)^2) indices) before building this one
     B, S = doc_ids.shape
 
     def same_document_causal(b, h, q_idx, kv_idx):

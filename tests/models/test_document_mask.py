@@ -129,6 +129,21 @@ def test_empty_inputs(B, S):
         assert q.grad.shape == q.shape and v.grad.shape == v.shape
 
 
+def test_flex_mask_cache_follows_new_and_changed_doc_ids():
+    """The BlockMask is reused only for the very same, unchanged doc_ids tensor."""
+    q, k, v = _qkv(1, 9, 2, 2, 8, 8, torch.Generator().manual_seed(fresh_seed(25)))
+    doc_ids = torch.zeros(1, 9, dtype=torch.int32)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            assert_close(document_attention(q, k, v, doc_ids, impl="flex"),
+                         document_attention_reference(q, k, v, doc_ids), name="one document")
+            doc_ids[0, 4:] = 1                                        # in place: a new version
+            assert_close(document_attention(q, k, v, doc_ids, impl="flex"),
+                         document_attention_reference(q, k, v, doc_ids), name="two documents")
+            doc_ids = torch.zeros(1, 9, dtype=torch.int32)            # a new tensor
+
+
 def test_flex_refuses_a_cpu_backward_with_a_clear_error():
     q, k, v = (t.requires_grad_() for t in _qkv(1, 5, 2, 2, 8, 8, torch.Generator().manual_seed(0)))
     with pytest.raises(ValueError, match="sdpa_mask"):
