@@ -41,7 +41,7 @@ from mop_train.parallel.apply import (apply_expert_parallel, apply_sequence_para
                                      apply_vocab_parallel, dispatch_metrics)
 from mop_train.parallel.sharding import clip_grad_norm_, local, reduce_replica_grads
 from mop_train.train.loss import IGNORE_INDEX, LanguageModelLoss, chunked_cross_entropy_sum
-from mop_train.train.metrics import MetricLogger, flops_per_token, peak_tflops
+from mop_train.train.metrics import DeviceSpan, MetricLogger, flops_per_token, peak_tflops
 from mop_train.train.optim import OFFLOAD_ADAMW, build_lr_schedulers, build_optimizers
 from mop_train.train.parallelize import (apply_activation_checkpointing, apply_fsdp, check_layout_fits,
                                         check_titan_parallelism)
@@ -178,12 +178,14 @@ def train_step(parts: ModelParts, layout, batch, optimizers, lr_schedulers, *, m
     reduce_replica_grads(parts.vocab_params, layout.vocab_replica_group)
     grad_norm = clip_grad_norm_(list(module.parameters()), max_norm)
     lr = lr_schedulers.schedulers[0].get_last_lr()[0]
-    optimizers.step()
+    optimizer_span = DeviceSpan(device)
+    with optimizer_span:
+        optimizers.step()
     lr_schedulers.step()
     optimizers.zero_grad()
     model.update_router_biases(bias_rate, reduce_fn=dist.all_reduce)
     return {"loss_sum": loss_sum.detach(), "n_tokens": n_tokens, "grad_norm": grad_norm, "lr": lr,
-            **dispatch_metrics(model)}
+            "optimizer_span": optimizer_span, **dispatch_metrics(model)}
 
 
 def document_eos_id(cfg, tokenizer) -> int | None:
@@ -308,7 +310,8 @@ def run_steps(cfg, parts: ModelParts, layout, dataloader, optimizers, lr_schedul
             values = {"loss": (loss_sum / n_tokens).item(), "grad_norm": float(out["grad_norm"]),
                       "lr": out["lr"], "tokens_per_s": tokens_per_s,
                       "tokens_per_s_per_rank": tokens_per_s / dist.get_world_size(),
-                      "tokens_seen": train_state.tokens_seen, "elapsed_s": elapsed}
+                      "tokens_seen": train_state.tokens_seen, "elapsed_s": elapsed,
+                      "optimizer_s": out["optimizer_span"].seconds()}
             if device.type == "cuda":
                 tflops = flops_per_token * tokens_per_s / dist.get_world_size() / 1e12
                 values["tflops"] = tflops

@@ -4,7 +4,8 @@
     metrics.log(step, {"loss": ..., "grad_norm": ..., "lr": ..., "tokens_per_s": ..., ...})
 
 `{dump_folder}/metrics.jsonl` (rank 0) holds one JSON object per logged step with at least
-step, loss, grad_norm, lr, tokens_per_s, peak_mem_gib: scripts, sweeps and tests read it.
+step, loss, grad_norm, lr, tokens_per_s, peak_mem_gib, optimizer_s (the logged step's optimizer step
+until the weights are ready for the next forward): scripts, sweeps and tests read it.
 TensorBoard events go to `{dump_folder}/{metrics.save_tb_folder}` when enabled; W&B (torchtitan's
 WandBLogger, offline when WANDB_MODE=offline) when enabled. Peak memory is the device allocator's
 peak on GPU and the process's peak resident set on CPU (`peak_mem_kind` says which).
@@ -17,6 +18,7 @@ import json
 import os
 import resource
 import sys
+import time
 
 import torch
 from torchtitan.components.metrics import TensorBoardLogger, WandBLogger
@@ -31,6 +33,42 @@ def peak_tflops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+class DeviceSpan:
+    """The duration of a span of device work, measured without a host sync: CUDA events on the
+    current stream on GPU, wall clock on CPU. Read `seconds()` once the device has caught up (the
+    loop synchronises before it logs).
+
+        span = DeviceSpan(device)
+        with span:
+            optimizers.step()
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.start = self.end = None
+
+    def __enter__(self):
+        if self.cuda:
+            self.start, self.end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            self.start.record()
+        else:
+            self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+        else:
+            self.end = time.perf_counter()
+        return False
+
+    def seconds(self) -> float:
+        if self.cuda:
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end) / 1e3
+        return self.end - self.start
 
 
 def peak_memory_gib(device: torch.device) -> tuple[float, str]:
@@ -104,6 +142,8 @@ def format_line(r: dict) -> str:
     if r.get("mfu_pct") is not None:
         line += f"  MFU {r['mfu_pct']:.1f}%"
     line += f"  peak_mem {r['peak_mem_gib']:.2f} GiB"
+    if r.get("optimizer_s") is not None:
+        line += f"  opt {1e3 * r['optimizer_s']:.0f} ms"
     if "sco_offloaded_layers" in r:
         line += (f"  sco {r['sco_offloaded_layers']} layers {r['sco_host_bytes'] / 2**30:.2f} GiB host "
                  f"wait {1e3 * r['sco_wait_s']:.1f} ms")

@@ -21,16 +21,18 @@ TINY = ["--job.config_file", DEBUG_CONFIG, "--training.local_batch_size", "2", "
 
 def check_loss_falls(records: list[dict]) -> None:
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    for key in ("loss", "grad_norm", "lr", "tokens_per_s", "peak_mem_gib"):
+    for key in ("loss", "grad_norm", "lr", "tokens_per_s", "peak_mem_gib", "optimizer_s"):
         assert all(isinstance(r[key], float) for r in records), key
+    assert all(0 < r["optimizer_s"] < r["elapsed_s"] for r in records)
     first = sum(r["loss"] for r in records[:5]) / 5
     last = sum(r["loss"] for r in records[-5:]) / 5
     assert last < first - 0.5, f"loss did not fall: first 5 mean {first:.3f}, last 5 mean {last:.3f}"
 
 
-# The 1-rank run also switches on SCO (host budget: two of the three 32 KiB boundaries) and OffloadStreamAdamW.
+# The 1-rank run also switches on SCO (host budget: two of the three 32 KiB boundaries) and OffloadStreamAdamW
+# with a CPU-updated share.
 OPERATORS = ["--mop.sco.host_budget", "64KiB", "--optimizer.name", "OffloadStreamAdamW",
-             "--mop.offload_adamw.bucket_params", "40000"]
+             "--mop.offload_adamw.bucket_params", "40000", "--mop.offload_adamw.host_fraction", "0.3"]
 
 
 @pytest.mark.parametrize("nproc, extra", [(1, OPERATORS), (4, [])])
