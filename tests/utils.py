@@ -35,6 +35,16 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float = 
         ) from None
 
 
+def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float = 1e-5,
+                          name: str = "tensor") -> None:
+    """Within rtol of the expected tensor's largest magnitude, element by element.
+
+    For results that are sums of many terms (gradients, matmul outputs): reordering such a sum
+    moves an element by ulps of its terms, which can dwarf a near-zero element itself."""
+    scale = float(expected.detach().abs().max()) if expected.numel() else 0.0
+    assert_close(actual, expected, rtol=rtol, atol=rtol * scale + 1e-12, name=name)
+
+
 def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "tensor") -> None:
     """Exact equality (same dtype, shape and bits), with the error statistics on failure."""
     if actual.dtype != expected.dtype or actual.shape != expected.shape:
