@@ -156,7 +156,9 @@ class OffloadStreamAdamW(Optimizer):
         host_fraction: share f of the flat state (its tail) updated by the CPU while the rest
             streams; 0 streams everything. Costs a pinned fp32 gradient buffer of f*N*4 bytes
             (`host_buffer_bytes`) and, on the device, the casts' temporaries (<= 2 x CHUNK x 4 bytes,
-            `staging_bytes_bound(..., host_share=True)`). Same math (torch's fused AdamW on the CPU).
+            `staging_bytes_bound(..., host_share=True)`). Same math (torch's fused AdamW on the CPU),
+            not the same bits: CPU and CUDA kernels round differently, so runs with different
+            host_fraction agree to rounding; resuming with the same value is exact.
 
     State per parameter (state_dict, DCP): "step" (fp32 scalar, per parameter), "exp_avg",
     "exp_avg_sq", "master" (fp32, host; DTensors with the parameter's sharding for DTensor
