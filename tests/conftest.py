@@ -27,3 +27,9 @@ def pytest_configure(config):
 def pytest_report_header(config):
     from tests.utils import SEED_ENV
     return f"random inputs: {SEED_ENV}={os.environ[SEED_ENV]} (set it to reproduce this session)"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    # Also under -q (no header): a failure on fresh inputs must say how to get them back.
+    from tests.utils import SEED_ENV
+    terminalreporter.write_line(f"random inputs of this session: {SEED_ENV}={os.environ[SEED_ENV]}")
