@@ -281,6 +281,10 @@ def validate(cfg, *, source: str = "config") -> None:
     _require(0.0 <= mop.offload_adamw.host_fraction <= 1.0,
              f"{source}: mop.offload_adamw.host_fraction = {mop.offload_adamw.host_fraction} must be in [0, 1] "
              "(the share of parameters updated on the CPU; 0 streams everything through the device)")
+    _require(mop.offload_adamw.host_fraction == 0.0 or cfg.optimizer.name == "OffloadStreamAdamW",
+             f"{source}: mop.offload_adamw.host_fraction = {mop.offload_adamw.host_fraction} only applies to "
+             f"optimizer.name = 'OffloadStreamAdamW', but optimizer.name = {cfg.optimizer.name!r}; set one or "
+             "drop the other")
     _require(lay.expert_degree == 1 or moe.dispatch != "local",
              f"{source}: mop.moe.dispatch = 'local' keeps all experts on every rank, but "
              f"mop.layout.expert_degree = {lay.expert_degree}; set dispatch to 'ep', 'llep' or 'pipelined_llep'")

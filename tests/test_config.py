@@ -45,6 +45,7 @@ IMPOSSIBLE_VALUES = [
     ("[mop.sco]\nhost_budget = \"lots\"\n", ["mop.sco.host_budget", "'lots'", "24GiB"]),
     ("[mop.offload_adamw]\nslots = 0\n", ["mop.offload_adamw.slots = 0"]),
     ("[mop.offload_adamw]\nhost_fraction = 1.5\n", ["mop.offload_adamw.host_fraction = 1.5", "[0, 1]"]),
+    ("[mop.offload_adamw]\nhost_fraction = 0.4\n", ["host_fraction = 0.4", "OffloadStreamAdamW", "'AdamW'"]),
     ("[mop.layout]\nexpert_degree = 2\n", ["dispatch = 'local'", "expert_degree = 2"]),
     ("[mop.data]\nloss_chunk_tokens = 0\n", ["mop.data.loss_chunk_tokens = 0"]),
 ]
