@@ -45,7 +45,8 @@ from mop_train.train.metrics import DeviceSpan, MetricLogger, flops_per_token, p
 from mop_train.train.optim import OFFLOAD_ADAMW, build_lr_schedulers, build_optimizers
 from mop_train.train.parallelize import (apply_activation_checkpointing, apply_fsdp, check_layout_fits,
                                         check_titan_parallelism)
-from mop_train.train.plan import MemoryPlanInputs, format_plan, memory_plan
+from mop_train.train.plan import (MemoryPlanInputs, check_host_memory, format_plan, host_memory_plan,
+                                  memory_plan)
 
 
 def init_distributed() -> torch.device:
@@ -199,6 +200,14 @@ def document_eos_id(cfg, tokenizer) -> int | None:
     return tokenizer.eos_id
 
 
+def host_plan(cfg, parts: ModelParts) -> list[tuple[str, int, str]]:
+    """This rank's pinned host memory: OffloadStreamAdamW's state of its local shards, SCO's budget."""
+    local_params = sum(local(p).numel() for p in parts.module.parameters())
+    return host_memory_plan(local_params, offload_optimizer=cfg.optimizer.name == OFFLOAD_ADAMW,
+                            host_fraction=cfg.mop.offload_adamw.host_fraction,
+                            sco_host_budget=parts.sco.host_budget_bytes if parts.sco is not None else 0)
+
+
 def describe_run(cfg, layout, parts: ModelParts, seed: int, device) -> str:
     module, checkpointed, sco = parts.module, parts.checkpointed, parts.sco
     args, counts = zoo.get_model_args(cfg.model.flavor), zoo.param_counts(cfg.model.flavor)
@@ -221,7 +230,8 @@ def describe_run(cfg, layout, parts: ModelParts, seed: int, device) -> str:
         f"dispatch {cfg.mop.moe.dispatch}, loss "
         f"{'ring_dtp' if layout.vocab_size > 1 or cfg.mop.ring_dtp.enable else 'chunked cross-entropy'}"
         + (", document mask on" if cfg.mop.data.document_mask else ""),
-        format_plan(plan)])
+        format_plan(plan),
+        format_plan(host_plan(cfg, parts), title="per-rank pinned host memory")])
 
 
 def train(cfg, device: torch.device) -> None:
@@ -248,6 +258,10 @@ def train(cfg, device: torch.device) -> None:
 
     parts = build_model(cfg, layout, device)
     module, model = parts.module, parts.model
+    from mop_train.ops.sco.budget import available_host_bytes
+    check_host_memory(host_plan(cfg, parts), local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                      available_bytes=available_host_bytes())
+    dist.barrier()  # every rank has read the free host memory before any rank pins its share
     optimizers = build_optimizers([module], cfg.optimizer, cfg.mop.offload_adamw, world_size=world)
     lr_schedulers = build_lr_schedulers(optimizers, cfg.lr_scheduler, cfg.training.steps)
     train_state = TrainState(rank)

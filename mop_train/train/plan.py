@@ -1,7 +1,10 @@
-"""Pre-launch memory plan: a term-by-term estimate of one rank's device memory.
+"""Pre-launch memory plan: a term-by-term estimate of one rank's device memory, and the host
+memory the offloading operators will pin, checked against what the node has before they allocate.
 
     terms = memory_plan(MemoryPlanInputs(...))
     print(format_plan(terms))
+    host = host_memory_plan(local_params, offload_optimizer=True, host_fraction=0.4, sco_host_budget=b)
+    check_host_memory(host, local_ranks=8, available_bytes=available_host_bytes())
 
 Each term is (name, bytes, how it was computed). The estimate is simple on purpose, one line
 per live set, so that each operator can replace its own line with its bound:
@@ -66,6 +69,36 @@ def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
          f"{max(plain_layers, 1)} block(s) of live activations, ~16 B*S*H + 2k routed copies"),
         ("logits", 3 * min(x.loss_chunk, tokens) * x.vocab * 4, "one loss chunk: 3 * chunk * V fp32"),
     ]
+
+
+def host_memory_plan(local_params: int, *, offload_optimizer: bool, host_fraction: float = 0.0,
+                     sco_host_budget: int = 0) -> list[tuple[str, int, str]]:
+    """Per-rank host bytes the operators pin: OffloadStreamAdamW's fp32 master and moments of this
+    rank's parameters (12 B each) plus its host share's fp32 gradient buffer (4 B per shared
+    element), and SCO's boundary budget. Terms are 0 for operators that are off."""
+    shared = round(host_fraction * local_params) if offload_optimizer else 0
+    return [
+        ("optimizer state", 12 * local_params if offload_optimizer else 0,
+         "OffloadStreamAdamW: fp32 master + 2 moments, 12 B x local params" if offload_optimizer
+         else "on the device (not offloaded)"),
+        ("host share grads", 4 * shared, f"fp32 gradients of the CPU-updated share ({host_fraction:g})"),
+        ("sco boundaries", sco_host_budget, "[mop.sco] host_budget per rank"),
+    ]
+
+
+def check_host_memory(terms: list[tuple[str, int, str]], *, local_ranks: int, available_bytes: int) -> None:
+    """Raise ValueError if `local_ranks` ranks of this node, each needing `terms`, exceed the host
+    memory available now (read it on every rank before any rank allocates)."""
+    per_rank = sum(b for _, b, _ in terms)
+    need = per_rank * local_ranks
+    if need <= available_bytes:
+        return
+    parts = ", ".join(f"{name} {b / GIB:.1f} GiB" for name, b, _ in terms if b)
+    raise ValueError(
+        f"host memory: {local_ranks} rank(s) on this node need {need / GIB:.1f} GiB pinned ({parts} per rank) "
+        f"but {available_bytes / GIB:.1f} GiB are available; spread the model over more ranks or nodes, lower "
+        "[mop.sco] host_budget or [mop.offload_adamw] host_fraction, or keep the optimizer on the device "
+        "(optimizer.name = \"AdamW\")")
 
 
 def format_plan(terms: list[tuple[str, int, str]], *, title: str = "per-rank memory plan") -> str:

@@ -18,7 +18,7 @@ from mop_train.train.loss import chunked_cross_entropy_sum
 from mop_train.layout import plan_layout
 from mop_train.models import zoo
 from mop_train.train.parallelize import check_layout_fits, check_titan_parallelism
-from mop_train.train.plan import GIB, MemoryPlanInputs, memory_plan
+from mop_train.train.plan import GIB, MemoryPlanInputs, check_host_memory, host_memory_plan, memory_plan
 from tests.utils import assert_close, fresh_seed
 
 
@@ -194,3 +194,16 @@ def test_memory_plan_terms():
     assert off["optimizer"] == 0 and GIB == 2**30
     sco = {n: b for n, b, _ in memory_plan(MemoryPlanInputs(**{**x.__dict__, "sco_host_budget": 1100}))}
     assert sco["boundaries"] == 1 * 16 * 16 * 2  # 1100 bytes hold two 512-byte boundaries
+
+
+def test_host_memory_plan_and_check():
+    terms = {n: b for n, b, _ in host_memory_plan(1000, offload_optimizer=True, host_fraction=0.25,
+                                                  sco_host_budget=300)}
+    assert terms == {"optimizer state": 12_000, "host share grads": 1_000, "sco boundaries": 300}
+    plain = host_memory_plan(1000, offload_optimizer=False, host_fraction=0.25, sco_host_budget=0)
+    assert sum(b for _, b, _ in plain) == 0
+    plan = host_memory_plan(1000, offload_optimizer=True, host_fraction=0.25, sco_host_budget=300)
+    check_host_memory(plan, local_ranks=8, available_bytes=8 * 13_300)          # exactly fits
+    with pytest.raises(ValueError, match=r"8 rank\(s\) on this node need .* GiB pinned .*optimizer state"):
+        check_host_memory(plan, local_ranks=8, available_bytes=8 * 13_300 - 1)
+
