@@ -14,7 +14,7 @@ from mop_train.models.attention import rope_cos_sin
 from mop_train.models.moe import MoE
 from mop_train.models.router import TopKRouter
 from mop_train.ops.moe_dispatch import reference_experts_forward
-from tests.utils import assert_bitwise_equal, assert_close, fresh_seed
+from tests.utils import assert_bitwise_equal, assert_close, assert_close_to_scale, fresh_seed
 
 
 def _moe(seed: int, **overrides) -> MoE:
@@ -65,11 +65,11 @@ def test_local_dispatch_matches_reference(case):
 
     ref = _reference_moe(moe, x)
     ref.backward(grad_out)
-    assert_close(out, ref, rtol=1e-5, atol=1e-5, name="out")
-    assert_close(got["x"], x.grad, rtol=1e-5, atol=1e-5, name="grad x")
+    assert_close_to_scale(out, ref, name="out")
+    assert_close_to_scale(got["x"], x.grad, name="grad x")
     for name, p in moe.named_parameters():
         assert p.grad.abs().sum() > 0 or name.startswith("experts"), name
-        assert_close(got[name], p.grad, rtol=1e-5, atol=1e-5, name=f"grad {name}")
+        assert_close_to_scale(got[name], p.grad, name=f"grad {name}")  # sums over routes, reordered
 
 
 def test_forced_routing_tuple_and_callable():

@@ -97,6 +97,9 @@ def _check_case(rank, group, counts, vocab, hidden, dtype, reduction, seed, **kw
         return
     truth = _reference(weight.float(), [x.float() for x in xs], ts, gouts, reduction)
     torch_bf16 = _reference(weight, xs, ts, gouts, reduction)
+    # A per-token loss carries the bf16 rounding of its target logit, and two correct bf16 matmuls
+    # may round it one ulp apart: over a handful of tokens that ulp, not PyTorch's luck, is the bar.
+    logit_ulp = 2.0 ** -7 * max((x.float() @ weight.float().t()).abs().max().item() if len(x) else 0.0 for x in xs)
     pieces = {"loss": (loss, truth[0][rank], torch_bf16[0][rank]),
               "dX": (dx, truth[1][rank], torch_bf16[1][rank]),
               "dW": (dw, truth[2][lo:hi], torch_bf16[2][lo:hi])}
@@ -106,7 +109,9 @@ def _check_case(rank, group, counts, vocab, hidden, dtype, reduction, seed, **kw
             continue
         scale = _scale(true)
         (ours_rms, ours_max), (torch_rms, torch_max) = _errors(ours, true), _errors(theirs, true)
-        assert ours_rms <= 1.25 * torch_rms + 2e-3 * scale and ours_max <= 2 * torch_max + 4e-3 * scale, (
+        ulp = logit_ulp if name == "loss" else 0.0
+        assert ours_rms <= 1.25 * torch_rms + max(2e-3 * scale, ulp / 2) and \
+            ours_max <= 2 * torch_max + max(4e-3 * scale, ulp), (
             f"{name} {tag}: our bf16 error (rms {ours_rms:.3e}, max {ours_max:.3e}) exceeds PyTorch's "
             f"(rms {torch_rms:.3e}, max {torch_max:.3e}); scale {scale:.3e}")
 
