@@ -27,7 +27,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -35,6 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mop_train.ops.moe_dispatch import DispatchStats, moe_experts_forward  # noqa: E402
 from mop_train.ops.routing_profiles import PROFILES, routing_profile  # noqa: E402
+from mop_train.train.metrics import DeviceSpan  # noqa: E402
 
 GiB = 2 ** 30
 
@@ -79,28 +79,8 @@ def schedule_options(mode, args, stats=None):
     return opts
 
 
-class Timer:
-    """Wall time of a pass: CUDA events on GPU, perf_counter on CPU."""
-
-    def __init__(self, device):
-        self.device = device
-
-    def __call__(self, fn):
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(self.device)
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
-
 def measure(run_pass, device, group, args):
     """(lowest repeat seconds, all repeat seconds, max peak GiB across ranks or None on CPU)."""
-    timer = Timer(device)
     run_pass()                                                    # warm-up
     repeats, peak = [], 0.0
     for _ in range(args.repeats):
@@ -110,7 +90,9 @@ def measure(run_pass, device, group, args):
                 torch.cuda.reset_peak_memory_stats(device)
             if group is not None:
                 dist.barrier(group)
-            times.append(timer(run_pass))
+            with DeviceSpan(device) as span:
+                run_pass()
+            times.append(span.seconds())
             if device.type == "cuda":
                 peak = max(peak, torch.cuda.max_memory_allocated(device) / GiB)
         repeats.append(statistics.mean(times))

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mop_train.models.attention import rope_cos_sin  # noqa: E402
 from mop_train.models.zoo import build_model, get_model_args  # noqa: E402
 from mop_train.ops.sco import SelectiveCheckpointOffload, boundary_bytes, checkpointed  # noqa: E402
+from mop_train.train.metrics import DeviceSpan  # noqa: E402
 
 GIB = 1 << 30
 
@@ -98,29 +99,6 @@ def step_inputs(model, batch: int, seq: int, device, dtype, seed: int):
     return tokens, grad
 
 
-class Timer:
-    """Wall time of a step: CUDA events on GPU, perf_counter on CPU."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-
-    def __enter__(self):
-        if self.cuda:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            self.end.record()
-            self.end.synchronize()
-            self.seconds = self.start.elapsed_time(self.end) / 1000.0
-        else:
-            self.seconds = time.perf_counter() - self.t0
-
-
 def measure_budget(model, k: int, args, device, dtype) -> dict:
     """One row of the sweep: host budget of k boundaries (None = plain checkpointing at k = 0)."""
     u = boundary_bytes(args.batch * args.seq, model.args.dim, dtype)
@@ -134,9 +112,9 @@ def measure_budget(model, k: int, args, device, dtype) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        with Timer(device) as t:
+        with DeviceSpan(device) as span:
             run_step(model, layers, tokens, grad)
-        times.append(t.seconds)
+        times.append(span.seconds())
         peaks.append(torch.cuda.max_memory_allocated() if device.type == "cuda" else 0)
         waits.append(sco.last_step_stats()["wait_s"] if sco is not None else 0.0)
     stats = sco.last_step_stats() if sco is not None else {"offloaded_layers": 0, "host_bytes": 0}
