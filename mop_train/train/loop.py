@@ -91,9 +91,14 @@ class ModelParts:
     init_mode: str                     # "whole" (layout-invariant) or "per-shard"
 
 
+def uses_ring_dtp(cfg, layout) -> bool:
+    """Ring-DTP is the loss when the projection is sharded (P > 1) or [mop.ring_dtp] enable."""
+    return layout.vocab_size > 1 or cfg.mop.ring_dtp.enable
+
+
 def build_loss_fn(cfg, layout, vocab_size: int):
-    """The chunked cross-entropy, or Ring-DTP when P > 1 or [mop.ring_dtp] enable (same contract)."""
-    if layout.vocab_size == 1 and not cfg.mop.ring_dtp.enable:
+    """The chunked cross-entropy, or Ring-DTP (`uses_ring_dtp`; same contract)."""
+    if not uses_ring_dtp(cfg, layout):
         return partial(chunked_cross_entropy_sum, chunk_size=cfg.mop.data.loss_chunk_tokens)
     from mop_train.ops.ring_dtp import ring_dtp_cross_entropy
 
@@ -208,7 +213,7 @@ def host_plan(cfg, parts: ModelParts) -> list[tuple[str, int, str]]:
                             sco_host_budget=parts.sco.host_budget_bytes if parts.sco is not None else 0)
 
 
-def describe_run(cfg, layout, parts: ModelParts, seed: int, device) -> str:
+def describe_run(cfg, layout, parts: ModelParts, seed: int, device, host_terms) -> str:
     module, checkpointed, sco = parts.module, parts.checkpointed, parts.sco
     args, counts = zoo.get_model_args(cfg.model.flavor), zoo.param_counts(cfg.model.flavor)
     # DTensor parameters report their global (unsharded) numel.
@@ -228,10 +233,10 @@ def describe_run(cfg, layout, parts: ModelParts, seed: int, device) -> str:
         f"device {device}, W={layout.plan.world_size}, B={t.local_batch_size}, S={t.seq_len}, "
         f"steps={t.steps}, seed={seed}, checkpointed blocks {checkpointed}, init {parts.init_mode}, "
         f"dispatch {cfg.mop.moe.dispatch}, loss "
-        f"{'ring_dtp' if layout.vocab_size > 1 or cfg.mop.ring_dtp.enable else 'chunked cross-entropy'}"
+        f"{'ring_dtp' if uses_ring_dtp(cfg, layout) else 'chunked cross-entropy'}"
         + (", document mask on" if cfg.mop.data.document_mask else ""),
         format_plan(plan),
-        format_plan(host_plan(cfg, parts), title="per-rank pinned host memory")])
+        format_plan(host_terms, title="per-rank pinned host memory")])
 
 
 def train(cfg, device: torch.device) -> None:
@@ -259,7 +264,8 @@ def train(cfg, device: torch.device) -> None:
     parts = build_model(cfg, layout, device)
     module, model = parts.module, parts.model
     from mop_train.ops.sco.budget import available_host_bytes
-    check_host_memory(host_plan(cfg, parts), local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+    host_terms = host_plan(cfg, parts)
+    check_host_memory(host_terms, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                       available_bytes=available_host_bytes())
     dist.barrier()  # every rank has read the free host memory before any rank pins its share
     optimizers = build_optimizers([module], cfg.optimizer, cfg.mop.offload_adamw, world_size=world)
@@ -274,7 +280,7 @@ def train(cfg, device: torch.device) -> None:
             if hasattr(opt, "reset_masters_from_params"):
                 opt.reset_masters_from_params()
     if rank == 0:
-        print(describe_run(cfg, layout, parts, seed, device), flush=True)
+        print(describe_run(cfg, layout, parts, seed, device, host_terms), flush=True)
         if train_state.step:
             print(f"resumed from step {train_state.step} in {checkpointer.folder}", flush=True)
         if train_state.step >= cfg.training.steps:
