@@ -74,14 +74,17 @@ def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
 def host_memory_plan(local_params: int, *, offload_optimizer: bool, host_fraction: float = 0.0,
                      sco_host_budget: int = 0) -> list[tuple[str, int, str]]:
     """Per-rank host bytes the operators pin: OffloadStreamAdamW's fp32 master and moments of this
-    rank's parameters (12 B each) plus its host share's fp32 gradient buffer (4 B per shared
-    element), and SCO's boundary budget. Terms are 0 for operators that are off."""
-    shared = round(host_fraction * local_params) if offload_optimizer else 0
+    rank's parameters plus its host share's fp32 gradient buffer, and SCO's boundary budget. Terms
+    are 0 for operators that are off."""
+    state = share = 0
+    if offload_optimizer:
+        from mop_train.ops.offload_adamw.buckets import host_state_bytes
+        from mop_train.ops.offload_adamw.host_update import host_share_bytes
+        state, share = host_state_bytes(local_params), host_share_bytes(local_params, host_fraction)
     return [
-        ("optimizer state", 12 * local_params if offload_optimizer else 0,
-         "OffloadStreamAdamW: fp32 master + 2 moments, 12 B x local params" if offload_optimizer
-         else "on the device (not offloaded)"),
-        ("host share grads", 4 * shared, f"fp32 gradients of the CPU-updated share ({host_fraction:g})"),
+        ("optimizer state", state, "OffloadStreamAdamW: fp32 master + 2 moments, 12 B x local params"
+         if offload_optimizer else "on the device (not offloaded)"),
+        ("host share grads", share, f"fp32 gradients of the CPU-updated share ({host_fraction:g})"),
         ("sco boundaries", sco_host_budget, "[mop.sco] host_budget per rank"),
     ]
 

@@ -25,7 +25,8 @@ import weakref
 
 import torch
 
-from mop_train.ops.offload_adamw.buckets import HOST_CHUNK, allocate_host_buffer, plan_buckets, release_when_idle
+from mop_train.ops.offload_adamw.buckets import (FP32_BYTES, HOST_CHUNK, allocate_host_buffer, plan_buckets,
+                                                 release_when_idle)
 from mop_train.ops.offload_adamw.update import fused_adamw_by_group
 
 CHUNK = HOST_CHUNK  # read at construction, so tests can cut smaller chunks
@@ -34,6 +35,11 @@ CHUNK = HOST_CHUNK  # read at construction, so tests can cut smaller chunks
 def host_split(total: int, host_fraction: float) -> int:
     """First flat element updated on the CPU: the last round(f * N) elements go to the host."""
     return total - round(host_fraction * total)
+
+
+def host_share_bytes(total: int, host_fraction: float) -> int:
+    """Pinned bytes of the host share's fp32 gradient buffer (`HostUpdate.host_bytes`)."""
+    return (total - host_split(total, host_fraction)) * FP32_BYTES
 
 
 class HostUpdate:
@@ -45,7 +51,7 @@ class HostUpdate:
         self.chunks = plan_buckets(numels, CHUNK, start=start)
         self.numel = sum(chunk.numel for chunk in self.chunks)
         self._streams = streams
-        self.host_bytes = self.numel * 4
+        self.host_bytes = self.numel * FP32_BYTES
         pool, registered = allocate_host_buffer(self.host_bytes, streams.cuda)
         if registered:
             weakref.finalize(self, release_when_idle, pool.data_ptr(), streams)
@@ -117,6 +123,6 @@ class HostUpdate:
 
     def bytes_moved(self, grads) -> tuple[int, int]:
         """(host->device, device->host) bytes of one step with these gradients: 4 B/element each way."""
-        moved = sum(seg.numel * 4 for _, seg, _, _ in self._segments() if grads[seg.param] is not None)
+        moved = sum(seg.numel * FP32_BYTES for _, seg, _, _ in self._segments() if grads[seg.param] is not None)
         return moved, moved
 
