@@ -91,7 +91,7 @@ class MoETransformer(KeepFp32Buffers):
         rope = rope_cos_sin(positions.to(self.rope_inv_freq.device), self.rope_inv_freq)  # [S, r/2, 2]
         h = self.tok_embeddings(tokens)                                                    # [B, S, H]
         for layer in self.layers.values():
-            h = layer(h, rope) if doc_ids is None else layer(h, rope, doc_ids=doc_ids)
+            h = layer(h, rope, doc_ids)
         return self.norm(h)
 
     def moe_layers(self) -> list[MoE]:
