@@ -33,7 +33,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.optim import Optimizer
 
 from mop_train.ops.offload_adamw.buckets import (
-    allocate_host_state, param_offsets, plan_buckets, release_when_idle)
+    allocate_host_state, host_state_bytes, param_offsets, plan_buckets, release_when_idle)
 from mop_train.ops.offload_adamw.host_update import HostUpdate, host_split
 from mop_train.ops.offload_adamw.update import fused_adamw_by_group
 
@@ -236,7 +236,6 @@ class OffloadStreamAdamW(Optimizer):
             self._split = host_split(sum(self._numels), self.host_fraction)
             self._host_update = None  # frees the previous pinned buffers first
             self._host_update = HostUpdate(self._numels, self._split, self._streams)
-            self.host_buffer_bytes = self._host_update.host_bytes
         self._buckets = plan_buckets(self._numels, bucket_params, end=self._split)
         capacity = max((b.numel for b in self._buckets), default=0)
         self._slot_buffers = self._grad_buffer = None  # free the old staging first
@@ -283,7 +282,7 @@ class OffloadStreamAdamW(Optimizer):
         uploaded = host.update(grads, work, self._host, self._steps, self._group_of, hparams)
         s.wait(uploaded)  # the next reader of the weights waits for the CPU-updated ones too
         self._timing = (start, [e for e in (written, uploaded) if e is not None], time.perf_counter() - wall)
-        streamed = sum(b.numel for b in self._buckets) * 12
+        streamed = host_state_bytes(sum(b.numel for b in self._buckets))  # each way
         up, down = host.bytes_moved(grads)
         self.last_step = OffloadStepStats(len(self._buckets), streamed + up, streamed + down, sum(active),
                                           host.numel)
@@ -346,6 +345,11 @@ class OffloadStreamAdamW(Optimizer):
         fused_adamw_by_group(pieces, hparams)
 
     # ---- stats and synchronisation ----------------------------------------------------------
+    @property
+    def host_buffer_bytes(self) -> int:
+        """Pinned bytes of the host share's gradient buffer (beyond the [3, N] state)."""
+        return self._host_update.host_bytes
+
     def wait_for_writeback(self) -> None:
         """Block the host until the last step's state is back in host memory and no upload still
         reads it."""
