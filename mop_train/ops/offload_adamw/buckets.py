@@ -120,7 +120,7 @@ def allocate_host_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
 
 def allocate_host_state(numel: int, pin: bool) -> tuple[torch.Tensor, bool]:
     """The [3, N] fp32 host state (master, exp_avg, exp_avg_sq) in a buffer of `allocate_host_buffer`."""
-    buffer, registered = allocate_host_buffer(STATE_ROWS * numel * FP32_BYTES, pin)
+    buffer, registered = allocate_host_buffer(host_state_bytes(numel), pin)
     return buffer.view(torch.float32).view(STATE_ROWS, numel), registered
 
 
