@@ -85,12 +85,15 @@ def apply_vocab_parallel(model: nn.Module, vocab_mesh) -> list[nn.Parameter]:
 
 
 def dispatch_metrics(model: nn.Module) -> dict:
-    """Summed over MoE layers from the last forward: relocated routes, migrated experts, the
-    largest chunk count K and the largest routes any destination received in one chunk."""
+    """Summed over MoE layers from the last forward: relocated routes, the plan's weight copies
+    (owner -> helper, each carrying routes) and their bytes, the largest chunk count K and the
+    largest routes any destination received in one chunk (read here: one small device-to-host
+    copy per layer, at logging time rather than in the layer)."""
     stats = [m.dispatch_options["stats"] for m in moe_blocks(model) if "stats" in m.dispatch_options]
     if not stats:
         return {}
     return {"relocated_routes": sum(s.relocated_routes for s in stats),
             "migrated_experts": sum(s.migrated_experts for s in stats),
+            "weight_transfer_bytes": sum(s.weight_transfer_bytes for s in stats),
             "num_chunks": max(s.num_chunks for s in stats),
             "max_received_per_chunk": max(s.last_chunk_max_received for s in stats)}

@@ -86,3 +86,120 @@ def test_deterministic_and_covering():
 def test_bad_options(kwargs):
     with pytest.raises(ValueError):
         llep_plan(counts([[1, 2]]), **kwargs)
+
+
+def rules_plan(C, alpha, m, lam):
+    """LLEP.md step 5 written out again, independently: (e, rank, start, end) ranges, non-empty."""
+    P, E = C.shape
+    M = E // P
+    load = C.sum(0).tolist()
+    native = [sum(load[g * M:(g + 1) * M]) for g in range(P)]
+    total = sum(load)
+    if total == 0 or max(native) / (total / P) < lam:
+        return sorted((e, e // M, 0, load[e]) for e in range(E) if load[e])
+    cap, assigned, pending, out = int(alpha * total / P), [0] * P, list(native), []
+    eff = lambda g: assigned[g] + pending[g]  # noqa: E731
+
+    def give(e, g, s, t):
+        out.append((e, g, s, t))
+        assigned[g] += t - s
+
+    for e in sorted(range(E), key=lambda e: (-load[e], e)):
+        if not load[e]:
+            continue
+        g0 = e // M
+        pending[g0] -= load[e]
+        avail = cap - eff(g0)
+        if avail >= load[e]:
+            give(e, g0, 0, load[e])
+            continue
+        start = max(avail, 0)
+        if avail > 0:
+            give(e, g0, 0, avail)
+        left, one_pass = load[e] - start, avail <= 0
+        while left:
+            placed = False
+            for h in sorted((g for g in range(P) if g != g0), key=eff):
+                spare = cap - eff(h)
+                chunk = min(left, spare)
+                if spare <= 0 or (chunk < m and chunk < left):
+                    continue
+                give(e, h, start, start + chunk)
+                start, left, placed = start + chunk, left - chunk, True
+                if not one_pass or not left:
+                    break
+            if not placed or one_pass:
+                break
+        if left:
+            give(e, min((g for g in range(P) if g != g0), key=eff), start, start + left)
+    return sorted(out, key=lambda r: (r[0], r[2]))
+
+
+def fuzz_counts(gen, P):
+    """[P, E] route counts: a random mix of uniform, Zipf-skewed, one-hot and empty experts."""
+    E = P * int(torch.randint(1, 7, (1,), generator=gen))
+    kind = int(torch.randint(0, 4, (1,), generator=gen))
+    if kind == 0:
+        C = torch.randint(0, 40, (P, E), generator=gen)
+    else:
+        rank = torch.randperm(E, generator=gen).float() + 1
+        zipf = rank ** -(0.5 + kind * 0.5)                           # exponents 1.0, 1.5, 2.0
+        C = (zipf / zipf.sum() * 400 * torch.rand(P, 1, generator=gen) * 2).round().long()
+    C[:, torch.rand(E, generator=gen) < 0.2] = 0                    # some experts idle
+    return C
+
+
+def test_fuzz_no_weight_copy_without_routes():
+    """Random loads, P in 2..8: every planned transfer carries routes, every range is what the
+    LLEP rules give (so every route lands where LLEP says), and the capacity rules hold."""
+    gen = torch.Generator().manual_seed(fresh_seed(17))
+    transfers = 0
+    for trial in range(600):
+        P = 2 + trial % 7
+        C = fuzz_counts(gen, P)
+        alpha = (1.0, 1.1, 1.5)[trial % 3]
+        m = (1, 4, 16, 1024)[trial % 4]
+        lam = (1.0, 1.3)[trial % 2]
+        plan = llep_plan(C, alpha=alpha, min_tokens_per_gemm=m, imbalance_threshold=lam)
+        tag = f"trial {trial} P={P} alpha={alpha} m={m} lambda={lam}\n{C.tolist()}"
+        assert list(plan.ranges) == rules_plan(C, alpha, m, lam), tag
+        M, load = plan.experts_per_rank, C.sum(0)
+        assert all(t > s for _, _, s, t in plan.ranges), tag                # no empty range
+        carried = {(e, g) for e, g, s, t in plan.ranges if g != e // M}
+        assert set(plan.transfers) == carried, tag                          # copies exactly where routes go
+        transfers += len(plan.transfers)
+        S = plan.send_matrix(C)
+        assert torch.equal(S.sum(1), C), tag                                # every route sent once
+        assert plan.rank_load == tuple(S.sum(0).sum(1).tolist()), tag
+        cap = int(alpha * int(load.sum()) / P)
+        for e in range(C.shape[1]):
+            spans = [(g, s, t) for x, g, s, t in plan.ranges if x == e]
+            if spans and spans[0][0] == e // M:                             # the owner holds the prefix
+                assert spans[0][1] == 0, tag
+            assert [s for _, s, _ in spans] == [0] + [t for _, _, t in spans[:-1]] if spans \
+                else not load[e], tag                                       # ranges tile [0, l[e])
+            assert (spans[-1][2] if spans else 0) == int(load[e]), tag
+            assert sum(g == e // M for g, _, _ in spans) <= 1, tag
+            for g, s, t in spans[:-1]:                                       # only the last may be < m
+                assert g == e // M or t - s >= m, tag
+        if plan.relocated_routes:
+            # A rank is only over capacity through a forced remainder (the last range of an expert).
+            over = [g for g in range(P) if plan.rank_load[g] > cap]
+            last = {max((r for r in plan.ranges if r[0] == e), key=lambda r: r[2])[1]
+                    for e in range(C.shape[1]) if load[e]}
+            assert set(over) <= last, tag
+    assert transfers > 100                                                   # the fuzz did relocate
+
+
+def test_zipf_eight_ranks_every_copy_carries_routes():
+    """The issue's case: Zipf-skewed load over 8 ranks, owners full -> no empty transfers."""
+    rank = torch.arange(1, 65).float()
+    load = (rank ** -1.2 / (rank ** -1.2).sum() * 8 * 4096 * 8).round().long()
+    C = torch.stack([load // 8] * 8)                                         # [8, 64]
+    plan = llep_plan(C, min_tokens_per_gemm=128)
+    sizes = {}
+    for e, g, s, t in plan.ranges:
+        if g != e // plan.experts_per_rank:
+            sizes[(e, g)] = sizes.get((e, g), 0) + t - s
+    assert plan.transfers and all(sizes[tr] > 0 for tr in plan.transfers)
+    assert set(sizes) == set(plan.transfers)

@@ -4,11 +4,16 @@
 and saves only its inputs: rows, routing weights and the expert weights; the [R', I] activations
 are recomputed in backward, as a reentrant checkpoint would. Its backward returns the grads of the
 rows and routing weights but no weight grads: each expert's dW over the rows this chunk gave it is
-added in place into one per-layer `ExpertGradSum` (mm into an expert's slice the first time,
-addmm_ afterwards). So no chunk makes a gradient the size of the weights, and nothing of that size
-is summed K times. The layer's `MigrateExperts` node (llep.py) is upstream of every chunk (each
-takes its zero anchor as input), so autograd runs it after the last chunk; it hands the sums back
-once, with the migrated copies' grads already added to their owners. The token rows each chunk
+added into one per-layer `ExpertGradSum`: on CUDA (bf16, sm90+) one torch._grouped_mm per weight
+computes every expert's dW of the chunk and one add_ accumulates it (one weight-sized temporary at a
+time); elsewhere mm into an expert's slice the first time, addmm_ afterwards, in place. Nothing of
+the weights' size is kept per chunk or summed by autograd K times.
+Inside an activation-checkpointed block the block's recompute re-runs the layer's forward to refill
+its saved tensors; `ChunkExperts` then saves its inputs and skips its GEMMs (its output is not
+needed), so per chunk the expert GEMMs run once in the forward and once in the backward (h1, h3
+recomputed there), never a third time.
+The layer's `MigrateExperts` node (llep.py) is upstream of every chunk (each takes its zero anchor
+as input), so autograd runs it after the last chunk; it hands the sums back once, with the migrated copies' grads already added to their owners. The token rows each chunk
 gathers from x are handled the same way (`GatherTokens` adds into one [N, H] sum that `TokenSource`
 returns), instead of one [N, H] gradient per chunk. Per chunk, with
 h1 = x W1^T, h3 = x W3^T, a = silu(h1) * h3, out = (a W2^T) * r and g the grad of out:
@@ -25,48 +30,94 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mop_train.ops.moe_dispatch.comm import host_to_device
 from mop_train.ops.moe_dispatch.ep import weighted_experts
 from mop_train.ops.moe_dispatch.local import group_offsets, grouped_mm
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass, which is where an activation checkpoint around the
+    layer recomputes it (the same test as mop_train.models.moe's, and FSDP2's)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class ExpertGradSum:
     """The per-layer sum of one expert stack's w1/w2/w3 gradients, accumulated in place.
 
-    Nothing is allocated until a chunk contributes; experts no chunk reached read as zeros."""
+    Nothing is allocated until a chunk contributes; experts no chunk reached read as zeros.
+    `grouped`: None picks torch._grouped_mm for the chunk's dW on CUDA where `grouped_mm` uses it
+    (bf16, sm90+, aligned), the per-expert in-place addmm_ otherwise; True/False forces one."""
 
-    def __init__(self, num_experts: int, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor):
+    def __init__(self, num_experts: int, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                 grouped: bool | None = None):
         self.meta = [((num_experts,) + tuple(w.shape[1:]), w.dtype, w.device) for w in (w1, w2, w3)]
+        self.grouped = grouped
         self.bufs = None
         self.touched = None
 
-    def add(self, x, counts, dh1, go, a, dh3) -> None:
+    def add(self, x, groups, counts, dh1, go, a, dh3) -> None:
         """dW1[e] += dh1_e^T x_e, dW2[e] += go_e^T a_e, dW3[e] += dh3_e^T x_e over row blocks.
 
-        x, go [R, H]; dh1, dh3, a [R, I]; counts [E] (CPU) rows per expert."""
+        x, go [R, H]; dh1, dh3, a [R, I]; groups: `group_offsets` of counts; counts [E] (CPU)."""
+        grouped = self.grouped
+        if grouped is None:
+            grouped = groups.dtype == torch.int32 and x.device.type == "cuda"
+        pairs = ((dh1, x), (go, a), (dh3, x))
+        if grouped:
+            self._add_grouped(pairs, groups, counts)
+        else:
+            self._add_per_expert(pairs, counts)
+
+    def _add_grouped(self, pairs, groups, counts) -> None:
+        """One grouped GEMM per weight for all experts of the chunk (left^T @ right, grouped along
+        the rows), then one in-place add: 3 GEMM launches + 3 adds per chunk, not 3 per expert."""
+        if groups.dtype != torch.int32:
+            groups = torch.cumsum(counts, 0).to(torch.int32).to(pairs[0][0].device)
+        idle = [e for e, n in enumerate(counts.tolist()) if not n]
+        idle = host_to_device(torch.tensor(idle, dtype=torch.int64), groups.device) if idle else None
+        first = self.bufs is None
+        if first:
+            self.bufs = [None] * 3
+        elif self.touched is not None:                                    # after per-expert adds
+            self.bufs = self.take()
+        for j, (left, right) in enumerate(pairs):
+            dw = torch._grouped_mm(left.t(), right, offs=groups)          # [E, I, H] or [E, H, I]
+            if idle is not None:
+                dw.index_fill_(0, idle, 0)                                # empty groups: exact zeros
+            if first:
+                self.bufs[j] = dw.to(self.meta[j][1])
+            else:
+                self.bufs[j].add_(dw)
+            del dw
+        self.touched = None                                               # every expert written
+
+    def _add_per_expert(self, pairs, counts) -> None:
         if self.bufs is None:
             self.bufs = [torch.empty(s, dtype=d, device=dev) for s, d, dev in self.meta]
             self.touched = [False] * self.meta[0][0][0]
         sizes = counts.tolist()
-        blocks = zip(x.split(sizes), dh1.split(sizes), go.split(sizes), a.split(sizes), dh3.split(sizes))
-        b1, b2, b3 = (b.unbind(0) for b in self.bufs)               # per-expert views
-        for e, (xe, dh1e, goe, ae, dh3e) in enumerate(blocks):
-            if not sizes[e]:
+        splits = [(left.split(sizes), right.split(sizes)) for left, right in pairs]
+        views = [b.unbind(0) for b in self.bufs]                          # per-expert views
+        for e, n in enumerate(sizes):
+            if not n:
                 continue
-            for buf, left, right in ((b1[e], dh1e, xe), (b2[e], goe, ae), (b3[e], dh3e, xe)):
-                if self.touched[e]:
-                    buf.addmm_(left.t(), right)
+            fresh = self.touched is not None and not self.touched[e]
+            for buf, (lefts, rights) in zip(views, splits):
+                if fresh:
+                    torch.mm(lefts[e].t(), rights[e], out=buf[e])
                 else:
-                    torch.mm(left.t(), right, out=buf)
-            self.touched[e] = True
+                    buf[e].addmm_(lefts[e].t(), rights[e])
+            if self.touched is not None:
+                self.touched[e] = True
 
     def take(self) -> list[torch.Tensor]:
         """The three sums [E, ...]; resets, so a second backward (retain_graph) starts from zero."""
         if self.bufs is None:
             return [torch.zeros(s, dtype=d, device=dev) for s, d, dev in self.meta]
-        idle = [e for e, t in enumerate(self.touched) if not t]
+        idle = [e for e, t in enumerate(self.touched) if not t] if self.touched is not None else []
         bufs, self.bufs, self.touched = self.bufs, None, None
         if idle:
-            idle = torch.tensor(idle, device=bufs[0].device)
+            idle = host_to_device(torch.tensor(idle, dtype=torch.int64), bufs[0].device)
             for b in bufs:
                 b.index_fill_(0, idle, 0)
         return bufs
@@ -103,7 +154,7 @@ def _stack_backward(x, r, counts, w1, w2, w3, grad, grad_sum: ExpertGradSum | No
     del da, h3, h1, s
     dx = grouped_mm(dh1, groups, w1, transpose=False) + grouped_mm(dh3, groups, w3, transpose=False)
     if grad_sum is not None:
-        grad_sum.add(x, counts, dh1, grad * rr, a, dh3)
+        grad_sum.add(x, groups, counts, dh1, grad * rr, a, dh3)
     return dx, dr
 
 
@@ -119,6 +170,13 @@ class ChunkExperts(torch.autograd.Function):
         ctx.sums, ctx.slot_counts, ctx.num_native = sums, slot_counts, num_native
         ctx.anchor_dtype = anchor.dtype
         ctx.save_for_backward(rows, route_w, w1, w2, w3, f1, f2, f3)
+        if in_backward():
+            # The block's activation checkpoint is recomputing to refill its saved tensors: of this
+            # chunk it needs only the inputs saved above (backward recomputes the rest), so the
+            # expert GEMMs are skipped. The output is NaN: nothing downstream in the checkpointed
+            # region may save it (true of the MoE block: combine, sums and the residual save no
+            # activation), and if something did, its gradient would turn NaN, not silently wrong.
+            return rows.new_full((rows.shape[0], w2.shape[1]), float("nan"))
         return slot_swiglu(rows, route_w, slot_counts, w1, w2, w3, f1, f2, f3, num_native)
 
     @staticmethod

@@ -37,6 +37,15 @@ def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Copy a small host tensor (counts, offsets, ids) to `device` without a host sync: a blocking
+    host-to-device copy waits for the whole stream; a pinned non-blocking one is only queued."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class Ticket:
     """Links the two halves of one exchange: the pending forward work, and the exchange's reverse
     (launched by AllToAllWait's backward, collected by AllToAllStart's backward)."""

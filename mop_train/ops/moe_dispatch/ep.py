@@ -23,35 +23,52 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from mop_train.ops.moe_dispatch.comm import all_to_all, exchange_counts, group_size
+from mop_train.ops.moe_dispatch.comm import all_to_all, exchange_counts, group_size, host_to_device
 from mop_train.ops.moe_dispatch.local import grouped_swiglu, local_experts_forward
 
 
 @dataclass
 class DispatchStats:
-    """Per-call figures of an expert-parallel schedule: pass `stats=DispatchStats()`, read it after."""
+    """Per-call figures of an expert-parallel schedule: pass `stats=DispatchStats()`, read it after.
+
+    Filling it costs no host sync: the max over destinations is all-reduced on the device and read
+    (one device-to-host copy) the first time `chunk_max_received` or `last_chunk_max_received` is."""
 
     num_chunks: int = 0                                  # K
     relocated_routes: int = 0                            # routes computed off their owner (group total)
-    migrated_experts: int = 0                            # (expert, helper) weight copies
+    migrated_experts: int = 0                            # (expert, helper) weight copies in the plan
+    weight_transfer_bytes: int = 0                       # bytes of those copies (w1+w2+w3; group total,
+                                                         # forward; backward returns as many)
     chunk_received: list[int] = field(default_factory=list)  # routes this rank received, per chunk
-    chunk_max_received: list[int] = field(default_factory=list)  # per chunk, max over destinations
-    last_chunk_max_received: int = 0                     # max over chunks and destinations
     received_bound: int = 0                              # E_p * k * c_eff, the receiver bound
+    _chunk_peak: torch.Tensor | list[int] | None = field(default=None, repr=False)
+
+    @property
+    def chunk_max_received(self) -> list[int]:
+        """Per chunk, the most routes any destination of the group received."""
+        if isinstance(self._chunk_peak, torch.Tensor):
+            self._chunk_peak = self._chunk_peak.tolist()
+        return list(self._chunk_peak or [])
+
+    @property
+    def last_chunk_max_received(self) -> int:
+        """The max over chunks and destinations (0 before any call)."""
+        return max(self.chunk_max_received, default=0)
 
 
 def record_stats(stats: DispatchStats, chunk_received: list[int], group, device, *,
-                 relocated_routes: int = 0, migrated_experts: int = 0, received_bound: int = 0) -> None:
-    """Fill `stats`; the max over destinations costs one small all-reduce (only when asked)."""
+                 relocated_routes: int = 0, migrated_experts: int = 0, weight_transfer_bytes: int = 0,
+                 received_bound: int = 0) -> None:
+    """Fill `stats`; the max over destinations costs one small all-reduce, read lazily."""
     stats.num_chunks = len(chunk_received)
     stats.relocated_routes = relocated_routes
     stats.migrated_experts = migrated_experts
+    stats.weight_transfer_bytes = weight_transfer_bytes
     stats.chunk_received = list(chunk_received)
-    peak = torch.tensor(chunk_received, dtype=torch.int64, device=device)
+    peak = host_to_device(torch.tensor(chunk_received, dtype=torch.int64), device)
     if group_size(group) > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    stats.chunk_max_received = peak.tolist()
-    stats.last_chunk_max_received = max(stats.chunk_max_received)
+    stats._chunk_peak = peak
     stats.received_bound = received_bound
 
 
@@ -76,8 +93,8 @@ def receive_order(recv_counts: torch.Tensor, device, slot_of_col: torch.Tensor |
     slot_counts = torch.zeros(num_slots, dtype=torch.int64).index_add_(
         0, slot_of_col[used], recv_counts.sum(0)[used])                     # [S]
     # Built on the device: R' is route-sized, the counts are not.
-    slot_of_row = torch.repeat_interleave(slot_of_col.clamp(min=0).repeat(P).to(device),
-                                          recv_counts.reshape(-1).to(device),
+    slot_of_row = torch.repeat_interleave(host_to_device(slot_of_col.clamp(min=0).repeat(P), device),
+                                          host_to_device(recv_counts.reshape(-1), device),
                                           output_size=int(recv_counts.sum()))  # [R']
     return torch.argsort(slot_of_row, stable=True), slot_counts
 

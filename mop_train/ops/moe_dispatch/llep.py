@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from mop_train.ops.moe_dispatch.chunked_experts import (ChunkExperts, ExpertGradSum, GatherTokens,
-                                                        TokenGradSum, TokenSource, slot_swiglu)
+                                                        TokenGradSum, TokenSource, in_backward,
+                                                        slot_swiglu)
 from mop_train.ops.moe_dispatch.comm import (AllToAllStart, AllToAllWait, Ticket, all_gather_counts,
-                                             exchange_counts, group_rank, group_size)
+                                             exchange_counts, group_rank, group_size, host_to_device)
 from mop_train.ops.moe_dispatch.ep import DispatchStats, inverse_permutation, receive_order, record_stats
 from mop_train.ops.moe_dispatch.llep_plan import LLEPPlan, llep_plan
 from mop_train.ops.moe_dispatch.local import local_experts_forward
@@ -98,7 +99,7 @@ class MigrateExperts(torch.autograd.Function):
         if native_sums is None:
             native_sums = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.weight_meta]
         if sent:
-            local = torch.tensor([e - rank * M for e, _ in sent], device=bufs[0].device)
+            local = host_to_device(torch.tensor([e - rank * M for e, _ in sent]), bufs[0].device)
             for dw, b in zip(native_sums, bufs):
                 dw.index_add_(0, local, b)
         return (None,) * 6 + tuple(native_sums)
@@ -114,14 +115,26 @@ def slot_of_expert(plan: LLEPPlan, rank: int) -> torch.Tensor:
     return slots
 
 
-def build_plan(indices: torch.Tensor, num_experts: int, group, options: dict):
-    """All-gather the count matrix and build the plan. Returns (plan, counts C [P, E] on CPU)."""
-    counts = torch.bincount(indices.reshape(-1), minlength=num_experts)       # [E]
-    if counts.numel() != num_experts:
-        raise ValueError(f"indices hold expert ids up to {int(indices.max())}, but the group holds "
+def gather_counts(indices: torch.Tensor, num_experts: int, group) -> tuple[torch.Tensor, int]:
+    """The count matrix C [P, E] on the CPU and the largest token count N in the group: one
+    all-gather and one device-to-host copy (the layer's first host sync; counting does not sync)."""
+    N = indices.shape[0]
+    flat = indices.reshape(-1)                                                # [R]
+    col = torch.where((flat < 0) | (flat >= num_experts), num_experts, flat)  # bad ids -> column E
+    local = torch.zeros(num_experts + 2, dtype=torch.int64, device=indices.device)
+    local.index_add_(0, col, torch.ones_like(col))                            # [E] counts, [1] bad ids
+    local[num_experts + 1] = N                                                # [1] tokens
+    G = all_gather_counts(local, group).cpu()                                 # [P, E + 2]
+    if int(G[:, num_experts].sum()):
+        raise ValueError(f"indices hold expert ids outside [0, {num_experts}), but the group holds "
                          f"{num_experts} experts; pass this rank's expert shard as w1/w2/w3")
-    C = all_gather_counts(counts, group).cpu()                                 # [P, E]
-    return llep_plan(C, **options), C
+    return G[:, :num_experts].contiguous(), int(G[:, num_experts + 1].max())
+
+
+def build_plan(indices: torch.Tensor, num_experts: int, group, options: dict):
+    """All-gather the count matrix and build the plan. Returns (plan, C [P, E] on CPU, max N)."""
+    C, n_max = gather_counts(indices, num_experts, group)
+    return llep_plan(C, **options), C, n_max
 
 
 @dataclass
@@ -143,14 +156,17 @@ def _plan_chunks(indices, plan, C, chunk_of_token, num_chunks, group) -> list[_C
     order = torch.argsort(flat, stable=True)                                 # expert-sorted routes
     dest = torch.empty_like(flat)
     ranks, runs = plan.destination_runs(C, rank)
-    dest[order] = torch.repeat_interleave(ranks.to(device), runs.to(device),
+    dest[order] = torch.repeat_interleave(host_to_device(ranks, device), host_to_device(runs, device),
                                           output_size=flat.numel())       # [R] plan destination
     chunk = chunk_of_token.to(device).repeat_interleave(k)                   # [R]
     key = (chunk * P + dest) * E + flat                                      # (chunk, dest, expert)
     send_order = torch.argsort(key, stable=True)                             # [R]
-    send_counts = torch.bincount(key, minlength=num_chunks * P * E).view(num_chunks, P, E)
-    recv_counts = exchange_counts(send_counts.permute(1, 0, 2).contiguous(), group)  # [P(src), K, E]
-    send_counts, recv_counts = send_counts.cpu(), recv_counts.cpu()
+    send_counts = torch.zeros(num_chunks * P * E, dtype=torch.int64, device=device)
+    send_counts = send_counts.index_add_(0, key, torch.ones_like(key)).view(num_chunks, P, E)
+    send_counts = send_counts.permute(1, 0, 2).contiguous()                 # [P(dst), K, E]
+    recv_counts = exchange_counts(send_counts, group)                        # [P(src), K, E]
+    both = torch.stack([send_counts, recv_counts]).cpu()                     # the layer's second sync
+    send_counts, recv_counts = both[0].permute(1, 0, 2), both[1]             # [K, P, E], [P, K, E]
     slots = slot_of_expert(plan, rank)
     chunks, start = [], 0
     for i in range(num_chunks):
@@ -224,9 +240,11 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
             y = finish_combine(y, combine)
         combine = (back_ticket, back, c)
     y = finish_combine(y, combine)
-    if stats is not None:
+    if stats is not None and not in_backward():      # a checkpoint's recompute has nothing new
+        copy_bytes = sum(w[0].numel() * w.element_size() for w in (w1, w2, w3))
         record_stats(stats, [sum(c.recv_splits) for c in chunks], group, x.device,
                      relocated_routes=plan.relocated_routes, migrated_experts=len(plan.transfers),
+                     weight_transfer_bytes=len(plan.transfers) * copy_bytes,
                      received_bound=received_bound)
     if token_anchor is not None:
         y = y + token_anchor.to(y.dtype)
@@ -245,7 +263,7 @@ def llep_experts_forward(x, indices, weights, w1, w2, w3, group, *, alpha: float
         if stats is not None:
             record_stats(stats, [indices.numel()], group, x.device)
         return local_experts_forward(x, indices, weights, w1, w2, w3)
-    plan, C = build_plan(indices, w1.shape[0] * P, group, options)
+    plan, C, _ = build_plan(indices, w1.shape[0] * P, group, options)
     chunk_of_token = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
     return run_chunks(x, indices, weights, w1, w2, w3, group, plan, C, chunk_of_token, 1,
                       recompute_experts=False, stats=stats)

@@ -8,7 +8,8 @@ experts onto ranks with spare capacity:
   2. capacity per rank cap = floor(alpha * total / P); eff(g) = assigned[g] + pending native load;
   3. visit experts by descending load (ties by id): the owner takes what fits under cap as the prefix
      of the expert's route list, helpers (least eff first, each chunk >= m unless it is the last)
-     take the rest; whatever no helper can take goes to the least-loaded helper;
+     take the rest; whatever no helper can take goes to the least-loaded helper; a range is only
+     ever non-empty, so every weight copy (owner -> helper) carries at least one route;
   4. expert e's route list is the concatenation, in source-rank order, of each source's routes to e;
      a route goes to the rank whose range holds its position.
 The imbalance gate is measured over ranks (the public reference code's choice), not over experts.
@@ -82,6 +83,8 @@ def _fill_helpers(e, remaining, offset, others, eff, cap, m, assign, resort):
             order = sorted(others, key=lambda h: eff(h))
         placed = False
         for h in order:
+            if remaining == 0:        # a zero-length range would still cost a weight copy
+                break
             spare = cap - eff(h)
             if spare <= 0:
                 continue
@@ -126,6 +129,8 @@ def llep_plan(counts: torch.Tensor, *, alpha: float = 1.0, min_tokens_per_gemm: 
     relocate = total > 0 and max(native) / mean >= imbalance_threshold
 
     def assign(e, g, start, end):
+        if end <= start:
+            raise AssertionError(f"empty range for expert {e} on rank {g}")  # would ship weights for nothing
         ranges.append((e, g, start, end))
         assigned[g] += end - start
         if g != e // M:

@@ -9,8 +9,17 @@ Legend: N tokens, H hidden, I expert hidden width, E experts (on this rank), k t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+from mop_train.ops.moe_dispatch.comm import host_to_device
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90_or_newer(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def _grouped_mm_supported(x: torch.Tensor, w1: torch.Tensor) -> bool:
@@ -21,14 +30,18 @@ def _grouped_mm_supported(x: torch.Tensor, w1: torch.Tensor) -> bool:
         return False
     if x.device.type == "cuda":
         # The CUDA kernel needs sm90+ and bf16; other cases take the per-expert loop.
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+        return x.dtype == torch.bfloat16 and _sm90_or_newer(x.device.index if x.device.index is not None
+                                                            else torch.cuda.current_device())
     return x.device.type == "cpu"
 
 
 def group_offsets(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor):
     """What `grouped_mm` takes as `groups`: int32 end offsets on x's device for torch._grouped_mm
-    (one host-device copy, reused by every matmul over the same blocks), else the counts on the CPU."""
+    (one host-device copy without a host sync when the counts are on the host, reused by every
+    matmul over the same blocks), else the counts on the CPU."""
     if _grouped_mm_supported(x, w):
+        if counts.device.type == "cpu":
+            return host_to_device(torch.cumsum(counts, 0).to(torch.int32), x.device)
         return torch.cumsum(counts.to(device=x.device), 0).to(torch.int32)
     return counts.cpu().long()
 

@@ -1,7 +1,7 @@
 """PipelinedLLEP: LLEP delivered in K chunks so a receiver's buffers follow a per-source token budget.
 
-  1. K = min(ceil(N / c), K_max), N the largest token count in the expert group (one max all-reduce
-     before any chunk collective), so every rank runs the same number of chunks;
+  1. K = min(ceil(N / c), K_max), N the largest token count in the expert group (it travels with
+     the plan's count all-gather, before any chunk collective), so every rank runs the same K;
   2. chunk i holds local token positions {i, i+K, i+2K, ...} ("strided", the default: it spreads each
      chunk's routes over the plan's destinations) or the i-th block of ceil(N/K) ("contiguous");
      both are functions of N and K only, so a recompute cuts the token axis identically;
@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from mop_train.ops.moe_dispatch.comm import group_size
 from mop_train.ops.moe_dispatch.llep import DispatchStats, build_plan, run_chunks
@@ -38,12 +37,8 @@ def max_received_bound(group_size_: int, top_k: int, chunk_tokens: int) -> int:
     return group_size_ * top_k * chunk_tokens
 
 
-def num_chunks(num_tokens: int, token_budget: int, max_chunks: int, group, device) -> tuple[int, int]:
+def num_chunks(n_max: int, token_budget: int, max_chunks: int) -> tuple[int, int]:
     """(K, c_eff) from the largest token count in the group: K = min(ceil(N/c), K_max) >= 1."""
-    n = torch.tensor([num_tokens], dtype=torch.int64, device=device)
-    if group_size(group) > 1:
-        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
-    n_max = int(n)
     K = max(1, min(math.ceil(n_max / token_budget), max_chunks))
     return K, math.ceil(n_max / K)
 
@@ -72,10 +67,10 @@ def pipelined_llep_experts_forward(x, indices, weights, w1, w2, w3, group, *, to
         raise ValueError(f"membership = {membership!r}; expected one of {MEMBERSHIPS}")
     N, k = indices.shape
     P = group_size(group)
-    K, c_eff = num_chunks(N, token_budget, max_chunks, group, x.device)
     options = dict(alpha=alpha, min_tokens_per_gemm=min_tokens_per_gemm,
                    imbalance_threshold=imbalance_threshold)
-    plan, C = build_plan(indices, w1.shape[0] * P, group, options)
+    plan, C, n_max = build_plan(indices, w1.shape[0] * P, group, options)
+    K, c_eff = num_chunks(n_max, token_budget, max_chunks)
     return run_chunks(x, indices, weights, w1, w2, w3, group, plan, C,
                       chunk_membership(N, K, membership, x.device), K, recompute_experts=True, stats=stats,
                       received_bound=max_received_bound(P, k, c_eff))
