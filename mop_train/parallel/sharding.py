@@ -49,15 +49,19 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def reduce_replica_grads(params: Iterable[torch.Tensor], group) -> None:
+def reduce_replica_grads(params: Iterable[torch.Tensor], group, *,
+                         reduce_dtype: torch.dtype | None = None) -> None:
     """Sum each parameter's local gradient over `group` (ranks holding the same shard), in place,
-    flattened into one buffer per dtype so the group pays one collective per dtype."""
+    flattened into one buffer per dtype so the group pays one collective per dtype.
+
+    `reduce_dtype`: the dtype the sum travels and accumulates in (the run's mixed-precision
+    `reduce_dtype`, as FSDP2 reduces its own gradients); None keeps each gradient's dtype."""
     if group is None or dist.get_world_size(group) == 1:
         return
     grads = [local(p.grad) for p in params if p.grad is not None]
     for dtype in {g.dtype for g in grads}:
         same = [g for g in grads if g.dtype == dtype]
-        flat = torch.cat([g.reshape(-1) for g in same])
+        flat = torch.cat([g.reshape(-1).to(reduce_dtype or dtype) for g in same])
         dist.all_reduce(flat, group=group)
         offset = 0
         for g in same:

@@ -39,6 +39,7 @@ from mop_train.train.checkpoint import TrainState, build_checkpointer
 from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir
 from mop_train.parallel.apply import (apply_expert_parallel, apply_sequence_parallel,
                                      apply_vocab_parallel, dispatch_metrics)
+from mop_train.parallel.precision import MixedPrecision
 from mop_train.parallel.sharding import clip_grad_norm_, local, reduce_replica_grads
 from mop_train.train.loss import IGNORE_INDEX, LanguageModelLoss, chunked_cross_entropy_sum
 from mop_train.train.metrics import DeviceSpan, MetricLogger, flops_per_token, peak_tflops
@@ -89,6 +90,7 @@ class ModelParts:
     expert_params: list                # DTensors sharded over the expert group (out of FSDP)
     vocab_params: list                 # the projection sharded over the vocab group (out of FSDP)
     init_mode: str                     # "whole" (layout-invariant) or "per-shard"
+    precision: MixedPrecision          # one policy for FSDP2's units and the shards kept out of it
 
 
 def uses_ring_dtp(cfg, layout) -> bool:
@@ -132,14 +134,14 @@ def build_model(cfg, layout, device: torch.device) -> ModelParts:
     sco = build_sco(cfg.mop.sco, device)
     checkpointed = apply_activation_checkpointing(model, cfg.activation_checkpoint, sco)
     module = LanguageModelLoss(model, loss_fn=build_loss_fn(cfg, layout, args.vocab_size))
-    on_gpu_bf16 = device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
-    apply_fsdp(module, model, layout.mesh, param_dtype=torch.bfloat16 if on_gpu_bf16 else torch.float32,
-               reduce_dtype=torch.float32, ignored_params=set(expert_params + vocab_params))
+    precision = MixedPrecision.from_training(cfg.training)
+    apply_fsdp(module, model, layout.mesh, param_dtype=precision.param_dtype,
+               reduce_dtype=precision.reduce_dtype, ignored_params=set(expert_params + vocab_params))
     if not whole:
         module.to_empty(device=device)
         model.init_weights(buffer_device=device)
     return ModelParts(module, model, sco, checkpointed, expert_params, vocab_params,
-                      "whole" if whole else "per-shard")
+                      "whole" if whole else "per-shard", precision)
 
 
 def build_sco(sco_cfg, device: torch.device):
@@ -180,8 +182,9 @@ def train_step(parts: ModelParts, layout, batch, optimizers, lr_schedulers, *, m
         loss = loss + model.aux_loss() / dist.get_world_size()         # gradients sum over ranks
     loss.backward()
     # Ranks holding the same expert / vocab shard saw different tokens: sum their gradients.
-    reduce_replica_grads(parts.expert_params, layout.expert_replica_group)
-    reduce_replica_grads(parts.vocab_params, layout.vocab_replica_group)
+    reduce_dtype = parts.precision.reduce_dtype
+    reduce_replica_grads(parts.expert_params, layout.expert_replica_group, reduce_dtype=reduce_dtype)
+    reduce_replica_grads(parts.vocab_params, layout.vocab_replica_group, reduce_dtype=reduce_dtype)
     grad_norm = clip_grad_norm_(list(module.parameters()), max_norm)
     lr = lr_schedulers.schedulers[0].get_last_lr()[0]
     optimizer_span = DeviceSpan(device)
@@ -191,7 +194,7 @@ def train_step(parts: ModelParts, layout, batch, optimizers, lr_schedulers, *, m
     optimizers.zero_grad()
     model.update_router_biases(bias_rate, reduce_fn=dist.all_reduce)
     return {"loss_sum": loss_sum.detach(), "n_tokens": n_tokens, "grad_norm": grad_norm, "lr": lr,
-            "optimizer_span": optimizer_span, **dispatch_metrics(model)}
+            "optimizer_span": optimizer_span, "dispatch": dispatch_metrics(model)}
 
 
 def document_eos_id(cfg, tokenizer) -> int | None:
@@ -223,7 +226,7 @@ def describe_run(cfg, layout, parts: ModelParts, seed: int, device, host_terms) 
         total_params=counts["total"], largest_block_params=max(blocks), world_size=layout.plan.world_size,
         local_batch=t.local_batch_size, seq_len=t.seq_len, hidden=args.dim, vocab=args.vocab_size,
         top_k=args.top_k, n_layers=args.n_layers, checkpointed_layers=len(checkpointed),
-        act_bytes=2 if device.type == "cuda" and t.mixed_precision_param == "bfloat16" else 4,
+        act_bytes=parts.precision.activation_bytes,
         loss_chunk=cfg.mop.data.loss_chunk_tokens, optimizer_on_device=cfg.optimizer.name != OFFLOAD_ADAMW,
         sco_host_budget=sco.host_budget_bytes if sco is not None else 0))
     return "\n".join([
@@ -338,8 +341,7 @@ def run_steps(cfg, parts: ModelParts, layout, dataloader, optimizers, lr_schedul
                 values["mfu_pct"] = 100.0 * tflops / peak if peak else None
             if sco is not None:
                 values.update({f"sco_{k}": v for k, v in sco.last_step_stats().items()})
-            values.update({f"moe_{k}": out[k] for k in ("relocated_routes", "migrated_experts", "num_chunks",
-                                                         "max_received_per_chunk") if k in out})
+            values.update({f"moe_{k}": v for k, v in out["dispatch"].items()})
             metrics.log(step, values)
             window_start, window_tokens = time.perf_counter(), 0
         checkpointer.save(step, last_step=last)

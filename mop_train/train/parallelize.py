@@ -50,7 +50,7 @@ def check_titan_parallelism(parallelism, training, *, data_size: int) -> None:
                          f"local_batch_size to global_batch_size / {data_size}")
     if training.dtype != "float32":
         raise ValueError(f"training.dtype = {training.dtype!r}: weights and optimizer state stay fp32; "
-                         f"use training.mixed_precision_param = \"bfloat16\" for bf16 compute on GPU")
+                         f"use training.mixed_precision_param = \"bfloat16\" for bf16 compute")
 
 
 def _checkpointed_layer_ids(ac, n_layers: int) -> list[int]:

@@ -29,9 +29,9 @@ def _validate(hidden, weight_shard, targets, ring: Ring, reduction, block_size, 
     if hidden.dim() != 2 or weight_shard.dim() != 2 or hidden.shape[1] != weight_shard.shape[1]:
         raise ValueError(f"hidden must be [N, H] and weight_shard [rows, H] with the same H; got "
                          f"{tuple(hidden.shape)} and {tuple(weight_shard.shape)}")
-    if hidden.dtype != weight_shard.dtype or not hidden.dtype.is_floating_point:
-        raise ValueError(f"hidden ({hidden.dtype}) and weight_shard ({weight_shard.dtype}) must share one "
-                         f"floating dtype; cast one of them")
+    if not (hidden.dtype.is_floating_point and weight_shard.dtype.is_floating_point):
+        raise ValueError(f"hidden ({hidden.dtype}) and weight_shard ({weight_shard.dtype}) must be floating "
+                         f"point; the products run in hidden's dtype")
     if targets.shape != (hidden.shape[0],) or targets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"targets must be integer [{hidden.shape[0]}], got {targets.dtype} {tuple(targets.shape)}")
     lo, hi = ring.shard_bounds(ring.rank)
@@ -63,6 +63,8 @@ def ring_dtp_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, tar
     Args:
         hidden: [N, H] this rank's tokens (distinct from every other rank's); N may be 0.
         weight_shard: [V_r, H] rows [r*S, min(V, (r+1)*S)) of the projection, r = rank in group.
+            The products run in hidden's dtype: a weight_shard of another dtype (an fp32 master
+            under bf16 mixed precision) is cast inside, and its gradient returned in its own dtype.
         targets: [N] global vocabulary ids, or ignore_index.
         group: the vocab process group; None (or size 1) is the single-device fused path.
         vocab_size: V. mode: "auto" | "move_activations" | "move_weights".

@@ -10,7 +10,9 @@ The next round's operand is sent while the current meeting computes; accumulator
 Backward replays the rounds on recomputed logits; the gradient of the moving tensor (dW or dX,
 fp32) travels with it and a last hop delivers it to its owner. At P = 1 (one shard, no hops) the
 fp32 dX accumulator lives in dW's not-yet-written rows (`local.single_shard_backward`).
-Saved: X, W_r, targets, lse [N].
+Saved: X, W_r, targets, lse [N]. Products run in X's dtype; a W_r of another dtype (the fp32
+master under bf16 mixed precision) is cast for the products in forward and again in backward,
+and its gradient comes back in W_r's own dtype (fp32 accumulators, no round trip through bf16).
 
 Paper section 3.2. Legend: N tokens (this rank), N_q (rank q), H hidden, V vocab, P group size,
 S = ceil(V/P) shard rows.
@@ -125,15 +127,24 @@ def _backward_move_activations(ring: Ring, counts, x, w, targets, lse, scale, op
     return dx, dw
 
 
+def _compute_copy(weight_shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The shard in the products' dtype: a higher-precision master (fp32 under bf16 mixed
+    precision) is cast here rather than by the caller, so its gradient is handed back in the
+    master's dtype straight from the fp32 accumulator, never rounded through the compute dtype."""
+    return weight_shard if weight_shard.dtype == dtype else weight_shard.to(dtype)
+
+
 class RingDTPCrossEntropy(torch.autograd.Function):
     """Per-token loss [N] fp32 (0 at ignored tokens); differentiable in hidden and weight_shard."""
 
     @staticmethod
     def forward(ctx, hidden, weight_shard, targets, ring: Ring, counts: list[int], opts: RingDTPOptions):
+        w = _compute_copy(weight_shard, hidden.dtype)                    # [S, H] in hidden's dtype
         if opts.mode == "move_weights":
-            stats = _forward_move_weights(ring, hidden, weight_shard, targets, opts)
+            stats = _forward_move_weights(ring, hidden, w, targets, opts)
         else:
-            stats = _forward_move_activations(ring, counts, hidden, weight_shard, targets, opts)
+            stats = _forward_move_activations(ring, counts, hidden, w, targets, opts)
+        del w
         lse = stats[0] + torch.log(stats[1])                            # [N] fp32
         valid = targets != opts.ignore_index
         loss = torch.where(valid, lse - stats[2], 0.0)
@@ -145,13 +156,15 @@ class RingDTPCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         hidden, weight_shard, targets, lse = ctx.saved_tensors
         ring, counts, opts = ctx.ring, ctx.counts, ctx.opts
+        w = _compute_copy(weight_shard, hidden.dtype)
         valid = targets != opts.ignore_index
         scale = torch.where(valid, grad_loss.float(), 0.0).contiguous()  # [N]; ignored tokens get 0
         if ring.size == 1:
-            dx, dw = single_shard_backward(hidden, weight_shard, targets, lse, scale,
+            dx, dw = single_shard_backward(hidden, w, targets, lse, scale,
                                            block_size=opts.block_size, impl=opts.impl)
         elif opts.mode == "move_weights":
-            dx, dw = _backward_move_weights(ring, hidden, weight_shard, targets, lse, scale, opts)
+            dx, dw = _backward_move_weights(ring, hidden, w, targets, lse, scale, opts)
         else:
-            dx, dw = _backward_move_activations(ring, counts, hidden, weight_shard, targets, lse, scale, opts)
+            dx, dw = _backward_move_activations(ring, counts, hidden, w, targets, lse, scale, opts)
+        del w
         return dx.to(hidden.dtype), dw.to(weight_shard.dtype), None, None, None, None

@@ -1,0 +1,56 @@
+"""Ring-DTP under bf16 mixed precision: bf16 activations with the fp32 master shard of the projection
+(the shard is kept out of FSDP2, so Ring-DTP itself casts it, as FSDP2 casts its own parameters).
+
+The products must be exactly those of a call on the bf16-cast shard (same loss and dX, bitwise),
+while dW comes back in fp32 straight from the fp32 accumulator: rounding it to bf16 gives the bf16
+call's dW bitwise, and it is no further from the fp64 truth. Gloo ranks P = 1..3, uneven N.
+"""
+
+import torch
+
+from mop_train.ops.ring_dtp import ring_dtp_cross_entropy
+from tests.dist_utils import run_distributed
+from tests.utils import fresh_seed
+
+COUNTS = {1: [9], 2: [7, 4], 3: [5, 0, 8]}
+VOCAB, HIDDEN = 29, 16
+
+
+def _call(x, w, t, group, mode):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = ring_dtp_cross_entropy(x, w, t, group, vocab_size=VOCAB, mode=mode, reduction="sum", block_size=5)
+    loss.backward(torch.tensor(0.75))
+    return loss.detach(), x.grad, w.grad
+
+
+def _cases(rank, world_size, seed):
+    group = torch.distributed.new_group(list(range(world_size))) if world_size > 1 else None
+    counts = COUNTS[world_size]
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(VOCAB, HIDDEN, generator=gen) * 2 / HIDDEN ** 0.5      # fp32, [V, H]
+    xs = [(torch.randn(n, HIDDEN, generator=gen) * 2).bfloat16() for n in counts]
+    ts = [torch.randint(0, VOCAB, (n,), generator=gen) for n in counts]
+    rows = -(-VOCAB // world_size)
+    lo, hi = min(VOCAB, rank * rows), min(VOCAB, (rank + 1) * rows)
+    x, t, shard = xs[rank], ts[rank], master[lo:hi]
+    # fp64 truth of the bf16 problem: the bf16 values of X and W, exact arithmetic after that.
+    w64 = master.bfloat16().double().requires_grad_()
+    x64 = [xi.double().requires_grad_() for xi in xs]
+    total = sum(torch.nn.functional.cross_entropy(xi @ w64.t(), ti, reduction="sum") for xi, ti in zip(x64, ts))
+    (0.75 * total).backward()
+    true_dw = w64.grad[lo:hi]
+    for mode in ("move_activations", "move_weights"):
+        tag = f"P={world_size} rank={rank} {mode}"
+        loss, dx, dw = _call(x, shard, t, group, mode)                    # fp32 master, cast inside
+        loss_b, dx_b, dw_b = _call(x, shard.bfloat16(), t, group, mode)   # bf16 weight, as before
+        assert dw.dtype == torch.float32 and dx.dtype == torch.bfloat16, f"{tag}: {dw.dtype} {dx.dtype}"
+        assert torch.equal(loss, loss_b), f"{tag}: loss {loss} != bf16-weight loss {loss_b}"
+        assert torch.equal(dx, dx_b), f"{tag}: dX differs from the bf16-weight call"
+        assert torch.equal(dw.bfloat16(), dw_b), f"{tag}: dW rounded to bf16 differs from the bf16-weight dW"
+        err, err_b = (dw.double() - true_dw).abs().max(), (dw_b.double() - true_dw).abs().max()
+        assert err <= err_b, f"{tag}: fp32 dW error {err:.3e} above the bf16 dW's {err_b:.3e}"
+
+
+def test_fp32_master_shard_with_bf16_activations():
+    for world_size in (1, 2, 3):
+        run_distributed(_cases, world_size, fresh_seed(7100 + world_size))
