@@ -1,0 +1,272 @@
+"""PipelinedLLEP's chunked expert compute: GEMM passes per phase, bare and inside a checkpointed block,
+the grouped weight-gradient sum, and exactness against the per-token reference (one process and
+gloo ranks).
+
+A "pass" is one GEMM over every route this rank computes: 2 * R' * H * I flops. The unchunked layer
+costs 3 passes forward and 6 backward; a chunk that keeps no [R', I] activations costs 3 forward and
+8 backward (h1 and h3 again). Inside a checkpointed block the block's recompute must add nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from mop_train.models import zoo
+from mop_train.models.attention import rope_cos_sin, rope_inv_freq
+from mop_train.models.model import TransformerBlock
+from mop_train.ops.moe_dispatch import DispatchStats, moe_experts_forward
+from mop_train.ops.moe_dispatch.chunked_experts import ExpertGradSum
+from mop_train.ops.moe_dispatch.local import group_offsets
+from mop_train.ops.moe_dispatch.reference import reference_experts_forward
+from tests.dist_utils import run_distributed
+from tests.utils import assert_close_to_scale, fresh_seed
+
+K_TOP = 3
+
+
+class GemmFlops(TorchDispatchMode):
+    """Sums 2*m*n*k over mm / addmm(_) / bmm / _grouped_mm calls (forward and backward alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm", "addmm_", "bmm"):
+            a, b = (args[1], args[2]) if name.startswith("addmm") else (args[0], args[1])
+            self.flops += 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if a.dim() == 3 else 1)
+        elif name == "_grouped_mm":
+            a, b = args[0], args[1]
+            if a.dim() == 2 and b.dim() == 3:                      # rows grouped: [R, K] x [E, K, N]
+                self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[-1]
+            elif a.dim() == 2 and b.dim() == 2:                    # contraction grouped: [M, R] x [R, N]
+                self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+            else:
+                raise NotImplementedError(f"_grouped_mm {tuple(a.shape)} x {tuple(b.shape)}")
+        return out
+
+
+def make_inputs(seed, n, h, i, e, world=1):
+    gen = torch.Generator().manual_seed(fresh_seed(seed))
+    ws = [torch.randn(e, *s, generator=gen) / s[1] ** 0.5 for s in ((i, h), (h, i), (i, h))]
+    per_rank = []
+    for _ in range(world):
+        x = torch.randn(n, h, generator=gen)
+        hot = torch.rand(n, K_TOP, generator=gen) < 0.5          # half the routes to experts 0..2
+        idx = torch.stack([torch.randperm(e, generator=gen)[:K_TOP] for _ in range(n)])
+        idx = torch.where(hot & (idx >= 3), idx % 3, idx)
+        idx = torch.stack([torch.unique(r, sorted=False) if len(torch.unique(r)) == K_TOP
+                           else torch.randperm(e, generator=gen)[:K_TOP] for r in idx])
+        wts = torch.rand(n, K_TOP, generator=gen) + 0.1
+        g = torch.randn(n, h, generator=gen)
+        per_rank.append((x, idx, wts, g))
+    return ws, per_rank
+
+
+def leaves(*ts):
+    return [t.detach().clone().requires_grad_(True) for t in ts]
+
+
+def block_fn(dispatch, idx, group, opts):
+    """A pre-norm residual block around the expert layer, as the decoder's (the output of the
+    expert layer is summed, never saved)."""
+    def block(x, wts, w1, w2, w3):
+        z = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)      # saves x
+        return x + moe_experts_forward(z, idx, wts, w1, w2, w3, dispatch=dispatch, group=group, **opts)
+    return block
+
+
+def run_phases(block, x, wts, ws, g, ckpt):
+    """(output, grads of x, wts, w1..w3, forward GEMM flops, backward GEMM flops incl. recompute)."""
+    xl, wl, *wl3 = leaves(x, wts, *ws)
+    with GemmFlops() as fwd:
+        y = checkpoint(block, xl, wl, *wl3, use_reentrant=False) if ckpt else block(xl, wl, *wl3)
+    with GemmFlops() as bwd:
+        (y * g).sum().backward()
+    return y.detach(), [t.grad for t in (xl, wl, *wl3)], fwd.flops, bwd.flops
+
+
+def reference_grads(block_args, x, idx, wts, ws, g):
+    xl, wl, *wl3 = leaves(x, wts, *ws)
+    z = xl * torch.rsqrt(xl.pow(2).mean(-1, keepdim=True) + 1e-6)
+    y = xl + reference_experts_forward(z, idx, wl, *wl3)
+    (y * g).sum().backward()
+    return y.detach(), [t.grad for t in (xl, wl, *wl3)]
+
+
+@pytest.mark.parametrize("h,i", [(8, 12), (6, 10)])          # _grouped_mm on CPU; per-expert loop
+def test_gemm_passes_bare_and_checkpointed(h, i):
+    """K chunks: 3 passes forward, 8 backward, bare or checkpointed (the block's recompute runs no
+    expert GEMM); the unchunked layer: 3 + 6 bare, 3 + 9 checkpointed. Values match the reference."""
+    n, e = 40, 6
+    ws, [(x, idx, wts, g)] = make_inputs(1, n, h, i, e)
+    one_pass = 2 * n * K_TOP * h * i
+    want_y, want_grads = reference_grads(None, x, idx, wts, ws, g)
+    for dispatch, opts, passes in [("pipelined_llep", dict(token_budget=7), {False: (3, 8), True: (3, 8)}),
+                                   ("local", {}, {False: (3, 6), True: (3, 9)})]:
+        for ckpt in (False, True):
+            stats = dict(stats=DispatchStats()) if dispatch != "local" else {}
+            y, grads, f, b = run_phases(block_fn(dispatch, idx, None, dict(opts, **stats)), x, wts, ws, g, ckpt)
+            tag = f"{dispatch} ckpt={ckpt} h={h} i={i}"
+            assert (f / one_pass, b / one_pass) == passes[ckpt], tag
+            if stats:
+                assert stats["stats"].num_chunks == 6, tag             # ceil(40 / 7)
+            assert_close_to_scale(y, want_y, name=f"y {tag}")
+            for name, got, want in zip(("x", "wts", "w1", "w2", "w3"), grads, want_grads):
+                assert_close_to_scale(got, want, name=f"grad {name} {tag}")
+
+
+def test_output_saved_in_checkpoint_fails_loudly():
+    """The recompute's skipped chunk output is NaN: a block that (against the contract) saved the
+    expert layer's output would get NaN gradients, never silently wrong ones."""
+    ws, [(x, idx, wts, g)] = make_inputs(2, 16, 8, 12, 6)
+
+    def bad_block(x_, wts_, w1, w2, w3):
+        return moe_experts_forward(x_, idx, wts_, w1, w2, w3, dispatch="pipelined_llep", token_budget=4) ** 2
+
+    xl, wl, *wl3 = leaves(x, wts, *ws)
+    (checkpoint(bad_block, xl, wl, *wl3, use_reentrant=False) * g).sum().backward()
+    assert torch.isnan(xl.grad).any()
+
+
+def test_transformer_block_checkpointed():
+    """The decoder's real block (attention + MoE with shared expert), checkpointed as training runs
+    it: pipelined_llep's output and every parameter gradient equal local dispatch's."""
+    args = replace(zoo.get_model_args("debug"), n_dense_layers=0)
+    torch.manual_seed(fresh_seed(3))
+    ref = TransformerBlock(0, args)
+    ref.init_weights()
+    blk = TransformerBlock(0, args)
+    blk.load_state_dict(ref.state_dict())
+    blk.moe.dispatch, blk.moe.dispatch_options = "pipelined_llep", dict(token_budget=5)
+    B, S = 2, 12
+    x = torch.randn(B, S, args.dim)
+    rope = rope_cos_sin(torch.arange(S), rope_inv_freq(args.rope_dim, args.rope_theta))
+    g = torch.randn(B, S, args.dim)
+    outs = []
+    for module, ckpt in ((ref, False), (blk, True)):
+        xl = x.clone().requires_grad_(True)
+        y = checkpoint(module, xl, rope, use_reentrant=False) if ckpt else module(xl, rope)
+        (y * g).sum().backward()
+        outs.append((y.detach(), xl.grad, {k: p.grad for k, p in module.named_parameters()}))
+    (y0, gx0, p0), (y1, gx1, p1) = outs
+    assert_close_to_scale(y1, y0, name="block y")
+    assert_close_to_scale(gx1, gx0, name="block grad x")
+    for k in p0:
+        if p0[k] is not None:
+            assert_close_to_scale(p1[k], p0[k], name=f"block grad {k}")
+
+
+@pytest.mark.parametrize("h,i", [(8, 12), (6, 10)])
+def test_grouped_weight_grads_match_per_expert(h, i):
+    """ExpertGradSum: grouped (forced on CPU) == per-expert in-place, over chunks with empty experts,
+    and switching paths between chunks keeps the sum."""
+    gen = torch.Generator().manual_seed(fresh_seed(4))
+    e = 5
+    w = [torch.empty(e, i, h), torch.empty(e, h, i), torch.empty(e, i, h)]
+    chunks = []
+    for counts in ([3, 0, 4, 0, 1], [0, 0, 2, 5, 0], [1, 0, 1, 1, 1]):
+        R = sum(counts)
+        x, go = torch.randn(R, h, generator=gen), torch.randn(R, h, generator=gen)
+        dh1, a, dh3 = (torch.randn(R, i, generator=gen) for _ in range(3))
+        chunks.append((x, torch.tensor(counts), dh1, go, a, dh3))
+    sums = {}
+    aligned = (h * 4) % 16 == 0 and (i * 4) % 16 == 0                # torch._grouped_mm's stride rule
+    for mode in (False, True, "mixed") if aligned else (False,):
+        acc = ExpertGradSum(e, *w, grouped=mode if mode != "mixed" else None)
+        for j, (x, counts, dh1, go, a, dh3) in enumerate(chunks):
+            if mode == "mixed":
+                acc.grouped = j % 2 == 0
+            acc.add(x, group_offsets(x, counts, w[0]), counts, dh1, go, a, dh3)
+        sums[mode] = acc.take()
+    want = [torch.zeros_like(t) for t in w]
+    for x, counts, dh1, go, a, dh3 in chunks:
+        for ex, (xe, d1, ge, ae, d3) in enumerate(zip(*(t.split(counts.tolist()) for t in (x, dh1, go, a, dh3)))):
+            want[0][ex] += d1.t() @ xe
+            want[1][ex] += ge.t() @ ae
+            want[2][ex] += d3.t() @ xe
+    for mode, got in sums.items():
+        for name, a_, b_ in zip(("w1", "w2", "w3"), got, want):
+            assert_close_to_scale(a_, b_, name=f"grouped={mode} d{name}")
+    for got in sums.values():                                       # expert 1 has no rows in any chunk
+        assert all(torch.equal(t[1], torch.zeros_like(t[1])) for t in got)
+
+
+def _dist_worker(rank, world):
+    """Each rank: its tokens, its expert shard; checkpointed block and bare, against the reference
+    on the full weights, and the GEMM passes over the routes this rank computed."""
+    h, i, n, e = 8, 12, 14 + 3 * rank, 4 * world
+    ws, per_rank = make_inputs(10 + world, 14 + 3 * (world - 1), h, i, e, world)
+    M = e // world
+    shard = [w[rank * M:(rank + 1) * M] for w in ws]
+    x, idx, wts, g = (t[:n] for t in per_rank[rank])
+    # The reference: each rank's layer on the full weights; shard grads sum over ranks.
+    full = [torch.zeros_like(w) for w in ws]
+    for r in range(world):
+        xr, ir, wr, gr = (t[:14 + 3 * r] for t in per_rank[r])
+        y_r, grads_r = reference_grads(None, xr, ir, wr, ws, gr)
+        if r == rank:
+            want_y, want_x, want_w = y_r, grads_r[0], grads_r[1]
+        for f, gw in zip(full, grads_r[2:]):
+            f += gw
+    for opts in (dict(min_tokens_per_gemm=2, imbalance_threshold=1.0, token_budget=4), dict(token_budget=5)):
+        for ckpt in (False, True):
+            stats = DispatchStats()
+            block = block_fn("pipelined_llep", idx, dist.group.WORLD, dict(opts, stats=stats))
+            y, grads, f, b = run_phases(block, x, wts, shard, g, ckpt)
+            tag = f"rank {rank}/{world} {opts} ckpt={ckpt}"
+            one_pass = 2 * sum(stats.chunk_received) * h * i
+            assert (f, b) == (3 * one_pass, 8 * one_pass), (tag, f / max(one_pass, 1), b / max(one_pass, 1))
+            assert_close_to_scale(y, want_y, name=f"y {tag}")
+            assert_close_to_scale(grads[0], want_x, name=f"grad x {tag}")
+            assert_close_to_scale(grads[1], want_w, name=f"grad wts {tag}")
+            for name, got, f_ in zip(("w1", "w2", "w3"), grads[2:], full):
+                assert_close_to_scale(got, f_[rank * M:(rank + 1) * M], name=f"grad {name} {tag}")
+            if opts.get("imbalance_threshold") == 1.0:
+                assert stats.weight_transfer_bytes == stats.migrated_experts * 4 * 3 * h * i
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_pipelined_checkpointed_block_multi_rank(world):
+    run_distributed(_dist_worker, world)
+
+
+@pytest.mark.gpu
+def test_grouped_weight_grads_cuda_bf16():
+    """On CUDA bf16 (sm90+: torch._grouped_mm) the grouped dW, with empty experts and unaligned row
+    counts, is within bf16 rounding of the fp32 per-expert sum."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("torch._grouped_mm needs sm90+")
+    gen = torch.Generator().manual_seed(fresh_seed(5))
+    e, h, i = 7, 64, 96
+    w = [torch.empty(e, i, h, device="cuda", dtype=torch.bfloat16),
+         torch.empty(e, h, i, device="cuda", dtype=torch.bfloat16),
+         torch.empty(e, i, h, device="cuda", dtype=torch.bfloat16)]
+    acc = ExpertGradSum(e, *w)
+    want = [torch.zeros(t.shape) for t in w]
+    for counts in ([3, 0, 17, 0, 1, 9, 0], [0, 0, 2, 5, 0, 0, 33]):
+        counts = torch.tensor(counts)
+        R = int(counts.sum())
+        x, go = torch.randn(R, h, generator=gen), torch.randn(R, h, generator=gen)
+        dh1, a, dh3 = (torch.randn(R, i, generator=gen) for _ in range(3))
+        cuda = [t.cuda().bfloat16() for t in (x, dh1, go, a, dh3)]
+        groups = group_offsets(cuda[0], counts, w[0])
+        assert groups.dtype == torch.int32                                   # the grouped path
+        acc.add(cuda[0], groups, counts, *cuda[1:])
+        for ex, (xe, d1, ge, ae, d3) in enumerate(zip(*(t.bfloat16().float().split(counts.tolist())
+                                                       for t in (x, dh1, go, a, dh3)))):
+            want[0][ex] += d1.t() @ xe
+            want[1][ex] += ge.t() @ ae
+            want[2][ex] += d3.t() @ xe
+    for name, got, ref in zip(("w1", "w2", "w3"), acc.take(), want):
+        assert got.dtype == torch.bfloat16
+        assert_close_to_scale(got.float().cpu(), ref, rtol=2e-2, name=f"cuda grouped d{name}")
