@@ -1,106 +1,406 @@
-"""Sweep context length or batch size with real training runs and tabulate what each one did.
+"""Sweep context length or batch size with real training runs and record what each one did.
 
-    python scripts/sweep_context.py --config configs/mop_37b.toml --nproc 8 --seq-lens 16384 65536 262144
+    python scripts/sweep_context.py --config configs/small_1gpu.toml --nproc 2 --reach 32768
+    python scripts/sweep_context.py --config configs/small_1gpu.toml --nproc 2 --bisect 65536 131072
     python scripts/sweep_batch.py --config configs/small_1gpu.toml --nproc 1 --seq-len 8192 --batches 1 2 4 8
 
-Each point is one `torchrun -m mop_train.train` for a few steps in its own dump folder; the
-point's figures come from that run's metrics.jsonl (median over the steps after the first:
-tokens/s, TFLOP/s, peak memory). A run that dies is recorded as "oom" when its output says the
-device ran out of memory, else "failed" with the last line of its error. The batch sweep stops at
-the first point that does not complete; the context sweep tries every length (a failure at one
-length says nothing about a shorter one with another layout). Results: a table on stdout and a
-JSON list under --out.
+Each point is one `torchrun -m mop_train.train` for a few steps in its own dump folder, its output
+in <folder>/output.log; the point's figures come from that run's metrics.jsonl (median over the
+steps after the first: tokens/s over all ranks, TFLOP/s; the largest peak memory). A point ends as
+  ok       it completed every step
+  oom      its output says a device ran out of memory (or a rank was SIGKILLed: host memory)
+  failed   any other error (the last error line is kept)
+  timeout  it ran past its time limit (the whole process group is killed)
+  skipped  the global budget had no time left for it
+and the sweep goes on. Values come from a list or a search (`Search`): double from a start until a
+point does not complete (or a limit), then bisect the last bracket to 1/8 of its width; `--bisect
+LO HI` runs LO, then HI, then bisects. Results: progress lines with elapsed time, a table, and
+<out>.json + <out>.csv + <out>.png (the PNG needs matplotlib, imported only when writing it).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 
-OOM_MARKERS = ("out of memory", "OutOfMemoryError", "CUDA error: out of memory")
+OOM_MARKERS = ("out of memory", "OutOfMemoryError")
+SIGKILL_MARKERS = ("Signal 9 (SIGKILL)", "exitcode  : -9")  # torchrun's words for a rank the kernel killed
+STATUSES = ("ok", "oom", "failed", "timeout", "skipped")
+
+
+# ------------------------------------------------------------------------------------------------
+# One launch
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Launch:
+    returncode: int | None  # None: killed at its time limit
+    seconds: float
+    log_path: str
+
+    def text(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+def launch(cmd: list[str], log_path: str, *, timeout_s: float, env: dict | None = None,
+           cwd: str | None = None) -> Launch:
+    """Run `cmd` in its own process group, output to `log_path`; past `timeout_s` kill the group
+    (torchrun and every rank: a surviving rank would keep its GPU memory into the next point)."""
+    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            returncode = None
+    return Launch(returncode, round(time.perf_counter() - start, 1), log_path)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the group of the process we started, SIGKILL it after 10 s, wait until it is gone."""
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 30.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            proc.poll()
+            try:
+                os.killpg(proc.pid, 0)  # raises once no process of the group is left
+            except ProcessLookupError:
+                proc.wait()
+                return
+            time.sleep(0.2)
+
+
+def classify_failure(text: str) -> tuple[str, str]:
+    """("oom" | "failed", the error line) for a run that exited non-zero with output `text`."""
+    lines = text.splitlines()
+    # The child's own error (a config error or a traceback's last line), not torchrun's report around it.
+    errors = [ln for ln in lines if ": error:" in ln] or \
+             [ln for ln in lines if ("Error" in ln or "error" in ln) and "ChildFailedError" not in ln
+              and "Traceback" not in ln] or lines[-1:]
+    error = errors[-1].strip()[-300:] if errors else ""
+    if any(m in text for m in OOM_MARKERS):
+        oom = [ln for ln in lines if any(m in ln for m in OOM_MARKERS)]
+        return "oom", oom[-1].strip()[-300:]
+    if any(m in text for m in SIGKILL_MARKERS):
+        return "oom", "a rank was killed by SIGKILL (host out of memory?): " + error
+    return "failed", error
+
+
+def point_from_launch(run: Launch, summarize) -> dict:
+    """{status, seconds, error | figures}; `summarize()` reads the finished run's figures."""
+    point = {"seconds": run.seconds}
+    if run.returncode is None:
+        return {**point, "status": "timeout", "error": f"killed after {run.seconds} s"}
+    if run.returncode != 0:
+        status, error = classify_failure(run.text())
+        return {**point, "status": status, "error": error}
+    try:
+        return {**point, "status": "ok", **summarize()}
+    except (OSError, ValueError, KeyError) as err:  # exited 0 without the metrics it should write
+        return {**point, "status": "failed", "error": f"no metrics: {type(err).__name__}: {err}"}
+
+
+def median_after_first(values: list[float]) -> float:
+    """The median over the steps after the first (compilation, allocator warm-up); the only one if one."""
+    return statistics.median(values[1:] or values)
+
+
+# ------------------------------------------------------------------------------------------------
+# Our trainer
+# ------------------------------------------------------------------------------------------------
+
+def train_command(config: str, nproc: int, folder: str, overrides: list[str], *, steps: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "mop_train.train", "--job.config_file", config, "--job.dump_folder", folder,
+            "--training.steps", str(steps), "--metrics.log_freq", "1", "--checkpoint.no-enable",
+            "--lr_scheduler.total_steps", str(steps), *overrides]
+
+
+def read_train_metrics(folder: str) -> dict:
+    """Figures of a finished mop_train run from its metrics.jsonl (rank 0's record per step)."""
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    if not records:
+        raise ValueError(f"{folder}/metrics.jsonl is empty")
+    tflops = [r["tflops"] for r in records if r.get("tflops") is not None]
+    return {"steps": len(records), "tokens_per_s": median_after_first([r["tokens_per_s"] for r in records]),
+            "tflops": median_after_first(tflops) if tflops else None,
+            "peak_mem_gib": max(r["peak_mem_gib"] for r in records),
+            "peak_mem_kind": records[-1].get("peak_mem_kind"), "final_loss": records[-1]["loss"]}
 
 
 def run_point(config: str, nproc: int, folder: str, overrides: list[str], *, steps: int,
               timeout_s: float) -> dict:
-    """One training run; returns {status, seconds, tokens_per_s, tflops, peak_mem_gib, error}."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "mop_train.train", "--job.config_file", config, "--job.dump_folder", folder,
-           "--training.steps", str(steps), "--metrics.log_freq", "1", "--checkpoint.no-enable",
-           "--lr_scheduler.total_steps", str(steps), *overrides]
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"status": "timeout", "seconds": timeout_s}
-    point = {"seconds": round(time.perf_counter() - start, 1)}
-    if proc.returncode != 0:
-        text = proc.stdout + proc.stderr
-        # The child's own error ("mop_train.train: error: ..." or a traceback's last line), not
-        # torchrun's ChildFailedError report around it.
-        lines = text.splitlines()
-        errors = [line for line in lines if "mop_train.train: error:" in line] or \
-                 [line for line in lines if "Error" in line and "ChildFailedError" not in line] or lines[-1:]
-        point["status"] = "oom" if any(m in text for m in OOM_MARKERS) else "failed"
-        point["error"] = errors[-1][-300:] if errors else ""
-        return point
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    steady = records[1:] or records
-    point.update(status="ok", steps=len(records),
-                 tokens_per_s=statistics.median(r["tokens_per_s"] for r in steady),
-                 tflops=statistics.median(r["tflops"] for r in steady) if "tflops" in steady[0] else None,
-                 peak_mem_gib=max(r["peak_mem_gib"] for r in records), final_loss=records[-1]["loss"])
-    return point
+    """One mop_train run; returns {status, seconds, steps, tokens_per_s, tflops, peak_mem_gib, ...}."""
+    run = launch(train_command(config, nproc, folder, overrides, steps=steps),
+                 os.path.join(folder, "output.log"), timeout_s=timeout_s)
+    return point_from_launch(run, lambda: read_train_metrics(folder))
 
 
-def format_table(key: str, points: list[dict]) -> str:
-    lines = [f"{key:>10}  {'status':>7}  {'tokens/s':>10}  {'TFLOP/s':>8}  {'peak GiB':>8}  {'wall s':>7}",
-             "-" * 60]
+# ------------------------------------------------------------------------------------------------
+# Search and budget
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class Search:
+    """The largest value that completes: double from `start` until a point does not complete or
+    `limit` is reached (with `bracket`, go from start straight to limit), then bisect the bracket
+    [largest ok, smallest not ok] until it is no wider than 1/`divisions` of its width when
+    bisection began. Values stay multiples of `multiple`."""
+
+    start: int
+    limit: int
+    multiple: int = 1
+    divisions: int = 8
+    bracket: bool = False
+    ok: int | None = None
+    fail: int | None = None
+    fail_status: str | None = None
+    stopped_by: str | None = None  # set from outside when the budget ends the search early
+    _resolution: int | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if not 1 <= self.start <= self.limit:
+            raise ValueError(f"search start ({self.start}) must be in [1, limit = {self.limit}]")
+        if self.start % self.multiple or self.limit % self.multiple:
+            raise ValueError(f"search start ({self.start}) and limit ({self.limit}) must be multiples "
+                             f"of {self.multiple}")
+
+    def record(self, value: int, status: str) -> None:
+        if status == "ok":
+            self.ok = value if self.ok is None else max(self.ok, value)
+        elif self.fail is None or value < self.fail:
+            self.fail, self.fail_status = value, status
+
+    def next_value(self) -> int | None:
+        """The next value to run, or None when the search is over."""
+        if self.stopped_by is not None:
+            return None
+        if self.ok is None:
+            return self.start if self.fail is None else None  # the start failed: nothing below is tried
+        if self.fail is None:
+            if self.ok >= self.limit:
+                return None
+            return self.limit if self.bracket else min(self._round(self.ok * 2), self.limit)
+        if self._resolution is None:
+            self._resolution = max(self.multiple, (self.fail - self.ok) // self.divisions)
+        mid = self._round((self.ok + self.fail) // 2)
+        if self.fail - self.ok <= self._resolution or not self.ok < mid < self.fail:
+            return None
+        return mid
+
+    def _round(self, value: int) -> int:
+        return value // self.multiple * self.multiple
+
+    def stop_reason(self) -> str:
+        """What bounded the answer: "budget" (the budget ended it), "unfinished" (left with values
+        to try), else the status of the smallest value that did not complete (oom / timeout /
+        failed), else "limit"."""
+        if self.stopped_by is not None:
+            return self.stopped_by
+        if self.next_value() is not None:
+            return "unfinished"
+        if self.fail is not None:
+            return self.fail_status
+        return "limit"
+
+    def summary(self) -> dict:
+        return {"largest_ok": self.ok, "smallest_not_ok": self.fail, "not_ok_status": self.fail_status,
+                "stopped_by": self.stop_reason()}
+
+
+class Clock:
+    """Wall time since start against an optional global budget; a point gets what is left."""
+
+    def __init__(self, budget_s: float | None = None, *, reserve_s: float = 0.0):
+        self.start, self.budget_s, self.reserve_s = time.perf_counter(), budget_s, reserve_s
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def time_for_point(self, point_limit_s: float, min_s: float = 1.0) -> float | None:
+        """The time limit of the next point, or None when the budget cannot give it `min_s`."""
+        if self.budget_s is None:
+            return point_limit_s
+        left = self.budget_s - self.reserve_s - self.elapsed()
+        return min(point_limit_s, left) if left >= min_s else None
+
+    def stamp(self) -> str:
+        budget = f"/{self.budget_s:.0f}" if self.budget_s is not None else ""
+        return f"[{self.elapsed():7.1f}{budget} s]"
+
+
+def describe(point: dict, key: str | None) -> str:
+    """One progress line's tail: [key=value: ]status, time and figures or error."""
+    text = (f"{key}={point.get(key)}: " if key else "") + point["status"]
+    if point.get("seconds") is not None:
+        text += f" ({point['seconds']} s)"
+    if point["status"] == "ok":
+        text += f"  tokens/s {point['tokens_per_s']:,.0f}  peak {point['peak_mem_gib']:.2f} GiB"
+    elif point.get("error"):
+        text += f"  {point['error'][-160:]}"
+    return text
+
+
+# ------------------------------------------------------------------------------------------------
+# Results
+# ------------------------------------------------------------------------------------------------
+
+def format_table(key: str, points: list[dict], label: str | None = None) -> str:
+    cols = ([label] if label else []) + [key, "status", "tokens/s", "TFLOP/s", "peak GiB", "wall s"]
+    rows = []
     for p in points:
         tps = f"{p['tokens_per_s']:,.0f}" if p.get("tokens_per_s") is not None else "-"
         tfl = f"{p['tflops']:.1f}" if p.get("tflops") is not None else "-"
         peak = f"{p['peak_mem_gib']:.2f}" if p.get("peak_mem_gib") is not None else "-"
-        lines.append(f"{p[key]:>10}  {p['status']:>7}  {tps:>10}  {tfl:>8}  {peak:>8}  {p.get('seconds', '-'):>7}")
+        rows.append(([str(p.get(label, ""))] if label else []) +
+                    [str(p.get(key)), p["status"], tps, tfl, peak, str(p.get("seconds", "-"))])
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths)), "-" * (sum(widths) + 2 * len(cols))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join(lines)
 
 
+def write_results(json_path: str, meta: dict, points: list[dict], plot=None) -> dict:
+    """<stem>.json (meta + points), <stem>.csv (one row per point), and <stem>.png drawn by
+    `plot(points, png_path)` when given and matplotlib imports. Returns the paths written."""
+    stem = json_path[:-5] if json_path.endswith(".json") else json_path
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    with open(stem + ".json", "w") as f:
+        json.dump({**meta, "points": points}, f, indent=1)
+    columns = list(dict.fromkeys(k for p in points for k in p))
+    with open(stem + ".csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(points)
+    paths = {"json": stem + ".json", "csv": stem + ".csv", "png": None}
+    if plot is not None and points:
+        try:
+            import matplotlib
+        except ImportError:
+            print("matplotlib is not installed: no PNG", flush=True)
+            return paths
+        matplotlib.use("Agg")
+        plot(points, stem + ".png")
+        paths["png"] = stem + ".png"
+    return paths
+
+
+def plot_sweep(key: str):
+    """A plot function for `write_results`: tokens/s and peak memory against `key`, failures marked."""
+    def plot(points: list[dict], png_path: str) -> None:
+        import matplotlib.pyplot as plt
+
+        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
+        ok = sorted((p for p in points if p["status"] == "ok"), key=lambda p: p[key])
+        ax_t.plot([p[key] for p in ok], [p["tokens_per_s"] for p in ok], "o-")
+        ax_m.plot([p[key] for p in ok], [p["peak_mem_gib"] for p in ok], "o-")
+        for p in points:
+            if p["status"] not in ("ok", "skipped"):
+                for ax in (ax_t, ax_m):
+                    ax.axvline(p[key], color="red", alpha=0.3)
+                    ax.annotate(p["status"], (p[key], 0), xycoords=("data", "axes fraction"), rotation=90)
+        for ax, label in ((ax_t, "tokens/s (all ranks)"), (ax_m, "peak GiB (rank 0)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(key)
+            ax.set_ylabel(label)
+        fig.tight_layout()
+        fig.savefig(png_path, dpi=120)
+        plt.close(fig)
+    return plot
+
+
+# ------------------------------------------------------------------------------------------------
+# The sweep scripts
+# ------------------------------------------------------------------------------------------------
+
 def common_parser(description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="TOML job config")
     parser.add_argument("--nproc", type=int, default=1, help="ranks per node (torchrun --nproc_per_node)")
     parser.add_argument("--steps", type=int, default=4, help="training steps per point")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per point")
+    parser.add_argument("--point-timeout", "--timeout", dest="timeout", type=float, default=1800,
+                        help="time limit per point, seconds (the point is recorded as timeout)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="wall-clock budget of the whole sweep; points it cannot fit are recorded as skipped")
+    parser.add_argument("--bisect", type=int, nargs=2, metavar=("LO", "HI"),
+                        help="run LO, then HI, then bisect [largest ok, smallest not ok] to 1/8 of its width")
     parser.add_argument("--root", default="outputs/sweep", help="dump folders go under here")
-    parser.add_argument("--out", default=None, help="JSON results file (default: <root>/<name>.json)")
+    parser.add_argument("--out", default=None,
+                        help="results path: <out>.json, .csv, .png (default: <root>/<name>.json)")
     parser.add_argument("overrides", nargs="*", help="extra torchtitan-style flags after --, e.g. -- --mop.layout.seq_degree 8")
     return parser
 
 
-def sweep(name: str, key: str, values: list[int], flags_for, args, *, stop_at_failure: bool) -> list[dict]:
-    """Run every value (or until the first failure), print the table, write the JSON."""
+def sweep(name: str, key: str, flags_for, args, *, values: list[int] | None = None,
+          search: Search | None = None, stop_at_failure: bool = False) -> list[dict]:
+    """Run every value of `values` (or until the first failure) or follow `search`; print progress
+    lines and the table; write JSON + CSV + PNG."""
     if not os.path.isfile(args.config):
         raise SystemExit(f"config file not found: {args.config!r}")
-    if any(v < 1 for v in values):
+    if values is not None and any(v < 1 for v in values):
         raise SystemExit(f"{key} values must be >= 1, got {values}")
-    points = []
-    for value in values:
-        folder = os.path.join(args.root, f"{name}-{key}{value}")
-        point = {key: value, **run_point(args.config, args.nproc, folder, [*flags_for(value), *args.overrides],
-                                        steps=args.steps, timeout_s=args.timeout)}
+    clock = Clock(args.budget_s)
+    out = args.out or os.path.join(args.root, f"{name}.json")
+    meta = {"config": args.config, "nproc": args.nproc, "steps": args.steps, "overrides": args.overrides,
+            "point_timeout_s": args.timeout, "budget_s": args.budget_s}
+    points: list[dict] = []
+    pending = list(values or [])
+    while True:
+        value = search.next_value() if search is not None else (pending.pop(0) if pending else None)
+        if value is None:
+            break
+        limit = clock.time_for_point(args.timeout)
+        if limit is None:
+            point = {key: value, "status": "skipped", "error": "global budget spent"}
+            if search is not None:
+                search.stopped_by = "budget"
+        else:
+            folder = os.path.join(args.root, f"{name}-{key}{value}")
+            point = {key: value, **run_point(args.config, args.nproc, folder, [*flags_for(value), *args.overrides],
+                                            steps=args.steps, timeout_s=limit)}
+            if search is not None:
+                search.record(value, point["status"])
         points.append(point)
-        print(f"{key}={value}: {point['status']} ({point.get('seconds')} s)", flush=True)
-        if stop_at_failure and point["status"] != "ok":
+        print(f"{clock.stamp()} {describe(point, key)}", flush=True)
+        write_results(out, {**meta, **({"search": search.summary()} if search else {})}, points)
+        if point["status"] == "skipped" or (search is None and stop_at_failure and point["status"] != "ok"):
             break
     print(format_table(key, points))
-    out = args.out or os.path.join(args.root, f"{name}.json")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"config": args.config, "nproc": args.nproc, "steps": args.steps,
-                   "overrides": args.overrides, "points": points}, f, indent=1)
-    print(f"results: {out}")
+    if search is not None:
+        s = search.summary()
+        print(f"largest {key} that completed: {s['largest_ok']} (stopped by {s['stopped_by']}"
+              + (f" at {s['smallest_not_ok']})" if s["smallest_not_ok"] else ")"))
+    paths = write_results(out, {**meta, **({"search": search.summary()} if search else {})}, points,
+                          plot=plot_sweep(key))
+    print("results: " + ", ".join(p for p in paths.values() if p))
     return points
+
+
+def search_from_args(args, *, start: int | None, limit: int, multiple: int) -> Search | None:
+    """--bisect LO HI, or doubling from `start` up to `limit`; None when neither was asked for."""
+    if args.bisect:
+        lo, hi = args.bisect
+        if not 1 <= lo < hi:
+            raise SystemExit(f"--bisect LO HI needs 1 <= LO < HI, got {lo} {hi}")
+        return Search(lo, hi, multiple=math.gcd(multiple, lo, hi), bracket=True)
+    if start is None:
+        return None
+    return Search(start, max(limit, start), multiple=math.gcd(multiple, start))

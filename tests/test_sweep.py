@@ -1,13 +1,147 @@
-"""The sweep scripts run real training points and record what each one did."""
+"""The sweep scripts run real training points and record what each one did; their search, budget,
+failure classification and process-group kill, judged with fake runners on CPU."""
 
 import json
 import os
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
 import pytest
 
+from mop_train import sweep
+from mop_train.sweep import Clock, Search, classify_failure, launch
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_search(search: Search, fits) -> list[int]:
+    """Drive `search` with a fake runner: a value completes when fits(value), else it is "oom"."""
+    seen = []
+    while (value := search.next_value()) is not None:
+        seen.append(value)
+        search.record(value, "ok" if fits(value) else "oom")
+    return seen
+
+
+def test_search_doubles_then_bisects_to_an_eighth_of_the_bracket():
+    search = Search(32768, 1 << 22, multiple=1024)
+    seen = run_search(search, lambda s: s <= 100_000)
+    assert seen == [32768, 65536, 131072, 98304, 114688, 106496]
+    assert search.summary() == {"largest_ok": 98304, "smallest_not_ok": 106496, "not_ok_status": "oom",
+                                "stopped_by": "oom"}
+    assert 106496 - 98304 <= (131072 - 65536) // 8
+
+
+def test_search_stops_at_its_limit_and_when_the_start_fails():
+    top = Search(32768, 131072, multiple=1024)
+    assert run_search(top, lambda s: True) == [32768, 65536, 131072]
+    assert top.summary()["stopped_by"] == "limit" and top.ok == 131072
+    low = Search(32768, 131072, multiple=1024)
+    assert run_search(low, lambda s: False) == [32768]
+    assert low.summary() == {"largest_ok": None, "smallest_not_ok": 32768, "not_ok_status": "oom",
+                             "stopped_by": "oom"}
+
+
+def test_bisect_mode_runs_lo_then_hi_then_bisects():
+    search = Search(8, 16, bracket=True)
+    assert run_search(search, lambda b: b <= 11) == [8, 16, 12, 10, 11]
+    assert search.ok == 11 and search.fail == 12
+    assert run_search(Search(8, 16, bracket=True), lambda b: True) == [8, 16]
+
+
+def test_search_records_budget_and_unfinished():
+    search = Search(1, 64)
+    search.record(1, "ok")
+    assert search.summary()["stopped_by"] == "unfinished"
+    search.stopped_by = "budget"
+    assert search.next_value() is None and search.summary()["stopped_by"] == "budget"
+    with pytest.raises(ValueError, match="multiples of 1024"):
+        Search(1000, 4096, multiple=1024)
+
+
+def test_classify_failure():
+    assert classify_failure("x\ntorch.OutOfMemoryError: CUDA out of memory. Tried 2 GiB\n")[0] == "oom"
+    status, error = classify_failure("Traceback\nValueError: seq_len (7) must be divisible by 2\nChildFailedError:\n")
+    assert status == "failed" and "seq_len (7)" in error
+    assert classify_failure("rank 1\nexitcode  : -9 (pid: 12)\nSignal 9 (SIGKILL) received\n")[0] == "oom"
+
+
+def test_launch_kills_the_whole_process_group_at_its_time_limit(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    # The child starts a grandchild (as torchrun starts ranks) and both sleep far past the limit.
+    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    start = time.perf_counter()
+    run = launch([sys.executable, "-c", code], str(tmp_path / "out.log"), timeout_s=3)
+    assert run.returncode is None and time.perf_counter() - start < 30
+    grandchild = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(grandchild, 0)
+    assert sweep.point_from_launch(run, dict)["status"] == "timeout"
+
+
+def test_clock_gives_a_point_what_the_budget_has_left():
+    assert Clock(None).time_for_point(100) == 100
+    clock = Clock(50, reserve_s=10)
+    assert 39 < clock.time_for_point(100) <= 40
+    assert Clock(5, reserve_s=10).time_for_point(100, min_s=1) is None
+
+
+def fake_args(tmp_path, **kw):
+    config = tmp_path / "job.toml"
+    config.write_text("")
+    return SimpleNamespace(config=str(config), nproc=2, steps=2, timeout=60, budget_s=None, bisect=None,
+                           root=str(tmp_path / "runs"), out=str(tmp_path / "res.json"), overrides=[], **kw)
+
+
+def test_context_sweep_records_an_oom_and_goes_on(tmp_path, monkeypatch, capsys):
+    def fake_run_point(config, nproc, folder, overrides, *, steps, timeout_s):
+        seq = int(overrides[overrides.index("--training.seq_len") + 1])
+        if seq == 65536:
+            return {"status": "oom", "seconds": 3.0, "error": "CUDA out of memory"}
+        return {"status": "ok", "seconds": 5.0, "steps": steps, "tokens_per_s": 1e5 / seq * 1e3,
+                "tflops": None, "peak_mem_gib": seq / 1e4}
+
+    monkeypatch.setattr(sweep, "run_point", fake_run_point)
+    args = fake_args(tmp_path)
+    points = sweep.sweep("context", "seq_len", lambda s: ["--training.seq_len", str(s)], args,
+                         values=[32768, 65536, 131072])
+    assert [p["status"] for p in points] == ["ok", "oom", "ok"], "an OOM is recorded and the sweep goes on"
+    saved = json.loads((tmp_path / "res.json").read_text())
+    assert [p["seq_len"] for p in saved["points"]] == [32768, 65536, 131072]
+    csv_lines = (tmp_path / "res.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("seq_len,") and len(csv_lines) == 4
+    out = capsys.readouterr().out
+    assert "s] seq_len=65536: oom" in out, "progress lines carry the elapsed time"
+
+
+def test_bisect_sweep_with_a_fake_runner_and_a_budget(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run_point(config, nproc, folder, overrides, *, steps, timeout_s):
+        b = int(overrides[overrides.index("--training.local_batch_size") + 1])
+        calls.append(b)
+        ok = b <= 13
+        return {"status": "ok" if ok else "oom", "seconds": 1.0, **({"tokens_per_s": 10.0 * b, "peak_mem_gib": b,
+                                                                      "tflops": None, "steps": 2} if ok else {})}
+
+    monkeypatch.setattr(sweep, "run_point", fake_run_point)
+    args = fake_args(tmp_path)
+    args.bisect = [8, 16]
+    search = sweep.search_from_args(args, start=None, limit=4096, multiple=1)
+    sweep.sweep("batch", "local_batch", lambda b: ["--training.local_batch_size", str(b)], args,
+                search=search, stop_at_failure=True)
+    assert calls == [8, 16, 12, 14, 13]
+    assert json.loads((tmp_path / "res.json").read_text())["search"]["largest_ok"] == 13
+
+    args = fake_args(tmp_path, )
+    args.budget_s = 0.0
+    points = sweep.sweep("batch", "local_batch", lambda b: ["--training.local_batch_size", str(b)], args,
+                         search=Search(1, 64))
+    assert points == [{"local_batch": 1, "status": "skipped", "error": "global budget spent"}]
+    assert json.loads((tmp_path / "res.json").read_text())["search"]["stopped_by"] == "budget"
 
 
 @pytest.mark.slow
@@ -17,7 +151,7 @@ def test_batch_sweep_records_points_and_stops_at_the_first_failure(tmp_path):
     cmd = [sys.executable, os.path.join(REPO, "scripts", "sweep_batch.py"), "--config",
            os.path.join(REPO, "configs", "debug_cpu.toml"), "--nproc", "1", "--steps", "2",
            "--seq-len", "32", "--batches", "4", "2", "8", "--root", str(tmp_path), "--out", str(out),
-           "--", "--training.global_batch_size", "2", "--metrics.no-enable-tensorboard"]
+           "--point-timeout", "240", "--", "--training.global_batch_size", "2", "--metrics.no-enable-tensorboard"]
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -26,3 +160,4 @@ def test_batch_sweep_records_points_and_stops_at_the_first_failure(tmp_path):
     assert points[0]["status"] == "ok" and points[0]["steps"] == 2 and points[0]["tokens_per_s"] > 0
     assert points[1]["status"] == "failed" and "global_batch_size" in points[1]["error"]
     assert "local_batch" in proc.stdout and "results:" in proc.stdout
+    assert (tmp_path / "batch.csv").is_file()

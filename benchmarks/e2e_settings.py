@@ -1,0 +1,173 @@
+"""The settings the end-to-end comparison tries, as frozen objects that know their flags.
+
+TitanSetting is one way to run torchtitan 0.2.2's Trainer on W GPUs: FSDP2 over every rank always
+(its default data_parallel_shard_degree = -1 takes what context parallel leaves), expert parallel
+degree, context parallel degree (its ring attention; the sequence is sharded through the whole
+model, loss included), full or per-op selective activation checkpointing, torch.compile off / on
+the loss only / on model and loss, FSDP2 CPU offload (parameters, gradients and optimizer state in
+host memory, the optimizer step on the CPU) or not. OurSetting is one layout and operator set of
+ours. The candidate lists are ordered by what we expect to be best for each kind of point (the
+benchmark runs the first ones its budget allows); the reasons are written beside them.
+
+Legend: W ranks, D seq_degree, E_p expert_degree, P vocab_degree, S context, B local batch, V vocab.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+from mop_train.sweep import median_after_first, train_command
+
+TITAN_LAUNCHER = "benchmarks.titan_launch"
+COMPILE_COMPONENTS = {"off": [], "loss": ["loss"], "model+loss": ["model", "loss"]}
+
+
+@dataclass(frozen=True)
+class TitanSetting:
+    cp: int = 1
+    ep: int = 1
+    ac: str = "full"  # "full" | "selective" (torchtitan's per-op SAC)
+    compile: str = "off"  # a key of COMPILE_COMPONENTS
+    offload: bool = False
+
+    def __post_init__(self):
+        if self.ac not in ("full", "selective"):
+            raise ValueError(f"TitanSetting.ac = {self.ac!r}; use 'full' or 'selective'")
+        if self.compile not in COMPILE_COMPONENTS:
+            raise ValueError(f"TitanSetting.compile = {self.compile!r}; use one of {list(COMPILE_COMPONENTS)}")
+
+    @property
+    def name(self) -> str:
+        return (f"fsdp2-cp{self.cp}-ep{self.ep}-{self.ac}ac-compile_{self.compile.replace('+', '_')}"
+                + ("-offload" if self.offload else ""))
+
+    def flags(self) -> list[str]:
+        flags = ["--parallelism.context_parallel_degree", str(self.cp),
+                 "--parallelism.expert_parallel_degree", str(self.ep),
+                 "--activation_checkpoint.mode", self.ac]
+        if self.ac == "selective":
+            flags += ["--activation_checkpoint.selective_ac_option", "op"]
+        if self.compile == "off":
+            flags += ["--compile.no-enable"]
+        else:
+            flags += ["--compile.enable", "--compile.components", ",".join(COMPILE_COMPONENTS[self.compile])]
+        flags += ["--training.enable_cpu_offload" if self.offload else "--training.no-enable_cpu_offload"]
+        return flags
+
+    def global_batch(self, world: int, local_batch: int) -> int:
+        return local_batch * world // self.cp
+
+
+@dataclass(frozen=True)
+class OurSetting:
+    seq_degree: int = 1
+    expert_degree: int = 1
+    vocab_degree: int = 1
+    dispatch: str = "local"
+    ring_dtp: bool = False
+    sco: str = "0"  # [mop.sco] host_budget
+    optimizer: str = "AdamW"
+
+    @property
+    def name(self) -> str:
+        ops = [self.dispatch] + (["ringdtp"] if self.ring_dtp else []) + \
+              ([f"sco_{self.sco}"] if self.sco != "0" else []) + [self.optimizer]
+        return f"D{self.seq_degree}-Ep{self.expert_degree}-P{self.vocab_degree}-" + "-".join(ops)
+
+    def flags(self) -> list[str]:
+        return ["--mop.layout.seq_degree", str(self.seq_degree),
+                "--mop.layout.expert_degree", str(self.expert_degree),
+                "--mop.layout.vocab_degree", str(self.vocab_degree),
+                "--mop.moe.dispatch", self.dispatch,
+                "--mop.ring_dtp.enable" if self.ring_dtp else "--mop.ring_dtp.no-enable",
+                "--mop.sco.host_budget", self.sco, "--optimizer.name", self.optimizer]
+
+    def global_batch(self, world: int, local_batch: int) -> int:
+        return local_batch * world // self.seq_degree
+
+
+def all_operators(vocab_degree: int = 1, world: int = 2) -> OurSetting:
+    """Every operator on: Ulysses over all ranks, PipelinedLLEP over all ranks, Ring-DTP, SCO, OffloadStreamAdamW."""
+    return OurSetting(seq_degree=world, expert_degree=world, vocab_degree=vocab_degree,
+                      dispatch="pipelined_llep", ring_dtp=True, sco="auto", optimizer="OffloadStreamAdamW")
+
+
+def candidates(world: int, vocab_degree: int) -> dict[str, dict[str, list]]:
+    """{series: {kind: settings in order of expected merit}} for kinds "tps", "reach", "batch".
+
+    torchtitan materialises [S, V] logits and its eager loss holds about four more fp32/bf16
+    copies of them: at V = 200000 that dominates its memory. So its throughput guess shards the
+    sequence (CP) instead of holding a whole sequence per rank, with per-op SAC; its reach guess adds
+    a compiled loss (fused log-softmax: about 4 B per logit instead of ~16), full AC and CPU offload
+    (frees the 16 B/param of FSDP-sharded state). Ours: plain FSDP2-like layout without
+    optimizer offload for throughput (the optimizer state fits at this size), every operator for reach.
+    """
+    t = TitanSetting
+    ours_all = all_operators(vocab_degree, world)
+    return {
+        "torchtitan": {
+            "tps": [t(cp=world, ep=1, ac="selective"), t(cp=1, ep=1, ac="full"),
+                    t(cp=world, ep=world, ac="selective"), t(cp=world, ep=1, ac="selective", compile="model+loss"),
+                    t(cp=1, ep=world, ac="full", compile="loss")],
+            "reach": [t(cp=world, ep=1, ac="full", compile="loss", offload=True),
+                      t(cp=world, ep=1, ac="full", offload=True),
+                      t(cp=world, ep=world, ac="full", compile="loss", offload=True)],
+            "batch": [t(cp=1, ep=1, ac="full", compile="loss", offload=True), t(cp=1, ep=1, ac="full")],
+        },
+        "ours-all": {"tps": [ours_all], "reach": [ours_all], "batch": [ours_all]},
+        "ours-best": {
+            "tps": [OurSetting(), OurSetting(seq_degree=world, expert_degree=world, dispatch="ep"),
+                    OurSetting(expert_degree=world, dispatch="ep")],
+            "reach": [ours_all],
+            "batch": [OurSetting(sco="auto", optimizer="OffloadStreamAdamW"), ours_all],
+        },
+    }
+
+
+def titan_command(nproc: int, folder: str, setting: TitanSetting, **kwargs) -> list[str]:
+    """torchrun over our launcher: torchtitan's Trainer, DeepSeek-V3 at `flavor`, our data."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", TITAN_LAUNCHER, *titan_flags(folder, setting, **kwargs)]
+
+
+def titan_flags(folder: str, setting: TitanSetting, *, flavor: str, seq_len: int, local_batch: int,
+                steps: int, timeout_s: float, hf_assets_path: str = "embedded") -> list[str]:
+    """torchtitan's flags for one run; optimizer and precision as configs/small_1gpu.toml has them.
+    `hf_assets_path`: the embedded tokenizer's folder (or "embedded", which our launcher resolves)."""
+    return ["--job.dump_folder", folder, "--model.name", "deepseek_v3_mop", "--model.flavor", flavor,
+            "--model.hf_assets_path", hf_assets_path, "--training.dataset", "embedded",
+            "--training.seq_len", str(seq_len), "--training.local_batch_size", str(local_batch),
+            "--training.steps", str(steps), "--training.max_norm", "1.0",
+            "--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "float32",
+            "--optimizer.name", "AdamW", "--optimizer.lr", "3e-4", "--optimizer.weight_decay", "0.1",
+            "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1",
+            "--metrics.disable_color_printing", "--checkpoint.no-enable", "--debug.seed", "0",
+            # torchtitan drops its collective timeout to 100 s after step 1; a long step must not trip it.
+            "--comm.train_timeout_seconds", str(int(timeout_s) + 60), *setting.flags()]
+
+
+def our_command(config: str, nproc: int, folder: str, setting: OurSetting, *, seq_len: int,
+                local_batch: int, steps: int) -> list[str]:
+    return train_command(config, nproc, folder,
+                         ["--training.seq_len", str(seq_len), "--training.local_batch_size", str(local_batch),
+                          "--metrics.no-enable-tensorboard", *setting.flags()], steps=steps)
+
+
+def read_titan_metrics(folder: str) -> dict:
+    """Figures of a finished torchtitan run from the metrics.jsonl our launcher writes (rank 0):
+    tokens/s over all ranks = median over steps after the first of tps x world size; peak memory =
+    the largest per-step `max_active` (the allocator's in-use peak, as our max_allocated), reserved beside it."""
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    if not records:
+        raise ValueError(f"{folder}/metrics.jsonl is empty")
+    world = records[0]["world_size"]
+    return {"steps": len(records),
+            "tokens_per_s": median_after_first([r["throughput(tps)"] * world for r in records]),
+            "tflops": median_after_first([r["tflops"] for r in records]),
+            "peak_mem_gib": max(r["memory/max_active(GiB)"] for r in records),
+            "peak_reserved_gib": max(r["memory/max_reserved(GiB)"] for r in records),
+            "peak_mem_kind": "cuda_max_active", "final_loss": records[-1]["loss_metrics/global_avg_loss"]}
