@@ -70,6 +70,8 @@ class Bench:
             point.update(self._launch(series, setting, seq_len, local_batch, steps, limit), time_limit_s=round(limit))
             if point["status"] == "failed":
                 self.broken.add((series, setting.name))
+            if point["status"] == "timeout" and limit < self.args.point_timeout_s:
+                point["budget_cut"] = True  # the budget's limit, not the point's: says nothing of the setting
         self.points.append(point)
         print(f"{self.clock.stamp()} {series} {setting.name} S={seq_len} B={local_batch}: {describe(point, None)}",
               flush=True)
@@ -134,7 +136,7 @@ class Bench:
             return "ok"
         p = self.best_of(series, "reach", seq_len=seq_len, local_batch=1, steps=self.args.reach_steps,
                          purpose="reach", give_up=self.args.reach_tries)
-        return None if p is None else p["status"]
+        return None if p is None or p.get("budget_cut") else p["status"]
 
     def batch_search(self, series: str) -> None:
         """Double the local batch at --batch-seq from 1 with the series' first working batch setting."""
@@ -146,7 +148,7 @@ class Bench:
             while (b := search.next_value()) is not None:
                 p = self.run(series, setting, seq_len=self.args.batch_seq, local_batch=b,
                              steps=self.args.reach_steps, purpose="batch")
-                if p["status"] == "skipped":
+                if p["status"] == "skipped" or p.get("budget_cut"):
                     search.stopped_by = "budget"
                     return
                 search.record(b, p["status"])

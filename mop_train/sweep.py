@@ -376,12 +376,18 @@ def sweep(name: str, key: str, flags_for, args, *, values: list[int] | None = No
             folder = os.path.join(args.root, f"{name}-{key}{value}")
             point = {key: value, **run_point(args.config, args.nproc, folder, [*flags_for(value), *args.overrides],
                                             steps=args.steps, timeout_s=limit)}
+            if point["status"] == "timeout" and limit < args.timeout:
+                point["budget_cut"] = True  # the budget's limit, not the point's: says nothing of the value
             if search is not None:
-                search.record(value, point["status"])
+                if point.get("budget_cut"):
+                    search.stopped_by = "budget"
+                else:
+                    search.record(value, point["status"])
         points.append(point)
         print(f"{clock.stamp()} {describe(point, key)}", flush=True)
         write_results(out, {**meta, **({"search": search.summary()} if search else {})}, points)
-        if point["status"] == "skipped" or (search is None and stop_at_failure and point["status"] != "ok"):
+        if point["status"] == "skipped" or point.get("budget_cut") or \
+                (search is None and stop_at_failure and point["status"] != "ok"):
             break
     print(format_table(key, points))
     if search is not None:
