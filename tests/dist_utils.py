@@ -1,10 +1,15 @@
-"""Spawn gloo process groups on CPU for distributed tests.
+"""Spawn process groups for distributed tests: gloo ranks on CPU, or NCCL ranks on GPUs.
 
-    run_distributed(fn, world_size, *args)
+    run_distributed(fn, world_size, *args, backend="gloo")
 
-runs `fn(rank, world_size, *args)` in `world_size` fresh processes that have joined one gloo
-process group (the default group). Any exception in any rank fails the calling test with that
-rank's traceback. `fn` must be a module-level function (it is pickled into the children).
+runs `fn(rank, world_size, *args)` in `world_size` fresh processes that have joined one process
+group (the default group) of `backend`. Under "nccl" rank r owns cuda:r (set as its current device).
+Inside `fn`, `worker_device()` is the device its tensors belong on, so one worker serves both
+backends. Any exception in any rank fails the calling test with that rank's traceback. `fn` must be
+a module-level function (it is pickled into the children).
+
+A test runs on both backends through `backend_params`: gloo at the world sizes it lists, NCCL at
+2 GPUs under the `gpu` marker (skipped, with the reason, where fewer GPUs are present).
 
 Spawning costs a couple of seconds per call, so a test should run all its cases inside one
 spawn rather than one spawn per case.
@@ -16,9 +21,38 @@ import os
 import socket
 import traceback
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+BACKENDS = ("gloo", "nccl")
+NCCL_WORLD_SIZE = 2  # the GPU test host has 2 GPUs
+
+# Our GPU host's NVLink multicast (NVLS) is off limits; children inherit these unless already set.
+_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def requires_gpus(n: int):
+    """Skip marker for a test that needs `n` CUDA devices on this machine."""
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return pytest.mark.skipif(have < n, reason=f"needs {n} CUDA devices; this machine has {have}")
+
+
+def backend_params(world_sizes, nccl_world_size: int = NCCL_WORLD_SIZE) -> list:
+    """pytest params (backend, world_size): gloo at each of `world_sizes`, and NCCL at
+    `nccl_world_size` GPUs marked `gpu` (ids gloo-2, ..., nccl-2)."""
+    params = [pytest.param("gloo", w, id=f"gloo-{w}") for w in world_sizes]
+    params.append(pytest.param("nccl", nccl_world_size, id=f"nccl-{nccl_world_size}",
+                               marks=(pytest.mark.gpu, requires_gpus(nccl_world_size))))
+    return params
+
+
+def worker_device() -> torch.device:
+    """The device of this rank's tensors: its GPU under NCCL, the CPU under gloo."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _free_port() -> int:
@@ -27,12 +61,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, error_queue):
+def _init(backend: str, rank: int, world_size: int) -> None:
+    if backend == "gloo":
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        return
+    for key, value in _NCCL_ENV.items():
+        os.environ.setdefault(key, value)
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    # fp32 results are compared with fp32 references: no TF32 rounding in either.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+
+
+def _worker(rank, world_size, port, backend, fn, args, error_queue):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        _init(backend, rank, world_size)
         fn(rank, world_size, *args)
         dist.barrier()
     except BaseException:
@@ -43,13 +90,18 @@ def _worker(rank, world_size, port, fn, args, error_queue):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout_s: float = 300.0) -> None:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; re-raise the first failure."""
+def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float = 300.0) -> None:
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks of `backend`; re-raise the first failure."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"NCCL at world size {world_size} needs {world_size} CUDA devices, this machine has "
+                         f"{torch.cuda.device_count()}; mark the test with requires_gpus({world_size})")
     ctx = mp.get_context("spawn")
     error_queue = ctx.SimpleQueue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, error_queue), daemon=False)
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, error_queue), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:
@@ -63,9 +115,9 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 300.0) -> Non
             p.join()
     if not error_queue.empty():
         rank, tb = error_queue.get()
-        raise AssertionError(f"rank {rank} of {world_size} failed:\n{tb}")
+        raise AssertionError(f"rank {rank} of {world_size} ({backend}) failed:\n{tb}")
     if hung:
-        raise AssertionError(f"ranks {hung} of {world_size} did not finish within {timeout_s}s (hang?)")
+        raise AssertionError(f"ranks {hung} of {world_size} ({backend}) did not finish within {timeout_s}s (hang?)")
     bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
     if bad:
         raise AssertionError(f"ranks exited with non-zero codes: {bad}")

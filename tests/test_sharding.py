@@ -1,4 +1,5 @@
-"""Group-sharded DTensor weights: row placement, replica gradient sums, and the global grad norm."""
+"""Group-sharded DTensor weights: row placement, replica gradient sums, and the global grad norm, on
+gloo (CPU meshes, 2 and 4 ranks) and NCCL (CUDA meshes, 2 GPUs, marked gpu); fp32 throughout."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from mop_train.layout import RankLayout, plan_layout
 from mop_train.parallel.sharding import (chunk_rows, clip_grad_norm_, local, reduce_replica_grads,
                                          shard_rows)
-from tests.dist_utils import run_distributed
+from tests.dist_utils import backend_params, run_distributed, worker_device
 from tests.utils import assert_close, fresh_seed
 
 
@@ -25,20 +26,21 @@ def test_chunk_rows_matches_torch_chunk_and_spec():
 
 
 def _sharded_weights(rank, world_size, seed):
+    device = worker_device()  # the layout's meshes take the backend's device type (cuda under NCCL)
     for degree in (d for d in (1, 2, world_size) if world_size % d == 0):
         layout = RankLayout.build(plan_layout(world_size, 1, degree, degree))
         g = torch.Generator().manual_seed(fresh_seed(seed))
         V, H = 9, 6  # 9 rows over 2 or 4 ranks: uneven, and at 4 one chunk is short
-        full_w = torch.randn(V, H, generator=g)
-        dense = torch.randn(7, H, generator=g)
+        full_w = torch.randn(V, H, generator=g).to(device)
+        dense = torch.randn(7, H, generator=g).to(device)
         p = shard_rows(full_w, layout.vocab_mesh)
         start, end = chunk_rows(V, degree, layout.vocab_rank)
         assert_close(local(p), full_w[start:end], rtol=0, atol=0, name="local rows")
         assert_close(p.full_tensor(), full_w, rtol=0, atol=0, name="full tensor")
         d = torch.nn.Parameter(distribute_tensor(dense, layout.mesh, [Shard(0)]))
         # Each rank contributes its own gradient; the reference sums them over the world.
-        per_rank_w = [torch.randn(V, H, generator=g) for _ in range(world_size)]
-        per_rank_d = torch.randn(7, H, generator=g)
+        per_rank_w = [torch.randn(V, H, generator=g).to(device) for _ in range(world_size)]
+        per_rank_d = torch.randn(7, H, generator=g).to(device)
         p.grad = torch.distributed.tensor.DTensor.from_local(
             per_rank_w[rank][start:end].clone(), layout.vocab_mesh, p.placements, run_check=False,
             shape=p.shape, stride=p.stride())
@@ -59,6 +61,6 @@ def _sharded_weights(rank, world_size, seed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_sharded_weights_and_norm(world_size):
-    run_distributed(_sharded_weights, world_size, torch.seed() % 10_000)
+@pytest.mark.parametrize("backend,world_size", backend_params([2, 4]))
+def test_sharded_weights_and_norm(backend, world_size):
+    run_distributed(_sharded_weights, world_size, torch.seed() % 10_000, backend=backend)

@@ -53,3 +53,30 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, *, name: 
         diff = (actual.float() - expected.float()).abs()
         raise AssertionError(f"{name}: not bitwise equal; max abs err {diff.max().item():.3e}, "
                              f"{int((diff > 0).sum())} of {diff.numel()} elements differ")
+
+
+def low_precision_errors(actual: torch.Tensor, truth: torch.Tensor) -> tuple[float, float]:
+    """(rms, max) absolute error of `actual` against the fp32 `truth`."""
+    if actual.numel() == 0:
+        return 0.0, 0.0
+    diff = (actual.detach().float() - truth.detach().float()).abs()
+    return diff.pow(2).mean().sqrt().item(), diff.max().item()
+
+
+def assert_no_worse_than_torch(ours: torch.Tensor, theirs: torch.Tensor, truth: torch.Tensor, *,
+                               name: str, slack: float = 0.0) -> None:
+    """The low-precision rule: our error against an fp32 ground truth is no worse than PyTorch's own
+    error in that dtype (`theirs`, computed from the same rounded inputs) against it.
+
+    rms within 1.25x and max within 2x of PyTorch's (max is a noisy statistic on small tensors), plus
+    0.2% / 0.4% of the truth's largest magnitude (about one bf16 ulp of it), or slack / 2 / slack when
+    larger: an error the caller states, e.g. one ulp of a rounded logit that two correct matmuls round
+    apart, or the extra roundings of partial sums a chunked op makes by design.
+    """
+    scale = float(truth.detach().abs().max()) if truth.numel() else 0.0
+    ours_rms, ours_max = low_precision_errors(ours, truth)
+    torch_rms, torch_max = low_precision_errors(theirs, truth)
+    assert ours_rms <= 1.25 * torch_rms + max(2e-3 * scale, slack / 2) and \
+        ours_max <= 2 * torch_max + max(4e-3 * scale, slack), (
+            f"{name}: our low-precision error (rms {ours_rms:.3e}, max {ours_max:.3e}) exceeds PyTorch's "
+            f"(rms {torch_rms:.3e}, max {torch_max:.3e}); scale {scale:.3e}")
