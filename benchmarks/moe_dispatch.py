@@ -2,10 +2,15 @@
 
 One MoE expert layer at the paper's shape (H=7168, I=2048, E=384 experts, top-8, bf16; its models of
 section 4 / Appendix A), N tokens per rank routed by each profile, sharded over all ranks (E_p = W).
-Per schedule, profile and N: forward latency, forward+backward latency, and the largest peak
-allocated memory across ranks over each pass (torch.cuda.max_memory_allocated, reset before the
-pass). Each repeat is the mean of --iters passes timed with CUDA events after a warm-up; the table
-shows the lowest of --repeats repeats (the paper's B.5 reading), the JSON keeps them all.
+Per schedule, profile and N: forward latency, forward+backward latency, forward+backward of the layer
+inside a non-reentrant activation checkpoint (a residual block x + layer(x), as training runs it:
+forward, recompute in backward, backward), and the largest peak allocated memory across ranks over
+each pass (torch.cuda.max_memory_allocated, reset before the pass). Each repeat is the mean of
+--iters passes timed with CUDA events after a warm-up; the table shows the lowest of --repeats
+repeats (the paper's B.5 reading), the JSON keeps them all. Also per row: the plan's weight copies
+and their bytes, and on CUDA the host syncs of one pass (torch.cuda.set_sync_debug_mode).
+--experts takes several counts: on one GPU, 48, 24 and 6 are the per-rank shapes of 8, 16 and 64
+ranks at E=384. --time-budget stops starting new rows once that many seconds have passed.
 
 On one GPU nothing is relocated and nothing is sent: "ep" and "llep" are the unchunked local expert
 compute and "pipelined_llep" is the chunked one (K chunks, reentrant checkpoint per chunk), so the
@@ -15,6 +20,7 @@ without running it, since an OOM on one rank would hang the others in a collecti
 
     torchrun --nproc_per_node=8 benchmarks/moe_dispatch.py          # all GPUs of a host
     torchrun --nproc_per_node=1 benchmarks/moe_dispatch.py          # one GPU (single-rank figures)
+    python benchmarks/moe_dispatch.py --experts 48 24 6 --time-budget 500   # one GPU, per-rank shapes
     python benchmarks/moe_dispatch.py --smoke                       # CPU, 2 gloo ranks, tiny shapes
 JSON goes to $OUT/moe_dispatch.json if OUT is set, else benchmarks/results/moe_dispatch.json.
 """
@@ -27,9 +33,12 @@ import json
 import os
 import statistics
 import sys
+import time
+import warnings
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mop_train.ops.moe_dispatch import DispatchStats, moe_experts_forward  # noqa: E402
@@ -46,7 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--modes", nargs="+", default=["ep", "llep", "pipelined_llep"])
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--inter", type=int, default=2048)
-    p.add_argument("--experts", type=int, default=384)
+    p.add_argument("--experts", type=int, nargs="+", default=[384],
+                   help="expert counts (all ranks together), one table block each")
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--token-budget", type=int, default=4096, help="PipelinedLLEP c")
     p.add_argument("--max-chunks", type=int, default=10, help="PipelinedLLEP K_max")
@@ -57,13 +67,17 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--iters", type=int, default=2, help="timed passes per repeat")
     p.add_argument("--no-backward", action="store_true", help="forward passes only")
+    p.add_argument("--no-checkpoint", action="store_true",
+                   help="skip the forward+backward inside an activation checkpoint")
+    p.add_argument("--time-budget", type=float, default=0.0,
+                   help="seconds after which no new row starts (0: no limit)")
     p.add_argument("--smoke", action="store_true", help="CPU, 2 gloo ranks, tiny shapes")
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile one forward+backward per row (rank 0 writes the top kernels "
                         "and a chrome trace to $OUT or benchmarks/results)")
     args = p.parse_args(argv)
     if args.smoke:
-        args.tokens, args.hidden, args.inter, args.experts, args.top_k = [48, 20], 16, 16, 32, 4
+        args.tokens, args.hidden, args.inter, args.experts, args.top_k = [48, 20], 16, 16, [32], 4
         args.token_budget, args.min_tokens_per_gemm, args.repeats, args.iters = 8, 4, 2, 1
     return args
 
@@ -102,14 +116,14 @@ def measure(run_pass, device, group, args):
     return min(repeats), repeats, float(stats[1]) if device.type == "cuda" else None
 
 
-def ep_exceeds_memory(profile, n, group, device, dtype, args) -> bool:
+def ep_exceeds_memory(profile, n, experts, group, device, dtype, args) -> bool:
     """Whether standard EP's busiest receiver would run out of memory (estimated, same on all
     ranks): an OOM on one rank would leave the others waiting in a collective forever."""
     if group is None or device.type != "cuda":
         return False
     world = dist.get_world_size(group)
-    idx, _ = routing_profile(profile, n, args.experts, args.top_k)
-    per_owner = torch.bincount(idx.reshape(-1), minlength=args.experts).view(world, -1).sum(1)
+    idx, _ = routing_profile(profile, n, experts, args.top_k)
+    per_owner = torch.bincount(idx.reshape(-1), minlength=experts).view(world, -1).sum(1)
     received = int(per_owner.max()) * world                       # every rank routes alike
     elem = torch.finfo(dtype).bits // 8
     need = received * (8 * args.hidden + 6 * args.inter) * elem   # live route-sized tensors, fwd+bwd
@@ -118,45 +132,81 @@ def ep_exceeds_memory(profile, n, group, device, dtype, args) -> bool:
     return need > 0.9 * int(free)
 
 
-def bench_row(mode, profile, n, weights, group, device, dtype, args):
-    if mode == "ep" and ep_exceeds_memory(profile, n, group, device, dtype, args):
-        return dict(mode=mode, profile=profile, tokens_per_rank=n, K=1, relocated_routes=0,
+def count_syncs(run_pass, device):
+    """Host syncs of one pass (CUDA only): the warnings of torch.cuda.set_sync_debug_mode."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run_pass()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def bench_row(mode, profile, n, experts, weights, group, device, dtype, args):
+    if mode == "ep" and ep_exceeds_memory(profile, n, experts, group, device, dtype, args):
+        return dict(mode=mode, profile=profile, tokens_per_rank=n, experts=experts, K=1, relocated_routes=0,
                     oom="estimated, not run")
     rank = dist.get_rank(group) if group is not None else 0
     gen = torch.Generator(device=device).manual_seed(1000 + rank)
     x = torch.randn(n, args.hidden, device=device, dtype=dtype, generator=gen).requires_grad_(True)
-    idx, wts = routing_profile(profile, n, args.experts, args.top_k, device=device)
+    idx, wts = routing_profile(profile, n, experts, args.top_k, device=device)
     wts.requires_grad_(True)
     grad = torch.randn(n, args.hidden, device=device, dtype=dtype, generator=gen)
 
-    def forward():
-        return moe_experts_forward(x, idx, wts, *weights, dispatch=mode, group=group,
+    def layer(x_, wts_, *ws):
+        return moe_experts_forward(x_, idx, wts_, *ws, dispatch=mode, group=group,
                                    **schedule_options(mode, args))
 
-    def fwd_bwd():
-        forward().backward(grad)
+    def forward():
+        return layer(x, wts, *weights)
+
+    def clear_grads():
         x.grad = wts.grad = None
         for w in weights:
             w.grad = None
+
+    def fwd_bwd():
+        forward().backward(grad)
+        clear_grads()
+
+    def block(x_, wts_, *ws):                                     # a residual block, as training runs it
+        return x_ + layer(x_, wts_, *ws)
+
+    def ckpt_fwd_bwd():
+        checkpoint(block, x, wts, *weights, use_reentrant=False).backward(grad)
+        clear_grads()
 
     stats = DispatchStats()                                       # one untimed pass for the counters
     moe_experts_forward(x, idx, wts, *weights, dispatch=mode, group=group,
                         **schedule_options(mode, args, stats))
     resident = torch.cuda.memory_allocated(device) / GiB if device.type == "cuda" else None
-    row = dict(mode=mode, profile=profile, tokens_per_rank=n, K=stats.num_chunks, resident_gib=resident,
-               relocated_routes=stats.relocated_routes, migrated_experts=stats.migrated_experts,
+    row = dict(mode=mode, profile=profile, tokens_per_rank=n, experts=experts, K=stats.num_chunks,
+               resident_gib=resident, relocated_routes=stats.relocated_routes,
+               migrated_experts=stats.migrated_experts, weight_transfer_bytes=stats.weight_transfer_bytes,
                max_received=stats.last_chunk_max_received, received_bound=stats.received_bound)
+    passes = [("fwd", lambda: forward())]
+    if not args.no_backward:
+        passes.append(("fwd_bwd", fwd_bwd))
+        if not args.no_checkpoint:
+            passes.append(("ckpt_fwd_bwd", ckpt_fwd_bwd))
     try:
-        row["fwd_s"], row["fwd_repeats_s"], row["fwd_peak_gib"] = measure(
-            lambda: forward(), device, group, args)
-        if not args.no_backward:
-            row["fwd_bwd_s"], row["fwd_bwd_repeats_s"], row["fwd_bwd_peak_gib"] = measure(
-                fwd_bwd, device, group, args)
+        for name, run_pass in passes:
+            row[f"{name}_s"], row[f"{name}_repeats_s"], row[f"{name}_peak_gib"] = measure(
+                run_pass, device, group, args)
+            row[f"{name}_host_syncs"] = count_syncs(run_pass, device)
         if args.profile and not args.no_backward:
-            profile_pass(fwd_bwd, f"{mode}_{profile.replace('/', '-')}_{n}", device, rank)
+            tag = f"{mode}_{profile.replace('/', '-')}_{n}_E{experts}"
+            profile_pass(fwd_bwd, tag, device, rank)
+            if not args.no_checkpoint:
+                profile_pass(ckpt_fwd_bwd, f"{tag}_ckpt", device, rank)
     except torch.cuda.OutOfMemoryError:
         row["oom"] = True                 # only a 1-rank run survives this (see ep_exceeds_memory)
-        x.grad = wts.grad = None
+        clear_grads()
         torch.cuda.empty_cache()
     return row
 
@@ -181,7 +231,18 @@ def profile_pass(run_pass, name, device, rank):
     print(f"profile {name}\n{table}", flush=True)
 
 
+def out_of_time(start, group, device, args) -> bool:
+    """Whether --time-budget has run out (the same answer on every rank)."""
+    if args.time_budget <= 0:
+        return False
+    over = torch.tensor([float(time.monotonic() - start > args.time_budget)], device=device)
+    if group is not None:
+        dist.all_reduce(over, op=dist.ReduceOp.MAX, group=group)
+    return bool(over.item())
+
+
 def run(args):
+    start = time.monotonic()
     distributed = "RANK" in os.environ or args.smoke
     if distributed and not dist.is_initialized():
         backend = "gloo" if args.smoke or not torch.cuda.is_available() else "nccl"
@@ -193,25 +254,36 @@ def run(args):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if args.experts % world:
-        raise ValueError(f"--experts {args.experts} must be divisible by the {world} ranks")
+    bad = [e for e in args.experts if e % world]
+    if bad:
+        raise ValueError(f"--experts {bad} must be divisible by the {world} ranks")
     group = dist.group.WORLD if world > 1 else None
-    M = args.experts // world
-    gen = torch.Generator(device=device).manual_seed(rank)
-    weights = [(torch.randn(M, *shape, device=device, dtype=dtype, generator=gen) * 0.02).requires_grad_(True)
-               for shape in ((args.inter, args.hidden), (args.hidden, args.inter), (args.inter, args.hidden))]
     modes = args.modes if world > 1 else [m for m in args.modes if m != "llep"]  # llep == ep at 1 rank
-    rows = []
-    for n in args.tokens:
-        for profile in args.profiles:
-            for mode in modes:
-                row = bench_row(mode, profile, n, weights, group, device, dtype, args)
-                row["label"] = f"{world}-rank" if world > 1 else (
-                    "1-rank unchunked" if mode == "ep" else "1-rank chunked")
-                rows.append(row)
-                if rank == 0:
-                    print(json.dumps(row), flush=True)
+    rows, stopped = [], False
+    for experts in args.experts:
+        M = experts // world
+        gen = torch.Generator(device=device).manual_seed(rank)
+        weights = [(torch.randn(M, *shape, device=device, dtype=dtype, generator=gen) * 0.02).requires_grad_(True)
+                   for shape in ((args.inter, args.hidden), (args.hidden, args.inter),
+                                 (args.inter, args.hidden))]
+        for n in args.tokens:
+            for profile in args.profiles:
+                for mode in modes:
+                    if out_of_time(start, group, device, args):
+                        stopped = True
+                        break
+                    row = bench_row(mode, profile, n, experts, weights, group, device, dtype, args)
+                    row["label"] = f"{world}-rank" if world > 1 else (
+                        "1-rank unchunked" if mode == "ep" else "1-rank chunked")
+                    rows.append(row)
+                    if rank == 0:
+                        print(json.dumps(row), flush=True)
+        del weights
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if rank == 0:
+        if stopped:
+            print(f"--time-budget {args.time_budget:.0f} s reached: later rows were not run", flush=True)
         report(rows, args, world, device)
     return rows
 
@@ -225,12 +297,14 @@ def report(rows, args, world, device):
     path = os.path.join(out_dir, "moe_dispatch.json")
     with open(path, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"\n{meta['device']} x{world}, H={args.hidden} I={args.inter} E={args.experts} "
-          f"k={args.top_k} c={args.token_budget} K_max={args.max_chunks}; lowest of {args.repeats} "
-          f"repeats; peak = max over ranks of max_memory_allocated (GiB, incl. resident weights); "
-          f"JSON: {path}")
-    head = f"{'tokens':>7} {'profile':>8} {'mode':>15} {'label':>17} {'K':>3} {'reloc':>8} " \
-           f"{'fwd ms':>9} {'fwd GiB':>8} {'f+b ms':>9} {'f+b GiB':>8}"
+    print(f"\n{meta['device']} x{world}, H={args.hidden} I={args.inter} k={args.top_k} "
+          f"c={args.token_budget} K_max={args.max_chunks}; lowest of {args.repeats} repeats; peak = max "
+          f"over ranks of max_memory_allocated (GiB, incl. resident weights); ckpt = forward+backward in "
+          f"a non-reentrant checkpoint; copies = weight copies (MiB); syncs = host syncs of one "
+          f"fwd/f+b/ckpt pass; JSON: {path}")
+    head = f"{'E':>4} {'tokens':>7} {'profile':>8} {'mode':>15} {'label':>17} {'K':>3} {'reloc':>8} " \
+           f"{'copies':>12} {'fwd ms':>9} {'fwd GiB':>8} {'f+b ms':>9} {'f+b GiB':>8} {'ckpt ms':>9} " \
+           f"{'ckpt GiB':>8} {'syncs':>9}"
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -238,9 +312,13 @@ def report(rows, args, world, device):
             if r.get(key) is not None:
                 return f"{r[key] * scale:{width}.{1 if scale > 1 else 2}f}"
             return f"{'OOM' if r.get('oom') else '-':>{width}}"
-        print(f"{r['tokens_per_rank']:>7} {r['profile']:>8} {r['mode']:>15} {r['label']:>17} {r['K']:>3} "
-              f"{r['relocated_routes']:>8} {cell('fwd_s', 1e3, 9)} {cell('fwd_peak_gib', 1, 8)} "
-              f"{cell('fwd_bwd_s', 1e3, 9)} {cell('fwd_bwd_peak_gib', 1, 8)}")
+        copies = f"{r.get('migrated_experts', 0)}/{r.get('weight_transfer_bytes', 0) / 2 ** 20:.0f}"
+        syncs = "/".join("-" if r.get(f"{p}_host_syncs") is None else str(r[f"{p}_host_syncs"])
+                         for p in ("fwd", "fwd_bwd", "ckpt_fwd_bwd"))
+        print(f"{r['experts']:>4} {r['tokens_per_rank']:>7} {r['profile']:>8} {r['mode']:>15} {r['label']:>17} "
+              f"{r['K']:>3} {r['relocated_routes']:>8} {copies:>12} {cell('fwd_s', 1e3, 9)} "
+              f"{cell('fwd_peak_gib', 1, 8)} {cell('fwd_bwd_s', 1e3, 9)} {cell('fwd_bwd_peak_gib', 1, 8)} "
+              f"{cell('ckpt_fwd_bwd_s', 1e3, 9)} {cell('ckpt_fwd_bwd_peak_gib', 1, 8)} {syncs:>9}")
 
 
 def _smoke_worker(rank, world, port, argv):
