@@ -117,6 +117,9 @@ def rules_plan(C, alpha, m, lam):
         if avail > 0:
             give(e, g0, 0, avail)
         left, one_pass = load[e] - start, avail <= 0
+        # The owner-full case is one pass over the helpers in their order before it; a forced
+        # remainder then goes to the first of that order (llep_plan's reading of "least-loaded").
+        first_order = sorted((g for g in range(P) if g != g0), key=eff)
         while left:
             placed = False
             for h in sorted((g for g in range(P) if g != g0), key=eff):
@@ -131,7 +134,8 @@ def rules_plan(C, alpha, m, lam):
             if not placed or one_pass:
                 break
         if left:
-            give(e, min((g for g in range(P) if g != g0), key=eff), start, start + left)
+            target = first_order[0] if one_pass else min((g for g in range(P) if g != g0), key=eff)
+            give(e, target, start, start + left)
     return sorted(out, key=lambda r: (r[0], r[2]))
 
 
