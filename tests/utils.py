@@ -64,11 +64,11 @@ def low_precision_errors(actual: torch.Tensor, truth: torch.Tensor) -> tuple[flo
 
 
 def assert_no_worse_than_torch(ours: torch.Tensor, theirs: torch.Tensor, truth: torch.Tensor, *,
-                               name: str, slack: float = 0.0) -> None:
+                               name: str, slack: float = 0.0, max_factor: float = 2.0) -> None:
     """The low-precision rule: our error against an fp32 ground truth is no worse than PyTorch's own
     error in that dtype (`theirs`, computed from the same rounded inputs) against it.
 
-    rms within 1.25x and max within 2x of PyTorch's (max is a noisy statistic on small tensors), plus
+    rms within 1.25x and max within `max_factor` (2x) of PyTorch's (max is a noisy statistic), plus
     0.2% / 0.4% of the truth's largest magnitude (about one bf16 ulp of it), or slack / 2 / slack when
     larger: an error the caller states, e.g. one ulp of a rounded logit that two correct matmuls round
     apart, or the extra roundings of partial sums a chunked op makes by design.
@@ -77,6 +77,6 @@ def assert_no_worse_than_torch(ours: torch.Tensor, theirs: torch.Tensor, truth: 
     ours_rms, ours_max = low_precision_errors(ours, truth)
     torch_rms, torch_max = low_precision_errors(theirs, truth)
     assert ours_rms <= 1.25 * torch_rms + max(2e-3 * scale, slack / 2) and \
-        ours_max <= 2 * torch_max + max(4e-3 * scale, slack), (
+        ours_max <= max_factor * torch_max + max(4e-3 * scale, slack), (
             f"{name}: our low-precision error (rms {ours_rms:.3e}, max {ours_max:.3e}) exceeds PyTorch's "
             f"(rms {torch_rms:.3e}, max {torch_max:.3e}); scale {scale:.3e}")
