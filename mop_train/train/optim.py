@@ -6,7 +6,11 @@
 `[optimizer] name` = "AdamW" | "Adam" goes to torchtitan's `build_optimizers`;
 "OffloadStreamAdamW" builds `mop_train.ops.offload_adamw.OffloadStreamAdamW` (fp32 master weights
 and moments in pinned host memory, streamed through the device in buckets) inside torchtitan's
-`OptimizersContainer`, so it checkpoints through DCP like the others. The LR schedule is
+`OptimizersContainer`, so it checkpoints through DCP like the others; its parameters are laid out in
+the order the forward consumes them (FSDP2 units: the root's own, then block by block), so that its
+device-resident share is what the forward needs first and, with `overlap`, each unit's forward
+waits for its own buckets only. `device_fraction = "auto"` is resolved from the device bytes the
+rest of the plan leaves free (`resolve_device_fraction`). The LR schedule is
 torchtitan's warmup + (stable) + decay over `lr_scheduler.total_steps` (default: training.steps).
 Setting total_steps fixes the curve whatever training.steps is, so a run stopped early and resumed
 follows the same learning rates as a straight one.
@@ -24,7 +28,55 @@ from torchtitan.distributed import ParallelDims
 OFFLOAD_ADAMW = "OffloadStreamAdamW"
 TITAN_OPTIMIZERS = ("AdamW", "Adam")
 
-__all__ = ["build_optimizers", "build_lr_schedulers", "OFFLOAD_ADAMW"]
+__all__ = ["build_optimizers", "build_lr_schedulers", "resolve_device_fraction", "parse_device_fraction",
+           "OFFLOAD_ADAMW"]
+
+
+def parse_device_fraction(value) -> float | str:
+    """`[mop.offload_adamw] device_fraction`: "auto" or a number in [0, 1] (a string or a number)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        share = float(value)
+    except (TypeError, ValueError):
+        share = -1.0
+    if isinstance(value, bool) or not 0.0 <= share <= 1.0:
+        raise ValueError(f"mop.offload_adamw.device_fraction = {value!r} must be \"auto\" or a number in "
+                         "[0, 1] (the share of the optimizer state kept on the device; 0 streams everything)")
+    return share
+
+
+def resolve_device_fraction(offload_adamw, *, local_numel: int, fp32_weights: bool,
+                            free_device_bytes: int | None) -> float:
+    """The device_fraction to build OffloadStreamAdamW with: the configured number, or for "auto"
+    the share whose device state fits `free_device_bytes` (device memory minus the memory plan's
+    total) less `AUTO_MARGIN_BYTES` (2 GiB) and the streamed part's staging."""
+    share = parse_device_fraction(getattr(offload_adamw, "device_fraction", 0.0))
+    if share != "auto":
+        return share
+    if free_device_bytes is None:
+        raise ValueError("mop.offload_adamw.device_fraction = \"auto\" needs the device memory left by the "
+                         "plan (free_device_bytes); set a number in [0, 1] instead")
+    from mop_train.ops.offload_adamw import fit_device_fraction
+    return fit_device_fraction(free_device_bytes, local_numel, fp32_weights=fp32_weights,
+                               bucket_params=offload_adamw.bucket_params, slots=offload_adamw.slots,
+                               host_share=offload_adamw.host_fraction > 0)
+
+
+def _build_offload_adamw(model_parts, kwargs, *, overlap: bool) -> OptimizersContainer:
+    """torchtitan's container around OffloadStreamAdamW with each part's parameters in forward order;
+    with overlap, every FSDP2 unit's forward waits for its own pieces of the step."""
+    from mop_train.ops.offload_adamw import forward_order, forward_units
+    cls = _offload_adamw_cls()
+    position = {id(p): i for part in model_parts for i, p in enumerate(forward_order(part))}
+
+    def in_forward_order(params, **kw):
+        return cls(sorted(params, key=lambda p: position.get(id(p), len(position))), **kw)
+
+    container = OptimizersContainer(model_parts, in_forward_order, dict(kwargs, overlap=overlap))
+    for opt, part in zip(container.optimizers, model_parts):
+        opt.wait_in_forward(forward_units(part))
+    return container
 
 
 def _offload_adamw_cls():
@@ -37,17 +89,24 @@ def _offload_adamw_cls():
 
 
 def build_optimizers(model_parts: list[nn.Module], optimizer, offload_adamw, *,
-                     world_size: int) -> OptimizersContainer:
+                     world_size: int, device_fraction: float | None = None) -> OptimizersContainer:
     """Args:
         optimizer: the `[optimizer]` section (name, lr, beta1, beta2, eps, weight_decay, implementation).
-        offload_adamw: the `[mop.offload_adamw]` section (bucket_params, slots).
+        offload_adamw: the `[mop.offload_adamw]` section (bucket_params, slots, host_fraction,
+            device_fraction, overlap).
         world_size: W; the model is FSDP-sharded over all W ranks (pure data parallel).
+        device_fraction: the resolved share (`resolve_device_fraction`); None takes the section's
+            number (ValueError if it is "auto").
     """
     if optimizer.name == OFFLOAD_ADAMW:
+        if device_fraction is None:
+            device_fraction = resolve_device_fraction(offload_adamw, local_numel=0, fp32_weights=True,
+                                                      free_device_bytes=None)
         kwargs = dict(lr=optimizer.lr, betas=(optimizer.beta1, optimizer.beta2), eps=optimizer.eps,
                       weight_decay=optimizer.weight_decay, bucket_params=offload_adamw.bucket_params,
-                      slots=offload_adamw.slots, host_fraction=offload_adamw.host_fraction)
-        return OptimizersContainer(model_parts, _offload_adamw_cls(), kwargs)
+                      slots=offload_adamw.slots, host_fraction=offload_adamw.host_fraction,
+                      device_fraction=device_fraction)
+        return _build_offload_adamw(model_parts, kwargs, overlap=bool(getattr(offload_adamw, "overlap", False)))
     if optimizer.name not in TITAN_OPTIMIZERS:
         raise ValueError(f"optimizer.name = {optimizer.name!r} is not supported; use one of "
                          f"{[*TITAN_OPTIMIZERS, OFFLOAD_ADAMW]}")

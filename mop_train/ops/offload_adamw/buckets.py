@@ -1,14 +1,16 @@
 """Where every parameter lives in the flat host state, how the step cuts it into buckets, and the
 staging-memory bound that follows from the cut.
 
-All local parameter shards are laid end to end in one flat fp32 index space of N elements
-(group order, then parameter order). The host keeps three rows over that space, [3, N]: master
-weights, exp_avg, exp_avg_sq. A bucket is a contiguous range of at most `bucket_params` elements of
+All local parameter shards are laid end to end in one flat fp32 index space of N elements, in the
+order the optimizer was given them (`forward_order` gives the order the forward consumes them).
+The head [0, N_d) stays on the device (device_share.py); the host keeps three rows over the rest,
+[3, N - N_d]: master weights, exp_avg, exp_avg_sq. A bucket is a contiguous range of at most `bucket_params` elements of
 the flat space; a bucket may start or end inside a tensor, so it is described by segments, each one
 piece of one parameter. The device holds `slots` buffers of [3, bucket] fp32 plus one [bucket] fp32
 buffer for the gradients upcast to fp32.
 
-Legend: N local elements over all parameters, B bucket capacity (elements), s slots.
+Legend: N local elements over all parameters, N_d of them device-resident, B bucket capacity
+(elements), s slots.
 """
 
 from __future__ import annotations
@@ -80,6 +82,11 @@ def plan_buckets(numels: list[int], bucket_params: int, start: int = 0, end: int
             p += 1
         buckets.append(Bucket(lo_flat, hi_flat - lo_flat, tuple(segments)))
     return buckets
+
+
+def device_split(total: int, device_fraction: float) -> int:
+    """End of the device-resident head of the flat space: the first round(d * N) elements."""
+    return round(device_fraction * total)
 
 
 def staging_bytes_bound(bucket_params: int, slots: int, host_share: bool = False) -> int:

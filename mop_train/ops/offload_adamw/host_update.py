@@ -9,12 +9,14 @@ casts between the working dtype and fp32 run on the device (inside the non-block
 the CPU they would cost more than the AdamW update itself while the copy engines share its memory
 bandwidth (benchmarks/RESULTS.md, host_update_cpu).
 
-One step, per chunk c of the host range (chunks of at most CHUNK elements, in flat order):
+The range is the tail of the host-resident part (after the device-resident head and the streamed
+buckets), so the forward consumes it last. One step, per chunk c of the host range (chunks of at
+most CHUNK elements, in flat order):
   1. before any bucket is streamed, fp32 gradients go device -> pinned host on the `down` stream
      (and, on a parameter's first update, its working weight, which becomes its master);
   2. the CPU waits for chunk c and runs torch's fused AdamW on the host masters and moments in place;
-  3. the masters go host -> device into the working weights (cast there) on the `up` stream; the
-     caller makes the compute stream wait for the last upload before anything reads the weights.
+  3. the masters go host -> device into the working weights (cast there) on the `up` stream; each
+     chunk's upload event is a ready piece (forward_waits.py) that readers of its weights wait for.
 On a CPU-only build the "device" is the CPU and the same steps run in program order.
 Legend: N local elements, f host fraction, c chunk.
 """
@@ -27,13 +29,14 @@ import torch
 
 from mop_train.ops.offload_adamw.buckets import (FP32_BYTES, HOST_CHUNK, allocate_host_buffer, plan_buckets,
                                                  release_when_idle)
+from mop_train.ops.offload_adamw.forward_waits import Ready
 from mop_train.ops.offload_adamw.update import fused_adamw_by_group
 
 CHUNK = HOST_CHUNK  # read at construction, so tests can cut smaller chunks
 
 
 def host_split(total: int, host_fraction: float) -> int:
-    """First flat element updated on the CPU: the last round(f * N) elements go to the host."""
+    """First element updated on the CPU of a range of `total`: its last round(f * total) elements."""
     return total - round(host_fraction * total)
 
 
@@ -45,10 +48,12 @@ def host_share_bytes(total: int, host_fraction: float) -> int:
 class HostUpdate:
     """Gradient download, CPU AdamW and master upload for the flat range [start, N).
 
+    The host state passed to `download` / `update` is [3, N - base]: column 0 is flat element `base`.
     Holds one pinned fp32 buffer for the range's gradients (`host_bytes`)."""
 
-    def __init__(self, numels: list[int], start: int, streams):
+    def __init__(self, numels: list[int], start: int, streams, base: int = 0):
         self.chunks = plan_buckets(numels, CHUNK, start=start)
+        self.base = base
         self.numel = sum(chunk.numel for chunk in self.chunks)
         self._streams = streams
         self.host_bytes = self.numel * FP32_BYTES
@@ -56,16 +61,17 @@ class HostUpdate:
         if registered:
             weakref.finalize(self, release_when_idle, pool.data_ptr(), streams)
         grads = pool.view(torch.float32)                      # [range] fp32, in flat order
-        self._grad_views = [grads[flat - start:flat - start + seg.numel] for _, seg, flat, _ in self._segments()]
+        first = start - base  # host-state column of the range's first element
+        self._grad_views = [grads[col - first:col - first + seg.numel] for _, seg, col, _ in self._segments()]
         self._arrived = [None] * len(self.chunks)
         self.uploaded = None  # event after the last weight upload (None on CPU)
 
     def _segments(self):
-        """(chunk index, segment, flat position of the segment, view index) over the host range."""
+        """(chunk index, segment, host-state column of the segment, view index) over the host range."""
         view = 0
         for c, chunk in enumerate(self.chunks):
             for seg in chunk.segments:
-                yield c, seg, chunk.start + seg.bucket_start, view
+                yield c, seg, chunk.start + seg.bucket_start - self.base, view
                 view += 1
 
     def download(self, grads, work, fresh, host_state, ready) -> None:
@@ -93,14 +99,14 @@ class HostUpdate:
     def update(self, grads, work, host_state, steps, group_of, hparams):
         """CPU AdamW chunk by chunk as the gradients arrive; each chunk's weights go up when done.
 
-        Returns the event after this step's last upload (None on CPU or when nothing was updated);
-        `uploaded` keeps the latest one of any step."""
+        Returns one Ready piece per updated chunk, in flat order (events None on CPU); `uploaded`
+        keeps the event of the latest upload of any step."""
         s = self._streams
         by_chunk: dict[int, list] = {}
         for c, seg, flat, view in self._segments():
             if grads[seg.param] is not None:
                 by_chunk.setdefault(c, []).append((seg, flat, view))
-        last = None
+        last, ready = None, []
         for c, live in by_chunk.items():
             if self._arrived[c] is not None:
                 self._arrived[c].synchronize()
@@ -110,8 +116,10 @@ class HostUpdate:
                     dst = work[seg.param][seg.param_start:seg.param_start + seg.numel]
                     dst.copy_(host_state[0, flat:flat + seg.numel], non_blocking=True)  # cast on the device
                 last = s.record(timing=True)
+            chunk = self.chunks[c]
+            ready.append(Ready(chunk.start, chunk.start + chunk.numel, last))
         self.uploaded = last or self.uploaded
-        return last
+        return ready
 
     def _adamw(self, live, host_state, steps, group_of, hparams) -> None:
         pieces = []

@@ -1,22 +1,25 @@
 """OffloadStreamAdamW: AdamW whose fp32 master weights and moments live in host memory and stream
-through the device in buckets, so the device never holds more than a few buckets of optimizer state.
+through the device in buckets, so the device never holds more than a few buckets of optimizer state
+(plus the device-resident share it is given).
 
-One step:
-  1. each parameter with a gradient advances its own step count (as torch.optim.AdamW does); on its
-     first update its master is re-read from the working weight (so weights loaded after
-     construction are picked up);
-  2. bucket b (<= bucket_params flat elements; may split tensors) goes host -> device slot b % s on
-     the H2D stream: three contiguous copies (master, exp_avg, exp_avg_sq);
-  3. on the current (compute) stream: gradients upcast to fp32, torch's fused AdamW over the slot,
-     working weights (bf16 or fp32, on the device) refreshed in place from the updated masters;
-  4. the slot goes device -> host on the D2H stream. With s >= 2 the copy-in of b+1 and the
-     write-back of b-1 overlap the update of b; the host link (12 B/param each way) is the floor.
-With host_fraction f > 0 the last f of the flat space is updated on the CPU instead, concurrently
-(host_update.py): its gradients go down and its masters up (4 B/param each way), so link and CPU
-share the step.
+The flat state (every local shard end to end, in the order given: `forward_order` makes it the
+order the forward consumes the parameters) has three parts:
+  [0, N_d)        device-resident (device_fraction): fused AdamW in place on the device, no transfer
+                  (device_share.py);
+  [N_d, split)    streamed: bucket b (<= bucket_params elements, may split tensors) goes host ->
+                  device slot b % s on the H2D stream (master, exp_avg, exp_avg_sq), is updated on the
+                  update stream (gradients upcast to fp32, torch's fused AdamW, working weights
+                  refreshed from the masters) and goes back on the D2H stream; with s >= 2 the
+                  copy-in of b+1 and the write-back of b-1 overlap the update of b;
+  [split, N)      host_fraction of the rest, updated by the CPU while the buckets stream
+                  (host_update.py; 4 B/param each way instead of 12).
+Each parameter with a gradient advances its own step count (as torch.optim.AdamW does); on its
+first update its master is re-read from the working weight. Every piece's weights are final at an
+event (forward_waits.py): without overlap the compute stream waits for all of them at the end of
+step(); with overlap each unit of the next forward waits only for its own pieces.
 On a CPU-only build the "device" is the CPU and the same code runs in program order.
 Paper: section 3.4 (OffloadStreamAdamW) and Appendix E.1 (bucket and slot sweep).
-Legend: N local elements (all parameters), B bucket capacity, s slots.
+Legend: N local elements (all parameters), N_d device-resident, B bucket capacity, s slots.
 """
 
 from __future__ import annotations
@@ -33,22 +36,28 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.optim import Optimizer
 
 from mop_train.ops.offload_adamw.buckets import (
-    allocate_host_state, host_state_bytes, param_offsets, plan_buckets, release_when_idle)
+    allocate_host_state, device_split, host_state_bytes, param_offsets, plan_buckets, release_when_idle)
+from mop_train.ops.offload_adamw.device_share import DeviceShare
+from mop_train.ops.offload_adamw.forward_waits import ForwardWaits, Ready
 from mop_train.ops.offload_adamw.host_update import HostUpdate, host_split
 from mop_train.ops.offload_adamw.update import fused_adamw_by_group
 
-_ROW = {"master": 0, "exp_avg": 1, "exp_avg_sq": 2}  # rows of the [3, N] host state
+_ROW = {"master": 0, "exp_avg": 1, "exp_avg_sq": 2}  # rows of the [3, N - N_d] host state
+
+DEFAULT_BUCKET_PARAMS = 25_000_000  # benchmarks/RESULTS.md: 25M x 3 slots is 2-4% faster than
+DEFAULT_SLOTS = 3                   # 100M x 2 at 1B and 2.6B params, with 954 MiB of staging (not 2.6 GiB)
 
 
 @dataclass
 class OffloadStepStats:
-    """What the last step moved (its duration: `OffloadStreamAdamW.step_seconds()`)."""
+    """What the last step moved (its duration: `step_seconds()`; what it held back: `exposed_seconds()`)."""
 
     buckets: int = 0
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     params_updated: int = 0
-    host_updated_elements: int = 0  # elements of the flat state updated on the CPU
+    host_updated_elements: int = 0    # elements of the flat state updated on the CPU
+    device_updated_elements: int = 0  # elements of the device-resident share (updated in place)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -57,7 +66,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _as_param_state(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """View one parameter's slice of a host row with the parameter's shape (a DTensor for DTensors).
+    """View one parameter's state (flat, any device) with the parameter's shape (a DTensor for DTensors).
 
     DTensor.from_local would copy a host tensor to the mesh's device, so the wrapper is built from
     the parameter's own sharding spec with an fp32 tensor meta.
@@ -72,19 +81,17 @@ def _as_param_state(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 def _check_staging(bucket_params, slots) -> None:
     if isinstance(bucket_params, bool) or not isinstance(bucket_params, int) or bucket_params < 1:
-        raise ValueError(f"bucket_params ({bucket_params!r}) must be an int >= 1, e.g. 100_000_000; "
+        raise ValueError(f"bucket_params ({bucket_params!r}) must be an int >= 1, e.g. 25_000_000; "
                          "set [mop.offload_adamw] bucket_params")
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise ValueError(f"slots ({slots!r}) must be an int >= 1 (2 overlaps copies with the update); "
                          "set [mop.offload_adamw] slots")
 
 
-def _check_host_fraction(host_fraction) -> None:
-    if isinstance(host_fraction, bool) or not isinstance(host_fraction, (int, float)) \
-            or not 0.0 <= host_fraction <= 1.0:
-        raise ValueError(f"host_fraction ({host_fraction!r}) must be a number in [0, 1]: the share of "
-                         "parameters updated on the CPU (0 streams everything through the device); "
-                         "set [mop.offload_adamw] host_fraction")
+def _check_fraction(name: str, value, meaning: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} ({value!r}) must be a number in [0, 1]: {meaning}; "
+                         f"set [mop.offload_adamw] {name}")
 
 
 def _check_group(group: dict) -> None:
@@ -103,16 +110,17 @@ def _check_group(group: dict) -> None:
 
 
 class _Streams:
-    """Copy streams beside the current (compute) stream; on CPU, program order.
+    """Streams beside the current (compute) stream; on CPU, program order.
 
-    h2d / d2h carry the streamed buckets; down / up the host-updated range's gradients and weights,
-    so that those interleave with the buckets instead of queueing behind them."""
+    update runs the device-side AdamW (device share and buckets) and the weight refresh, so that the
+    compute stream is free for the next forward; h2d / d2h carry the streamed buckets; down / up the
+    host-updated range's gradients and weights, so that those interleave with the buckets."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.device = device
-        self.h2d, self.d2h, self.down, self.up = (
-            (torch.cuda.Stream(device) for _ in range(4)) if self.cuda else (None,) * 4)
+        self.update, self.h2d, self.d2h, self.down, self.up = (
+            (torch.cuda.Stream(device) for _ in range(5)) if self.cuda else (None,) * 5)
 
     def use(self, stream):
         return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
@@ -131,45 +139,63 @@ class _Streams:
 
     def synchronize(self) -> None:
         if self.cuda:
-            for stream in (self.h2d, self.d2h, self.down, self.up):
+            for stream in (self.update, self.h2d, self.d2h, self.down, self.up):
                 stream.synchronize()
 
 
 class OffloadStreamAdamW(Optimizer):
-    """AdamW (torch.optim.AdamW's math) with fp32 masters and moments in (pinned) host memory.
+    """AdamW (torch.optim.AdamW's math) with fp32 masters and moments in (pinned) host memory,
+    except a device-resident share.
 
     Build it like torch.optim.AdamW, from parameters or param groups (each group may set lr,
     betas, eps, weight_decay); every group must be given here, add_param_group is refused later:
 
         opt = OffloadStreamAdamW([{"params": decay, "weight_decay": 0.1},
                                   {"params": no_decay, "weight_decay": 0.0}],
-                                 lr=3e-4, betas=(0.9, 0.95), bucket_params=100_000_000, slots=2)
-        # torchtitan: OptimizersContainer(model_parts, OffloadStreamAdamW,
-        #     {"lr": .., "betas": (b1, b2), "eps": .., "weight_decay": .., "bucket_params": .., "slots": ..})
+                                 lr=3e-4, betas=(0.9, 0.95), bucket_params=25_000_000, slots=3)
+        # overlap with the next forward: parameters in forward order, one wait per unit
+        opt = OffloadStreamAdamW(forward_order(model), lr=3e-4, device_fraction=0.25, overlap=True)
+        opt.wait_in_forward(forward_units(model))
 
     Args:
         params: parameters or param-group dicts; plain tensors or FSDP2 DTensors (the local shard
-            is updated), contiguous, all on one device; bf16 or fp32 working weights.
+            is updated), contiguous, all on one device; bf16 or fp32 working weights. Their order
+            is the flat order (the device share is its head, the CPU share its tail).
         lr, betas, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay).
         bucket_params: flat elements per streamed bucket (B); buckets may split tensors.
         slots: device staging buffers (s); device staging is s*B*12 + B*4 bytes.
-        host_fraction: share f of the flat state (its tail) updated by the CPU while the rest
-            streams; 0 streams everything. Costs a pinned fp32 gradient buffer of f*N*4 bytes
+        host_fraction: share f of the streamed part (its tail) updated by the CPU instead; 0 streams
+            everything. Costs a pinned fp32 gradient buffer of 4 B per element of the share
             (`host_buffer_bytes`) and, on the device, the casts' temporaries (<= 2 x CHUNK x 4 bytes,
             `staging_bytes_bound(..., host_share=True)`). Same math (torch's fused AdamW on the CPU),
             not the same bits: CPU and CUDA kernels round differently, so runs with different
             host_fraction agree to rounding; resuming with the same value is exact.
+        device_fraction: share d of the flat state (its head) kept and updated on the device: 8 B
+            per element for fp32 working weights (they are their own masters), 12 B for bf16
+            (`device_state_bytes`; `fit_device_fraction` picks the d that fits). The same CUDA
+            kernel as the streamed buckets: any d gives the same bits at host_fraction = 0.
+        overlap: leave the weights' readiness to the next forward: after `wait_in_forward(units)`
+            each unit waits for its own pieces only (without hooks, or with overlap False, the
+            compute stream waits for every piece at the end of step()). Same values either way.
 
     State per parameter (state_dict, DCP): "step" (fp32 scalar, per parameter), "exp_avg",
-    "exp_avg_sq", "master" (fp32, host; DTensors with the parameter's sharding for DTensor
-    params). The tensors are live views of the host buffer, so DCP loads restore in place.
+    "exp_avg_sq", "master" (fp32; DTensors with the parameter's sharding for DTensor params): views
+    of the host buffer, of the device share (for fp32 weights there, "master" is the weight itself),
+    or, for the one parameter that straddles the device/host boundary, a host copy. Loading copies
+    into place (load_state_dict), as DCP's Stateful load does.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, *, bucket_params: int = 100_000_000, slots: int = 2,
-                 host_fraction: float = 0.0):
+                 weight_decay: float = 0.01, *, bucket_params: int = DEFAULT_BUCKET_PARAMS,
+                 slots: int = DEFAULT_SLOTS, host_fraction: float = 0.0, device_fraction: float = 0.0,
+                 overlap: bool = False):
         _check_staging(bucket_params, slots)
-        _check_host_fraction(host_fraction)
+        _check_fraction("host_fraction", host_fraction, "the share of the streamed parameters updated on the "
+                        "CPU (0 streams everything through the device)")
+        _check_fraction("device_fraction", device_fraction, "the share of the optimizer state kept on the "
+                        "device (0 streams everything; \"auto\" is resolved by fit_device_fraction)")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap ({overlap!r}) must be true or false; set [mop.offload_adamw] overlap")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
@@ -178,17 +204,20 @@ class OffloadStreamAdamW(Optimizer):
         self._numels = [t.numel() for t in shards]
         self._offsets = param_offsets(self._numels)
         self._streams = _Streams(self.device)
-        self._host, registered = allocate_host_state(sum(self._numels), pin=self._streams.cuda)
+        total = sum(self._numels)
+        self.device_fraction, self.overlap = float(device_fraction), overlap
+        self._dev_end = device_split(total, self.device_fraction)
+        self._device_share = DeviceShare(self._numels, [t.dtype for t in shards], self._dev_end, self.device)
+        self._host, registered = allocate_host_state(total - self._dev_end, pin=self._streams.cuda)
         if registered:
             weakref.finalize(self, release_when_idle, self._host.data_ptr(), self._streams)
         self._host[1:].zero_()
         self._steps = torch.zeros(len(self._params), dtype=torch.float32)  # torch keeps fp32 steps
-        for i, p in enumerate(self._params):
-            with torch.no_grad():  # the host state must not join the parameters' autograd graph
-                self._host_slice(_ROW["master"], i).copy_(shards[i].reshape(-1))
-            self.state[p] = {"step": self._steps[i]} | {
-                key: _as_param_state(self._host_slice(row, i), p)
-                for key, row in (("exp_avg", 1), ("exp_avg_sq", 2), ("master", 0))}
+        with torch.no_grad():  # the state must not join the parameters' autograd graph
+            for i, shard in enumerate(shards):
+                self._write_row(_ROW["master"], i, shard.reshape(-1))
+        self._refresh_state()
+        self._waits = ForwardWaits(self._streams)
         self._writeback_done = None
         self._host_update = None
         self._timing = (None, (), 0.0)
@@ -219,32 +248,46 @@ class OffloadStreamAdamW(Optimizer):
             raise ValueError(f"parameters on {device} are not supported; use cuda or cpu")
         return device
 
-    def _host_slice(self, row: int, i: int) -> torch.Tensor:
-        return self._host[row, self._offsets[i]:self._offsets[i] + self._numels[i]]
-
     def resize_staging(self, bucket_params: int, slots: int, host_fraction: float | None = None) -> None:
         """Re-cut the buckets, reallocate the device staging (s*B*12 + B*4 bytes) and, when given,
-        move the boundary of the host-updated tail (host_fraction)."""
+        move the boundary of the CPU-updated tail (host_fraction). The device share stays."""
         _check_staging(bucket_params, slots)
         if host_fraction is not None:
-            _check_host_fraction(host_fraction)
+            _check_fraction("host_fraction", host_fraction, "the share of the streamed parameters updated "
+                            "on the CPU (0 streams everything through the device)")
         self.wait_for_writeback()
         self._streams.synchronize()
         self.bucket_params, self.slots = bucket_params, slots
+        total = sum(self._numels)
         if host_fraction is not None:
             self.host_fraction = float(host_fraction)
-            self._split = host_split(sum(self._numels), self.host_fraction)
+            self._split = self._dev_end + host_split(total - self._dev_end, self.host_fraction)
             self._host_update = None  # frees the previous pinned buffers first
-            self._host_update = HostUpdate(self._numels, self._split, self._streams)
-        self._buckets = plan_buckets(self._numels, bucket_params, end=self._split)
+            self._host_update = HostUpdate(self._numels, self._split, self._streams, base=self._dev_end)
+        self._device_buckets = plan_buckets(self._numels, bucket_params, end=self._dev_end)
+        self._buckets = plan_buckets(self._numels, bucket_params, start=self._dev_end, end=self._split)
         capacity = max((b.numel for b in self._buckets), default=0)
+        grad_capacity = max((b.numel for b in self._buckets + self._device_buckets), default=0)
         self._slot_buffers = self._grad_buffer = None  # free the old staging first
         self._slot_buffers = [torch.empty(3, capacity, dtype=torch.float32, device=self.device)
                               for _ in range(slots)]  # [3, B] each: master, exp_avg, exp_avg_sq
-        self._grad_buffer = torch.empty(capacity, dtype=torch.float32, device=self.device)  # [B]
+        self._grad_buffer = torch.empty(grad_capacity, dtype=torch.float32, device=self.device)  # [B]
         self._slot_free = [None] * slots  # write-back done, per slot
         self._slot_read = [None] * slots  # weight refresh done, per slot
-        self.staging_bytes = (3 * slots + 1) * capacity * 4
+        self.staging_bytes = (3 * slots * capacity + grad_capacity) * 4
+
+    def wait_in_forward(self, units) -> None:
+        """Overlap: before each unit's forward, wait for the pieces of the step that hold its
+        parameters. units: [(module, parameters)] in forward order (`forward_units(model)`); each
+        module gets a forward pre-hook that runs before FSDP2's. No effect unless overlap is on."""
+        if not self.overlap:
+            return
+        index = {id(p): i for i, p in enumerate(self._params)}
+        for module, params in units:
+            ranges = [(self._offsets[i], self._offsets[i] + self._numels[i]) for p in params
+                      if (i := index.get(id(p))) is not None and self._numels[i]]
+            if ranges:
+                self._waits.hook(module, ranges)
 
     # ---- the step -------------------------------------------------------------------------
     def _flat_grad(self, i: int):
@@ -277,26 +320,60 @@ class OffloadStreamAdamW(Optimizer):
         work = [_local(p).view(-1) for p in self._params]  # FSDP2 may swap local tensors: re-read
         wall = time.perf_counter()
         start = s.record(timing=True)  # gradients and weights are final from here on
+        if s.cuda:  # read on the update stream: not to be reused before it is done (zero_grad frees them)
+            for grad in grads:
+                if grad is not None:
+                    grad.record_stream(s.update)
         host.download(grads, work, fresh, self._host, start)  # queued first: the CPU starts early
-        written = self._stream_buckets(grads, work, fresh, hparams)
-        uploaded = host.update(grads, work, self._host, self._steps, self._group_of, hparams)
-        s.wait(uploaded)  # the next reader of the weights waits for the CPU-updated ones too
-        self._timing = (start, [e for e in (written, uploaded) if e is not None], time.perf_counter() - wall)
+        with s.use(s.update):
+            s.wait(start)
+            steps = self._steps.pin_memory().to(self.device, non_blocking=True) if s.cuda else self._steps
+            ready = [self._update_on_device(b, grads, work, fresh, steps, hparams) for b in self._device_buckets]
+            ready += self._stream_buckets(grads, work, fresh, steps, hparams)
+        uploads = host.update(grads, work, self._host, self._steps, self._group_of, hparams)
+        overlap = self.overlap and self._waits.hooked
+        self._waits.arm((ready, uploads), count_wall=overlap or not s.cuda)
+        if not overlap:
+            self._waits.wait_all()  # the next reader of the weights waits for every piece
+        wall = time.perf_counter() - wall
+        self._waits.set_wall(wall)
+        done = [r.event for r in ready[-1:] + uploads[-1:]] + [self._writeback_done if self._buckets else None]
+        self._timing = (start, [e for e in done if e is not None], wall)
         streamed = host_state_bytes(sum(b.numel for b in self._buckets))  # each way
         up, down = host.bytes_moved(grads)
         self.last_step = OffloadStepStats(len(self._buckets), streamed + up, streamed + down, sum(active),
-                                          host.numel)
+                                          host.numel, self._dev_end)
         return loss
 
-    def _stream_buckets(self, grads, work, fresh, hparams):
-        """Queue every bucket's copy-in, update, weight refresh and write-back; returns the event of
-        the last write-back (None without buckets)."""
+    def _update_on_device(self, bucket, grads, work, fresh, steps, hparams) -> Ready:
+        """A bucket of the device-resident head: fused AdamW in place (on the update stream)."""
+        s, share = self._streams, self._device_share
+        live = self._upcast_grads(bucket, grads)
+        pieces, refresh = [], []
+        for param, src, dst in live:
+            master, exp_avg, exp_avg_sq = share.rows(param, src.start, bucket.start + dst.start,
+                                                     dst.stop - dst.start, work)
+            if not share.aliased(param):
+                if fresh[param]:  # first update: the master is the current working weight
+                    master.copy_(work[param][src])
+                refresh.append((work[param][src], master))
+            pieces.append((self._group_of[param], master, self._grad_buffer[dst], exp_avg, exp_avg_sq,
+                           steps[param]))
+        fused_adamw_by_group(pieces, hparams)
+        for weight, master in refresh:
+            weight.copy_(master)
+        return Ready(bucket.start, bucket.start + bucket.numel, s.record())
+
+    def _stream_buckets(self, grads, work, fresh, steps, hparams) -> list[Ready]:
+        """Queue every streamed bucket's copy-in, update, weight refresh and write-back (the current
+        stream is the update stream); one Ready piece per bucket."""
         s = self._streams
-        steps = self._steps.pin_memory().to(self.device, non_blocking=True) if s.cuda else self._steps
+        ready = []
         for b, bucket in enumerate(self._buckets):
             k = b % self.slots
+            lo = bucket.start - self._dev_end
             staged = self._slot_buffers[k][:, :bucket.numel]                   # [3, n] device
-            host = self._host[:, bucket.start:bucket.start + bucket.numel]     # [3, n] host
+            host = self._host[:, lo:lo + bucket.numel]                         # [3, n] host
             with s.use(s.h2d):
                 s.wait(self._slot_free[k])  # the slot's last write-back ...
                 s.wait(self._slot_read[k])  # ... and its last weight refresh are done
@@ -315,10 +392,10 @@ class OffloadStreamAdamW(Optimizer):
             for param, src, dst in live:  # refresh the working weights while the write-back runs
                 work[param][src].copy_(staged[0, dst])
             self._slot_read[k] = s.record()
-        if not self._buckets:
-            return None
-        self._writeback_done = self._slot_free[(len(self._buckets) - 1) % self.slots]
-        return self._writeback_done
+            ready.append(Ready(bucket.start, bucket.start + bucket.numel, self._slot_read[k]))
+        if self._buckets:
+            self._writeback_done = self._slot_free[(len(self._buckets) - 1) % self.slots]
+        return ready
 
     def _upcast_grads(self, bucket, grads) -> list[tuple[int, slice, slice]]:
         """fp32 gradients of the bucket's updated segments; returns (param, src, dst) per segment."""
@@ -347,18 +424,33 @@ class OffloadStreamAdamW(Optimizer):
     # ---- stats and synchronisation ----------------------------------------------------------
     @property
     def host_buffer_bytes(self) -> int:
-        """Pinned bytes of the host share's gradient buffer (beyond the [3, N] state)."""
+        """Pinned bytes of the host share's gradient buffer (beyond the [3, N - N_d] state)."""
         return self._host_update.host_bytes
 
+    @property
+    def device_state_bytes(self) -> int:
+        """Device bytes of the device-resident share's state (moments, bf16 weights' masters)."""
+        return self._device_share.bytes
+
+    def wait_for_weights(self) -> None:
+        """Make the current stream wait until every working weight of the last step is final
+        (overlap: call before anything outside the hooked units reads the weights, e.g. a
+        checkpoint save or an evaluation)."""
+        self._waits.wait_all()
+
     def wait_for_writeback(self) -> None:
-        """Block the host until the last step's state is back in host memory and no upload still
-        reads it."""
+        """Block the host until the last step is done: its state back in host memory, its weights
+        written, no upload still reading the host state."""
+        self._waits.wait_all()
+        if self._streams.cuda:
+            self._streams.update.synchronize()
         for event in (self._writeback_done, self._host_update and self._host_update.uploaded):
             if event is not None:
                 event.synchronize()
 
     def step_seconds(self) -> float:
-        """Seconds from the last step's start to its last write-back or upload (waits for it on CUDA)."""
+        """Seconds from the last step's start to its last write-back, upload or weight refresh
+        (waits for them on CUDA); the host's time in step() on CPU."""
         start, done, wall = self._timing
         if start is None or not done:
             return wall
@@ -366,16 +458,66 @@ class OffloadStreamAdamW(Optimizer):
             end.synchronize()
         return max(start.elapsed_time(end) for end in done) / 1e3
 
+    def exposed_seconds(self) -> float:
+        """Seconds the training step waited for the optimizer (what overlap and the device share
+        shorten): without overlap, the compute stream's wait from step start to the last weight
+        refresh; with overlap, the host's time in step() plus the next forward's stalls at its
+        waits, reported for the latest step whose weights have all been waited for (the previous
+        one until the next forward has run). Call after the device has caught up."""
+        return self._waits.exposed_seconds()
+
+    @property
+    def forward_waits(self) -> ForwardWaits:
+        """The waits of the latest step (its `log` lists (lane, piece) per wait, for tests)."""
+        return self._waits
+
+    # ---- where each parameter's state lives --------------------------------------------------
+    def _row_pieces(self, row: int, i: int) -> list[tuple[int, torch.Tensor]]:
+        """(first element in the parameter, view) of parameter i's state row: its head in the device
+        share, its tail in the host buffer (one piece unless it straddles N_d)."""
+        start, numel, end = self._offsets[i], self._numels[i], self._dev_end
+        if numel == 0:
+            return [(0, self._host[row, :0])]
+        pieces = []
+        head = min(numel, max(end - start, 0))
+        if head:
+            work = {i: _local(self._params[i]).view(-1)}
+            pieces.append((0, self._device_share.rows(i, 0, start, head, work)[row]))
+        if head < numel:
+            lo = start + head - end
+            pieces.append((head, self._host[row, lo:lo + numel - head]))
+        return pieces
+
+    def _write_row(self, row: int, i: int, value: torch.Tensor) -> None:
+        """Copy parameter i's flat `value` into its state row (wherever its pieces live)."""
+        for first, view in self._row_pieces(row, i):  # (an aliased master copies the weight onto itself)
+            view.copy_(value[first:first + view.numel()])
+
+    def _read_row(self, row: int, i: int) -> torch.Tensor:
+        """Parameter i's state row: a live view, or a host copy when it straddles N_d."""
+        pieces = self._row_pieces(row, i)
+        if len(pieces) == 1:
+            return pieces[0][1]
+        return torch.cat([view.detach().to("cpu") for _, view in pieces])
+
+    def _refresh_state(self) -> None:
+        """self.state[p] as torch's state_dict packs it: views (or the straddler's copies) per key."""
+        for i, p in enumerate(self._params):
+            self.state[p] = {"step": self._steps[i]} | {
+                key: _as_param_state(self._read_row(row, i), p)
+                for key, row in (("exp_avg", 1), ("exp_avg_sq", 2), ("master", 0))}
+
     # ---- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict:
         self.wait_for_writeback()
+        self._refresh_state()  # FSDP2 may have swapped the local tensors that fp32 masters alias
         out = super().state_dict()
         out["state"] = {k: dict(v) for k, v in out["state"].items()}  # callers may edit entries
         return out
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
-        """Copy a state dict (ours, torch.optim.AdamW's, or DCP's) into the host buffers.
+        """Copy a state dict (ours, torch.optim.AdamW's, or DCP's) into the state's places.
 
         Parameters missing from state_dict["state"] start afresh; a missing "master" is taken from
         the current working weight (so a torch.optim.AdamW checkpoint can be resumed).
@@ -396,22 +538,25 @@ class OffloadStreamAdamW(Optimizer):
             for key in saved["params"]:
                 self._load_param_state(i, state_dict["state"].get(key))
                 i += 1
+        self._refresh_state()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
     def _load_param_state(self, i: int, entry) -> None:
+        weight = _local(self._params[i]).reshape(-1)
         if entry is None:
             self._steps[i] = 0.0
-            self._host_slice(1, i).zero_()
-            self._host_slice(2, i).zero_()
-            self._host_slice(0, i).copy_(_local(self._params[i]).reshape(-1))
+            for row in (1, 2):
+                for _, view in self._row_pieces(row, i):
+                    view.zero_()
+            self._write_row(0, i, weight)
             return
         self._steps[i] = float(entry["step"])
         for key, row in _ROW.items():
             if key in entry:
-                self._host_slice(row, i).copy_(self._local_value(entry[key], i).reshape(-1))
+                self._write_row(row, i, self._local_value(entry[key], i).reshape(-1))
             elif key == "master":
-                self._host_slice(row, i).copy_(_local(self._params[i]).reshape(-1))
+                self._write_row(row, i, weight)
             else:
                 raise ValueError(f"optimizer state of parameter {i} lacks {key!r} "
                                  f"(has {sorted(entry)}); load an AdamW state dict")
@@ -438,4 +583,4 @@ class OffloadStreamAdamW(Optimizer):
         """Re-read every master from its working weight (after loading weights without optimizer state)."""
         self.wait_for_writeback()
         for i, p in enumerate(self._params):
-            self._host_slice(0, i).copy_(_local(p).reshape(-1))
+            self._write_row(0, i, _local(p).reshape(-1))

@@ -1,0 +1,171 @@
+"""OffloadStreamAdamW overlapped with the next forward: the same bits as overlap = false, every unit
+waits for its own pieces before it runs and nothing is waited for twice; forward order; exposed time;
+on CUDA, the same against the non-overlapped step and a forward that starts before the last bucket."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from mop_train.ops.offload_adamw import OffloadStreamAdamW, forward_order, forward_units, host_update
+from tests.ops.test_offload_adamw import HP, _assert_same_run
+from tests.utils import assert_bitwise_equal, fresh_seed
+
+
+class _Net(nn.Module):
+    """Root-owned parameters (used first and last, like embeddings and the output projection)
+    around three blocks; registration order differs from the forward's."""
+
+    def __init__(self, seed: int, dtype=torch.float32, device="cpu", width: int = 6):
+        super().__init__()
+        torch.manual_seed(fresh_seed(seed))
+        self.out = nn.Linear(width, 2, bias=False)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(3))
+        self.emb = nn.Parameter(torch.randn(width))
+        self.to(device=device, dtype=dtype)
+
+    def forward(self, x):
+        h = x * self.emb
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+    def units(self):
+        return [self, *self.blocks]
+
+
+def _train(model, opt, steps, seed, device="cpu"):
+    for step in range(steps):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(fresh_seed(seed * 100 + step)))
+        opt.zero_grad()
+        model(x.to(device=device, dtype=model.emb.dtype)).float().square().sum().backward()
+        opt.step()
+    if opt.overlap:
+        opt.wait_for_weights()
+
+
+def _build(model, overlap, **kwargs):
+    opt = OffloadStreamAdamW(forward_order(model, model.units()), **HP, overlap=overlap, **kwargs)
+    opt.wait_in_forward(forward_units(model, model.units()))
+    return opt
+
+
+def test_forward_order_and_units():
+    model = _Net(1)
+    units = forward_units(model, model.units())
+    assert [u for u, _ in units] == model.units()
+    ids = lambda params: [id(p) for p in params]  # noqa: E731
+    assert ids(units[0][1]) == ids([model.emb, model.out.weight])  # the root's own, first
+    assert ids(units[2][1]) == ids(model.blocks[1].parameters())
+    order = forward_order(model, model.units())
+    assert ids(order[:2]) == ids([model.emb, model.out.weight]) and len(order) == len(list(model.parameters()))
+    assert ids(forward_order(model)) == ids(model.parameters())  # no FSDP units: the root holds everything
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device_fraction,host_fraction", [(0.0, 0.0), (0.2, 0.3), (0.5, 0.0)])
+def test_overlap_gives_the_same_bits(dtype, device_fraction, host_fraction, monkeypatch):
+    monkeypatch.setattr(host_update, "CHUNK", 7)
+    seed = fresh_seed(21 + int(10 * device_fraction) + int(100 * host_fraction))
+    kwargs = dict(bucket_params=9, slots=2, device_fraction=device_fraction, host_fraction=host_fraction)
+    runs = []
+    for overlap in (False, True):
+        model = _Net(seed, dtype)
+        opt = _build(model, overlap, **kwargs)
+        _train(model, opt, 4, seed)
+        runs.append((list(model.parameters()), opt))
+    (a_params, a_opt), (b_params, b_opt) = runs
+    for i, (a, b) in enumerate(zip(a_params, b_params)):
+        assert_bitwise_equal(a.detach(), b.detach(), name=f"param {i}")
+    for opt in (a_opt, b_opt):  # the state dict keys follow the optimizer's (forward) order in both
+        assert [p.shape for p in opt._params] == [p.shape for p in a_opt._params]
+    _assert_same_run(a_opt._params, a_opt, b_opt._params, b_opt)
+
+
+def test_each_unit_waits_for_its_own_pieces_once(monkeypatch):
+    monkeypatch.setattr(host_update, "CHUNK", 5)
+    model = _Net(3, width=8)
+    opt = _build(model, True, bucket_params=7, slots=2, device_fraction=0.15, host_fraction=0.3)
+    index = {id(p): i for i, p in enumerate(opt._params)}
+    waits = opt.forward_waits
+    seen = []
+
+    def check(unit, params):
+        def hook(mod, args):  # registered after the optimizer's: runs once its waits are made
+            done = list(waits._done)
+            for p in params:
+                i = index[id(p)]
+                lo, hi = opt._offsets[i], opt._offsets[i] + opt._numels[i]
+                for lane, pieces in enumerate(waits._lanes):
+                    for j, piece in enumerate(pieces):
+                        if piece.lo < hi and piece.hi > lo:
+                            assert j <= done[lane], f"unit {len(seen)} runs before piece {j} of lane {lane}"
+            seen.append(unit)
+        return hook
+
+    units = forward_units(model, model.units())
+    for unit, params in units:
+        unit.register_forward_pre_hook(check(unit, params))
+    x = torch.randn(3, 8)
+    for step in range(3):
+        opt.zero_grad()
+        model(x).square().sum().backward()  # the first forward has nothing to wait for
+        opt.step()
+        lanes = [len(lane) for lane in waits._lanes]
+        assert lanes[0] == len(opt._device_buckets) + len(opt._buckets) > 2 and lanes[1] >= 2
+        assert waits.pending() and waits.log == []
+    seen.clear()
+    model(x)
+    assert seen == [u for u, _ in units]
+    log = waits.log
+    assert len(set(log)) == len(log)  # nothing waited for twice
+    for lane in range(2):
+        js = [j for ln, j in log if ln == lane]
+        assert js == sorted(js) and js[-1] == len(waits._lanes[lane]) - 1
+    assert not waits.pending()
+    model(x)  # a second forward (or a recompute) waits for nothing
+    assert waits.log == log
+    assert opt.exposed_seconds() >= 0.0
+
+
+def test_overlap_without_hooks_waits_in_step():
+    model = _Net(4)
+    opt = OffloadStreamAdamW(model.parameters(), **HP, overlap=True, bucket_params=5)
+    _train(model, opt, 2, 4)
+    assert not opt.forward_waits.pending()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device_fraction", [0.0, 0.3])
+def test_cuda_overlap_same_bits_and_forward_runs_early(device_fraction):
+    seed = fresh_seed(31)
+    kwargs = dict(bucket_params=5, slots=2, device_fraction=device_fraction)
+    runs = []
+    for overlap in (False, True):
+        model = _Net(seed, torch.bfloat16, "cuda")
+        opt = _build(model, overlap, **kwargs)
+        _train(model, opt, 4, seed, "cuda")
+        runs.append((model, opt))
+    for (name, a), b in zip(runs[0][0].named_parameters(), runs[1][0].parameters()):
+        assert_bitwise_equal(a.detach(), b.detach(), name=name)
+    _assert_same_run(runs[0][1]._params, runs[0][1], runs[1][1]._params, runs[1][1])
+    # a big model: the step returns before its buckets are done, the forward waits per unit
+    big = nn.ModuleList(nn.Linear(2048, 2048, device="cuda") for _ in range(8))
+    opt = OffloadStreamAdamW(list(big.parameters()), **HP, bucket_params=1 << 20, slots=3, overlap=True,
+                             device_fraction=device_fraction)
+    opt.wait_in_forward([(m, list(m.parameters())) for m in big])
+    x = torch.randn(64, 2048, device="cuda")
+    for _ in range(3):
+        opt.zero_grad()
+        h = x
+        for m in big:
+            h = m(h)
+        h.square().mean().backward()
+        opt.step()
+    assert opt.forward_waits.pending()  # nothing waited for yet: the forward will
+    h = x
+    for m in big:
+        h = m(h)
+    torch.cuda.synchronize()
+    assert not opt.forward_waits.pending() and opt.exposed_seconds() > 0.0

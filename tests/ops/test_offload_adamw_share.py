@@ -1,0 +1,237 @@
+"""OffloadStreamAdamW's device-resident share (device_fraction) against torch.optim.AdamW: values and
+state at every split (tensors straddling the device/streamed/CPU boundaries), resume across splits,
+DCP, FSDP2 at 2 ranks, and the "auto" share (fit_device_fraction)."""
+
+from __future__ import annotations
+
+import io
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+    set_optimizer_state_dict)
+
+from mop_train.ops.offload_adamw import (
+    AUTO_MARGIN_BYTES, OffloadStreamAdamW, fit_device_fraction, host_update, reference_adamw, staging_bytes_bound)
+from mop_train.train.optim import parse_device_fraction, resolve_device_fraction
+from tests.dist_utils import run_distributed
+from tests.ops.test_offload_adamw import (
+    ATOL, HP, RTOL, SHAPES, _assert_same_run, _assert_state_close, _grads, _groups, _lambda, _params, _run, _Tiny,
+    _train)
+from tests.utils import assert_bitwise_equal, assert_close, fresh_seed
+
+NUMELS = [torch.Size(s).numel() for s in SHAPES]
+
+
+def _straddles(boundary: int) -> bool:
+    """Some parameter has elements on both sides of flat position `boundary`."""
+    start = 0
+    for n in NUMELS:
+        if start < boundary < start + n:
+            return True
+        start += n
+    return False
+
+
+def _train_with_torch(dtype, seed, **kwargs):
+    ours_p = _params(seed, dtype)
+    ref_p = [nn.Parameter(p.detach().float().clone()) for p in ours_p]
+    opt = OffloadStreamAdamW(_groups(ours_p), **HP, **kwargs)
+    ref = reference_adamw(_groups(ref_p), **HP)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, _lambda) for o in (opt, ref)]
+    for step in range(5):
+        for p, q, g in zip(ours_p, ref_p, _grads(step, SHAPES, dtype, seed)):
+            p.grad = g
+            q.grad = None if g is None else g.float()
+        opt.step()
+        ref.step()
+        for sched in scheds:
+            sched.step()
+    return ours_p, opt, ref_p, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device_fraction,host_fraction", [(0.25, 0.0), (0.25, 0.4), (0.5, 0.4), (1.0, 0.0),
+                                                           (0.6, 1.0)])
+def test_device_share_matches_fp32_adamw(dtype, device_fraction, host_fraction, monkeypatch):
+    """Masters and moments follow fp32 AdamW at every split; the working weights are the masters in
+    their dtype; on CPU every split gives the same bits as streaming everything."""
+    monkeypatch.setattr(host_update, "CHUNK", 6)  # several CPU chunks, tensors split across them
+    seed = fresh_seed(71 + int(100 * device_fraction) + int(10 * host_fraction) + (dtype == torch.bfloat16))
+    kwargs = dict(bucket_params=7, slots=2, host_fraction=host_fraction, device_fraction=device_fraction)
+    ours_p, opt, ref_p, ref = _train_with_torch(dtype, seed, **kwargs)
+    total = sum(NUMELS)
+    n_dev = round(device_fraction * total)
+    n_host = round(host_fraction * (total - n_dev))
+    assert device_fraction == 1.0 or _straddles(n_dev)
+    ours = opt.state_dict()
+    for i, (p, q) in enumerate(zip(ours_p, ref_p)):
+        master = ours["state"][i]["master"]
+        assert_close(master, q, rtol=RTOL, atol=ATOL, name=f"master {i}")
+        assert_bitwise_equal(p.detach(), master.to(dtype), name=f"weight {i}")
+    _assert_state_close(ours, ref.state_dict())
+    assert opt.last_step.device_updated_elements == n_dev
+    assert opt.last_step.host_updated_elements == n_host
+    streamed = total - n_dev - n_host
+    assert opt.last_step.h2d_bytes == opt.last_step.d2h_bytes == 12 * streamed + 4 * n_host
+    assert opt.device_state_bytes == (8 if dtype == torch.float32 else 12) * n_dev
+    plain_p, plain, _, _ = _train_with_torch(dtype, seed, bucket_params=7, slots=2)
+    _assert_same_run(plain_p, plain, ours_p, opt)
+
+
+def test_resume_across_splits_is_exact(monkeypatch, tmp_path):
+    """Saved at one (device, host) split, resumed at another: the same bits as a straight run (on
+    CPU every path runs the same kernel; on CUDA the same holds while host_fraction is 0)."""
+    monkeypatch.setattr(host_update, "CHUNK", 5)
+    seed = fresh_seed(81)
+    first_kwargs = dict(**HP, bucket_params=6, slots=2, device_fraction=0.3, host_fraction=0.4)
+    full_p = _params(seed, torch.bfloat16)
+    full = OffloadStreamAdamW(_groups(full_p), **first_kwargs)
+    _run(full, full_p, 5, seed)
+    first_p = _params(seed, torch.bfloat16)
+    first = OffloadStreamAdamW(_groups(first_p), **first_kwargs)
+    _run(first, first_p, 3, seed)
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    resumed_p = _params(seed + 1, torch.bfloat16)
+    for p, q in zip(resumed_p, first_p):
+        p.data.copy_(q)
+    resumed = OffloadStreamAdamW(_groups(resumed_p), **dict(first_kwargs, device_fraction=0.65, host_fraction=0.0,
+                                                            bucket_params=4, slots=3))
+    resumed.load_state_dict(torch.load(buf))
+    _run(resumed, resumed_p, 5, seed, start=3)
+    _assert_same_run(full_p, full, resumed_p, resumed)
+
+
+def test_device_share_resumes_through_dcp(tmp_path):
+    from torchtitan.components.optimizer import OptimizersContainer
+    kwargs = dict(**HP, bucket_params=4, slots=2, device_fraction=0.4)
+    full = _Tiny(0)
+    full_opt = OptimizersContainer([full], OffloadStreamAdamW, kwargs)
+    _train(full, full_opt, 5)
+    first = _Tiny(0)
+    first_opt = OptimizersContainer([first], OffloadStreamAdamW, kwargs)
+    _train(first, first_opt, 3)
+    dcp.save({"model": get_model_state_dict(first), "optimizer": first_opt}, checkpoint_id=str(tmp_path))
+    resumed = _Tiny(1)
+    resumed_opt = OptimizersContainer([resumed], OffloadStreamAdamW, dict(kwargs, device_fraction=0.8))
+    target = {"model": get_model_state_dict(resumed), "optimizer": resumed_opt}
+    dcp.load(target, checkpoint_id=str(tmp_path))
+    set_model_state_dict(resumed, target["model"])
+    _train(resumed, resumed_opt, 5, start=3)
+    _assert_same_run(list(full.parameters()), full_opt.optimizers[0],
+                     list(resumed.parameters()), resumed_opt.optimizers[0])
+
+
+def _fsdp2_share_worker(rank, world_size, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from mop_train.train.optim import build_optimizers
+    mesh = init_device_mesh("cpu", (world_size,))
+    section = SimpleNamespace(bucket_params=3, slots=2, host_fraction=0.5, device_fraction=0.4, overlap=True)
+    optimizer = SimpleNamespace(name="OffloadStreamAdamW", lr=HP["lr"], beta1=HP["betas"][0],
+                                beta2=HP["betas"][1], eps=HP["eps"], weight_decay=HP["weight_decay"])
+
+    def build(seed, share=None):
+        model = _Tiny(seed)
+        for layer in (model.a, model.b, model.c):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if share is None:
+            from torchtitan.components.optimizer import OptimizersContainer
+            return model, OptimizersContainer([model], torch.optim.AdamW, dict(**HP, foreach=False))
+        cfg = SimpleNamespace(**dict(vars(section), device_fraction=share))
+        return model, build_optimizers([model], optimizer, cfg, world_size=world_size)
+
+    full, full_opt = build(0, 0.4)  # device-resident, streamed and CPU-updated parts, forward order, overlap
+    ref, ref_opt = build(0)
+    _train(full, full_opt, 5, rank=rank)
+    _train(ref, ref_opt, 5, rank=rank)
+    for (name, p), q in zip(full.named_parameters(), ref.parameters()):
+        assert_close(p.to_local(), q.to_local(), rtol=RTOL, atol=ATOL, name=f"rank {rank} {name}")
+    ours_opt = full_opt.optimizers[0]
+    ours_sd = get_optimizer_state_dict(full, ours_opt)
+    ref_sd = get_optimizer_state_dict(ref, ref_opt.optimizers[0])
+    for key, entry in ref_sd["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            local = entry[name].to_local()
+            scale = float(local.abs().max()) if local.numel() else 0.0
+            assert_close(ours_sd["state"][key][name].to_local(), local, rtol=RTOL, atol=RTOL * scale + ATOL,
+                         name=f"rank {rank} {key} {name}")
+        assert ours_sd["state"][key]["exp_avg"].placements == entry["exp_avg"].placements
+    assert ours_opt.last_step.device_updated_elements > 0 and ours_opt.last_step.host_updated_elements > 0
+
+    first, first_opt = build(0, 0.4)
+    _train(first, first_opt, 3, rank=rank)
+    dcp.save({"model": get_model_state_dict(first), "optimizer": first_opt}, checkpoint_id=path)
+    resumed, resumed_opt = build(1, 0.7)
+    target = {"model": get_model_state_dict(resumed), "optimizer": resumed_opt}
+    dcp.load(target, checkpoint_id=path)
+    set_model_state_dict(resumed, target["model"])
+    _train(resumed, resumed_opt, 5, start=3, rank=rank)
+    for (name, p), q in zip(full.named_parameters(), resumed.parameters()):
+        assert_bitwise_equal(p.to_local(), q.to_local(), name=f"rank {rank} {name}")
+
+    full_osd = get_optimizer_state_dict(full, ours_opt, options=StateDictOptions(full_state_dict=True))
+    fresh, fresh_opt = build(2, 0.2)
+    set_optimizer_state_dict(fresh, fresh_opt.optimizers[0], full_osd, options=StateDictOptions(full_state_dict=True))
+    a_sd, b_sd = get_optimizer_state_dict(full, ours_opt), get_optimizer_state_dict(fresh, fresh_opt.optimizers[0])
+    for key in a_sd["state"]:
+        for name in ("exp_avg_sq", "master"):
+            assert_bitwise_equal(a_sd["state"][key][name].to_local(), b_sd["state"][key][name].to_local(),
+                                 name=f"full load {key} {name}")
+
+
+@pytest.mark.slow
+def test_fsdp2_device_share_two_ranks(tmp_path):
+    run_distributed(_fsdp2_share_worker, 2, str(tmp_path))
+
+
+def test_fit_device_fraction():
+    n, bucket, slots = 1000, 100, 3
+    staging = staging_bytes_bound(bucket, slots)
+    margin = AUTO_MARGIN_BYTES
+    fit = dict(bucket_params=bucket, slots=slots)
+    assert fit_device_fraction(margin + 8 * n + 4 * bucket, n, fp32_weights=True, **fit) == 1.0
+    assert fit_device_fraction(margin + 12 * n + 4 * bucket, n, fp32_weights=False, **fit) == 1.0
+    assert fit_device_fraction(margin + 12 * n + 4 * bucket - 1, n, fp32_weights=False, **fit) < 1.0
+    assert fit_device_fraction(margin + staging + 8 * n // 4, n, fp32_weights=True, **fit) == 0.25
+    assert fit_device_fraction(margin + staging + 12 * n // 2, n, fp32_weights=False, **fit) == 0.5
+    assert fit_device_fraction(margin + staging + 8 * 333, n, fp32_weights=True, **fit) == 0.333
+    assert fit_device_fraction(margin + staging - 1, n, fp32_weights=True, **fit) == 0.0
+    assert fit_device_fraction(0, n, fp32_weights=True, **fit) == 0.0
+    assert fit_device_fraction(staging + 8 * n // 2, n, fp32_weights=True, margin_bytes=0, **fit) == 0.5
+    assert fit_device_fraction(staging + 8 * n // 2, n, fp32_weights=True, margin_bytes=0, host_share=True,
+                               **fit) == 0.0  # the CPU share's cast temporaries (32 MiB) do not fit
+    gen = torch.Generator().manual_seed(fresh_seed(91))
+    for _ in range(20):  # the share it returns fits, and 1/1000 more would not
+        free = int(torch.randint(0, 1 << 20, (1,), generator=gen)) + margin + staging
+        d = fit_device_fraction(free, n, fp32_weights=True, **fit)
+        assert margin + staging + 8 * d * n <= free or d == 1.0
+        assert d == 1.0 or margin + staging + 8 * (d + 0.001) * n > free
+
+
+def test_resolve_device_fraction_and_bad_values():
+    section = SimpleNamespace(bucket_params=100, slots=2, host_fraction=0.0, device_fraction="auto")
+    free = AUTO_MARGIN_BYTES + staging_bytes_bound(100, 2) + 8 * 500
+    assert resolve_device_fraction(section, local_numel=1000, fp32_weights=True, free_device_bytes=free) == 0.5
+    with pytest.raises(ValueError, match="auto"):
+        resolve_device_fraction(section, local_numel=1000, fp32_weights=True, free_device_bytes=None)
+    assert resolve_device_fraction(SimpleNamespace(device_fraction="0.25"), local_numel=1, fp32_weights=True,
+                                   free_device_bytes=None) == 0.25
+    assert parse_device_fraction(" AUTO ") == "auto" and parse_device_fraction(1) == 1.0
+    for bad in ("x", 1.5, -0.1, True, None):
+        with pytest.raises(ValueError, match="device_fraction"):
+            parse_device_fraction(bad)
+    params = _params(6)
+    for bad, match in ((1.5, r"device_fraction \(1.5\)"), ("auto", r"device_fraction \('auto'\)"),
+                       (True, r"device_fraction \(True\)")):
+        with pytest.raises(ValueError, match=match):
+            OffloadStreamAdamW(params, device_fraction=bad)
+    with pytest.raises(ValueError, match="overlap"):
+        OffloadStreamAdamW(params, overlap=1)
