@@ -9,9 +9,15 @@ host-link floor measured in the same run (12 B/param host->device and device->ho
   deepspeed       DeepSpeed CPUAdam (AVX, JIT-compiled on first use) with the same transfers
   fsdp2_offload   FSDP2 + CPUOffloadPolicy on 1 rank: iteration time minus the same model's
                   forward+backward without offload (the time the offloaded optimizer adds)
+  overlap         issue 20: device_fraction (0, 0.25, 0.5) x overlap (off, on) at --overlap-staging,
+                  each step followed by a synthetic forward (one unit per weight tensor, matmuls
+                  calibrated to --forward-ms in all) that waits per unit with overlap on; reports the
+                  step's exposed time (`exposed_seconds()`), step + forward against the forward alone,
+                  and the device state bytes
 Times are wall clock between device synchronisations, median of repeats after one warm-up.
 
     python benchmarks/optimizer_step.py                 # one GPU: 1B and 2.6B params
+    python benchmarks/optimizer_step.py --skip sweep,torch_cpu,deepspeed,fsdp2_offload   # overlap rows only
     python benchmarks/optimizer_step.py --smoke         # CPU, tiny sizes (checks that it runs)
 JSON goes to $OUT/optimizer_step.json if OUT is set, else benchmarks/results/optimizer_step.json.
 """
@@ -169,6 +175,77 @@ def bench_ours(params, points, repeats, device):
     return rows, build_s
 
 
+class _Unit(nn.Module):
+    """One weight tensor and a forward of `matmuls` [M, M] products (compute that takes time and
+    bandwidth, as a block's forward does) that also reads the weight."""
+
+    def __init__(self, weight: nn.Parameter, work: torch.Tensor, matmuls: int):
+        super().__init__()
+        self.weight = weight
+        self.work, self.matmuls = work, matmuls
+
+    def forward(self, x):
+        for _ in range(self.matmuls):
+            x = torch.mm(x, self.work)
+        return x + self.weight[:1].float().sum().to(x.dtype)
+
+
+def synthetic_forward(params, device, forward_s, smoke):
+    """Units (one per tensor, in flat order) whose forwards take forward_s seconds in all."""
+    M = 256 if smoke else 4096
+    work = torch.randn(M, M, device=device, dtype=torch.bfloat16) / M ** 0.5
+    x = torch.randn(M, M, device=device, dtype=torch.bfloat16)
+    probe = _Unit(params[0], work, 8)
+    one = median_time(lambda: probe(x), device, 3) / 8  # seconds per matmul
+    per_unit = max(1, round(forward_s / one / len(params)))
+    units = [_Unit(p, work, per_unit) for p in params]
+
+    def forward():
+        h = x
+        for unit in units:
+            h = unit(h)
+        return h
+    return units, forward
+
+
+def bench_overlap(params, points, repeats, device, forward_s, smoke):
+    """points: (bucket_params, slots, device_fraction, overlap). Each iteration = step + forward."""
+    units, forward = synthetic_forward(params, device, forward_s, smoke)
+    forward_alone = median_time(forward, device, repeats)
+    rows = []
+    for bucket, slots, share, overlap in points:
+        opt = OffloadStreamAdamW(params, **HP, bucket_params=bucket, slots=slots, device_fraction=share,
+                                 overlap=overlap)
+        opt.wait_in_forward([(u, [u.weight]) for u in units])
+        exposed, steps = [], []
+
+        def iteration():
+            t0 = time.perf_counter()
+            opt.step()
+            steps.append(time.perf_counter() - t0)
+            forward()
+        total = median_time(iteration, device, repeats)
+        for _ in range(repeats):  # the optimizer's own figure, step by step
+            iteration()
+            sync(device)
+            exposed.append(opt.exposed_seconds())
+        row = dict(bucket_params=bucket, slots=slots, device_fraction=share, overlap=overlap,
+                   step_plus_forward_seconds=total, forward_seconds=forward_alone,
+                   exposed_measured_seconds=total - forward_alone, exposed_seconds=statistics.median(exposed),
+                   step_host_seconds=statistics.median(steps), copy_span_seconds=opt.step_seconds(),
+                   device_state_bytes=opt.device_state_bytes, staging_bytes=opt.staging_bytes,
+                   h2d_bytes=opt.last_step.h2d_bytes, buckets=opt.last_step.buckets)
+        rows.append(row)
+        print(f"  d={share:.2f} overlap={'on ' if overlap else 'off'}: step+forward {total:.4f} s "
+              f"(forward alone {forward_alone:.4f} s) exposed {row['exposed_seconds']:.4f} s "
+              f"(measured {row['exposed_measured_seconds']:.4f} s), device state "
+              f"{opt.device_state_bytes / 2**30:.2f} GiB", flush=True)
+        opt.forward_waits.remove_hooks()
+        del opt
+        free_host_memory()
+    return rows
+
+
 def bench_cpu_optimizer(params, make_optimizer, repeats, device):
     """fp32 master/grad copies in pinned host memory; the step downloads grads, updates on the CPU,
     uploads the weights (both transfers with the bf16<->fp32 cast on the device)."""
@@ -279,7 +356,11 @@ def main():
                     help="comma list of BUCKETxSLOTS where the host fractions are measured")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--baseline-repeats", type=int, default=2)
-    ap.add_argument("--skip", default="", help="comma list of: torch_cpu,deepspeed,fsdp2_offload")
+    ap.add_argument("--device-fractions", default="0,0.25,0.5", help="device_fraction values of the overlap rows")
+    ap.add_argument("--overlap-staging", default="25000000x3", help="BUCKETxSLOTS of the overlap rows")
+    ap.add_argument("--forward-ms", type=float, default=150.0,
+                    help="synthetic forward after each step in the overlap rows (milliseconds in all)")
+    ap.add_argument("--skip", default="", help="comma list of: sweep,overlap,torch_cpu,deepspeed,fsdp2_offload")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     sizes = [int(float(s)) for s in args.sizes.split(",")]
@@ -294,6 +375,11 @@ def main():
     if args.smoke:
         staging = [(buckets[2], 2)]
     points = [(b, s, 0.0) for b in buckets for s in slots_list] + [(b, s, f) for b, s in staging for f in fractions]
+    ov_bucket, ov_slots = (int(float(v)) for v in args.overlap_staging.split("x"))
+    if args.smoke:
+        ov_bucket, ov_slots, args.forward_ms = buckets[0], 3, 20.0
+    overlap_points = [(ov_bucket, ov_slots, float(d), o) for d in args.device_fractions.split(",") if d
+                      for o in (False, True)]
     skip = set(filter(None, args.skip.split(",")))
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -310,14 +396,19 @@ def main():
     # ours first at every size (the numbers that matter most), then the slower baselines
     for total in sizes:
         print(f"== ours, {total:,} params on {device}", flush=True)
-        entry = result["sizes"][str(total)] = {}
+        entry = result["sizes"][str(total)] = {"ours": []}
         entry["floor_seconds"] = link_floor(total, device, chunk, repeats=3)
         print(f"  link floor (12 B/param each way, concurrent): {entry['floor_seconds']:.4f} s", flush=True)
         params = make_working(total, piece, device)
-        entry["ours"], entry["ours_build_seconds"] = bench_ours(params, points, args.repeats, device)
+        if "sweep" not in skip:
+            entry["ours"], entry["ours_build_seconds"] = bench_ours(params, points, args.repeats, device)
+            save()
+        if "overlap" not in skip:
+            entry["overlap"] = bench_overlap(params, overlap_points, args.repeats, device, args.forward_ms / 1e3,
+                                             args.smoke)
+            save()
         del params
         free_host_memory()
-        save()
     for total in sizes:
         print(f"== baselines, {total:,} params", flush=True)
         entry = result["sizes"][str(total)]
@@ -348,6 +439,11 @@ def print_table(result):
             print(f"{int(total):>14,} {'ours':<14} {row['bucket_params']:>12,} {row['slots']:>5} {row['host_fraction']:>6.2f} "
                   f"{row['seconds']:>9.4f} {floor / row['seconds']:>8.3f} {row['staging_bytes'] / 2**20:>11.0f} "
                   f"{row['weights_ready_seconds'] or 0:>8.4f}")
+        for row in entry.get("overlap", []):
+            print(f"{int(total):>14,} {'ours d=%.2f %s' % (row['device_fraction'], 'ovl' if row['overlap'] else 'seq'):<14} "
+                  f"{row['bucket_params']:>12,} {row['slots']:>5} {'':>6} {row['exposed_seconds']:>9.4f} "
+                  f"{floor / max(row['exposed_seconds'], 1e-9):>8.3f} {row['staging_bytes'] / 2**20:>11.0f} "
+                  f"{'':>8}  step+fwd {row['step_plus_forward_seconds']:.4f} s, fwd {row['forward_seconds']:.4f} s")
         for name in ("torch_cpu", "deepspeed", "fsdp2_offload"):
             r = entry.get(name)
             if r is None:

@@ -235,3 +235,56 @@ def test_resolve_device_fraction_and_bad_values():
             OffloadStreamAdamW(params, device_fraction=bad)
     with pytest.raises(ValueError, match="overlap"):
         OffloadStreamAdamW(params, overlap=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device_fraction,host_fraction", [(0.3, 0.0), (0.3, 0.5), (1.0, 0.0)])
+def test_cuda_device_share_matches_torch_fused_adamw(dtype, device_fraction, host_fraction, monkeypatch):
+    monkeypatch.setattr(host_update, "CHUNK", 6)
+    seed = fresh_seed(61)
+    runs = {}
+    for share in (0.0, device_fraction):
+        ours_p = _params(seed, dtype, "cuda")
+        ref_p = [nn.Parameter(p.detach().float().clone()) for p in ours_p]  # never alias ours
+        opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2, host_fraction=host_fraction,
+                                 device_fraction=share)
+        ref = torch.optim.AdamW(_groups(ref_p), **HP, fused=True)
+        for step in range(5):
+            for p, q, g in zip(ours_p, ref_p, _grads(step, SHAPES, dtype, seed)):
+                p.grad = None if g is None else g.cuda()
+                q.grad = None if g is None else g.float().cuda()
+            opt.step()
+            ref.step()
+        runs[share] = (ours_p, opt)
+    ours = opt.state_dict()
+    for i, (p, q) in enumerate(zip(ours_p, ref_p)):
+        assert_close(ours["state"][i]["master"], q, rtol=RTOL, atol=ATOL, name=f"master {i}")
+        assert_bitwise_equal(p.detach(), ours["state"][i]["master"].cuda().to(dtype), name=f"weight {i}")
+    _assert_state_close(ours, ref.state_dict())
+    if host_fraction == 0.0:  # device-resident or streamed: the same CUDA kernel, the same bits
+        _assert_same_run(*runs[0.0], *runs[device_fraction])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_device_share_memory(dtype):
+    bucket, slots, n = 1 << 16, 2, 1_000_003
+    params = [nn.Parameter(torch.randn(n, device="cuda", dtype=dtype))]
+    params[0].grad = torch.randn_like(params[0])
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    opt = OffloadStreamAdamW(params, bucket_params=bucket, slots=slots, device_fraction=0.5)
+    n_dev = round(0.5 * n)
+    assert opt.device_state_bytes == (8 if dtype == torch.float32 else 12) * n_dev
+    held = torch.cuda.memory_allocated() - before
+    assert held <= opt.staging_bytes + opt.device_state_bytes + 512 * (slots + 3)  # block rounding
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(2):
+        opt.step()
+    torch.cuda.synchronize()
+    bound = staging_bytes_bound(bucket, slots) + opt.device_state_bytes
+    assert torch.cuda.max_memory_allocated() - before <= bound + 4096
+    free = AUTO_MARGIN_BYTES + staging_bytes_bound(bucket, slots) + opt.device_state_bytes
+    assert fit_device_fraction(free, n, fp32_weights=dtype == torch.float32, bucket_params=bucket,
+                               slots=slots) >= 0.499
