@@ -1,9 +1,13 @@
-"""`mop-train`: inspection commands that need no GPU and no process group.
+"""`mop-train`: inspection commands that need no GPU and no process group, and a launcher.
 
     mop-train layout --world 64 --seq 8 --expert 64 --vocab 8   # print the MoP rank layout
     mop-train zoo                                               # the named models and their sizes
+    mop-train train --nproc-per-node 8 configs/x.toml --training.steps 100   # check, then torchrun
 
-Training itself is launched with torchrun: `torchrun ... -m mop_train.train --job.config_file X.toml`.
+`train` checks the configuration in this process first (a bad key or value: one line, exit 2,
+before any rank starts), then runs torchrun's launcher in-process on this node and exits with the
+ranks' own exit code (mop_train.train.__main__ lists them) instead of torchrun's summary. Several
+nodes: `torchrun ... -m mop_train.train --job.config_file X.toml` on each.
 """
 
 from __future__ import annotations
@@ -27,6 +31,31 @@ def _zoo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    import logging
+
+    from mop_train.config import load_job_config
+    from mop_train.models import zoo
+
+    from torchtitan.tools.logging import logger
+
+    logger.setLevel("ERROR")   # torchtitan warns that hf_assets_path = "embedded" is not a folder
+    job = ["--job.config_file", args.config, *args.overrides]
+    load_job_config(job, model_flavors=zoo.names())   # ValueError -> one line, exit 2
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    launch = torchrun.parse_args(["--standalone", f"--nproc-per-node={args.nproc_per_node}",
+                                  "-m", "mop_train.train", *job])
+    try:
+        torchrun.run(launch)
+    except ChildFailedError as err:
+        codes = [f.exitcode for _, f in sorted(err.failures.items())]
+        return next((c for c in codes if c > 0), 1)  # a rank's own code, not a kill by the launcher
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mop-train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     lay.set_defaults(func=_layout)
     zoo = sub.add_parser("zoo", help="list the named model configs with exact parameter counts")
     zoo.set_defaults(func=_zoo)
+    train = sub.add_parser("train", help="check a job's configuration, then train on this node's ranks")
+    train.add_argument("--nproc-per-node", type=int, default=1, help="ranks on this node (torchrun's)")
+    train.add_argument("config", help="the job's TOML file (--job.config_file)")
+    train.add_argument("overrides", nargs=argparse.REMAINDER, help="torchtitan-style flags: --section.key value")
+    train.set_defaults(func=_train)
     return parser
 
 

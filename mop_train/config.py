@@ -111,8 +111,30 @@ class Data:
 
 
 @dataclass
+class Reliability:
+    on_nonfinite: Literal["skip", "stop"] = "skip"
+    """A step whose loss or gradient norm is NaN/inf on any rank: "skip" updates nothing (parameters, optimizer state, LR schedule position, router biases; the batch is consumed), counted in metrics.jsonl; "stop" exits 3 naming the step, the ranks and the first non-finite gradient."""
+
+    max_consecutive_skips: int = 10
+    """With on_nonfinite = "skip": stop (exit 3) once this many steps in a row were non-finite."""
+
+    resume_from_verified: bool = False
+    """When the newest checkpoint fails its checksum manifest, resume from the newest one that passes instead of stopping (exit 4)."""
+
+    save_on_sigterm: bool = True
+    """On SIGTERM every rank finishes its step, saves a resumable checkpoint (with checkpoint.enable) and exits 5."""
+
+    check_a2a_splits: bool = False
+    """Debug: before every expert all-to-all, check that each rank's receive splits are the transpose of the send splits (one extra all-gather per all-to-all)."""
+
+    lock_dump_folder: bool = True
+    """Refuse to start on a dump folder another live job holds (lock file naming its host and pid)."""
+
+
+@dataclass
 class Mop:
     layout: Layout = field(default_factory=Layout)
+    reliability: Reliability = field(default_factory=Reliability)
     data: Data = field(default_factory=Data)
     moe: MoE = field(default_factory=MoE)
     ring_dtp: RingDTP = field(default_factory=RingDTP)
@@ -233,22 +255,109 @@ def load_toml(path: str) -> dict:
         raise ValueError(f"config file {path!r} is not valid TOML: {err}") from None
 
 
-def load_job_config(argv: list[str] | None = None):
-    """Parse TOML + CLI overrides into the merged JobConfig, checked and validated."""
+def _given_on_command_line(argv: list[str], dotted: str) -> bool:
+    flags = {f"--{dotted}", f"--{dotted.replace('_', '-')}"}
+    flags |= {f"--{'.'.join(dotted.split('.')[:-1])}.no-{dotted.split('.')[-1]}"} if "." in dotted else set()
+    return any(a.split("=")[0] in flags for a in argv)
+
+
+def _in_toml(data: dict, dotted: str) -> bool:
+    node = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def load_job_config(argv: list[str] | None = None, *, model_flavors: list[str] | None = None):
+    """Parse TOML + CLI overrides into the merged JobConfig, checked and validated.
+
+    Args:
+        model_flavors: the names `model.flavor` may take (the training loop passes the zoo's);
+            None leaves the flavor unchecked here.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     path = _find_config_file(argv)
+    data = {}
     if path is not None:
         data = load_toml(path)
         check_toml_against(merged_config_class(), data, path=path)
-        custom = data.get("job", {}).get("custom_config_module", "")
-        if custom not in ("", CUSTOM_CONFIG_MODULE):
-            raise ValueError(f"{path}: job.custom_config_module = {custom!r}; mop_train registers "
-                             f"{CUSTOM_CONFIG_MODULE!r} itself, remove the key")
-    if not any(a.split("=")[0] in ("--job.custom_config_module", "--job.custom-config-module") for a in argv):
-        argv += ["--job.custom_config_module", CUSTOM_CONFIG_MODULE]
+    custom_flags = [a for a in argv if a.split("=")[0] in ("--job.custom_config_module",
+                                                              "--job.custom-config-module")]
+    custom = data.get("job", {}).get("custom_config_module", "")
+    if custom not in ("", CUSTOM_CONFIG_MODULE) or custom_flags:
+        where = "command line" if custom_flags else path
+        raise ValueError(f"{where}: job.custom_config_module is not accepted (mop_train registers "
+                         f"{CUSTOM_CONFIG_MODULE!r} itself and imports no other module named by a config); "
+                         f"remove the key")
+    argv += ["--job.custom_config_module", CUSTOM_CONFIG_MODULE]
+    if not _in_toml(data, "model.name") and not _given_on_command_line(argv, "model.name"):
+        argv += ["--model.name", MODEL_NAME]   # torchtitan's default ("llama3") is not ours
     cfg = ConfigManager().parse_args(argv)
+
+    def origin(dotted: str) -> str:
+        if _given_on_command_line(argv, dotted):
+            return f"{path + ' with ' if path else ''}command line (--{dotted})"
+        return path if path is not None and _in_toml(data, dotted) else "default"
+
+    check_honoured(cfg, origin)
+    if model_flavors is not None and cfg.model.flavor not in model_flavors:
+        raise ValueError(f"{origin('model.flavor')}: model.flavor = {cfg.model.flavor!r} is not a mop_train "
+                         f"model; valid: {', '.join(model_flavors)} (`mop-train zoo` lists their sizes)")
     validate(cfg, source=path or "command line")
     return cfg
+
+
+MODEL_NAME = "mop"
+"""The one `model.name` mop_train trains (its model family; `model.flavor` picks the size)."""
+
+HONOURED = {
+    "job": ("config_file", "dump_folder", "description", "custom_config_module"),
+    "metrics": ("log_freq", "enable_tensorboard", "save_tb_folder", "save_for_all_ranks", "enable_wandb"),
+    "model": ("name", "flavor", "hf_assets_path"),
+    "optimizer": ("name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation",
+                  "early_step_in_backward"),
+    "lr_scheduler": ("warmup_steps", "total_steps", "decay_ratio", "decay_type", "min_lr_factor"),
+    "training": ("dataset", "dataset_path", "local_batch_size", "global_batch_size", "seq_len", "max_norm",
+                 "steps", "dtype", "mixed_precision_param", "mixed_precision_reduce", "dataloader"),
+    "parallelism": ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
+                    "context_parallel_degree", "expert_parallel_degree"),
+    "checkpoint": ("enable", "folder", "interval", "initial_load_path", "initial_load_model_only",
+                   "last_save_model_only", "last_save_in_hf", "export_dtype", "keep_latest_k", "load_step",
+                   "exclude_from_loading", "enable_first_step_checkpoint", "enable_ft_dataloader_checkpoints"),
+    "activation_checkpoint": ("mode", "selective_ac_option", "preserve_rng_state"),
+    "comm": ("init_timeout_seconds", "train_timeout_seconds"),
+    "debug": ("seed", "deterministic", "deterministic_warn_only"),
+}
+"""torchtitan keys the loop reads, per section (the degrees under `parallelism` only as 1, checked
+at launch). Any other torchtitan key, and every key of a section not listed (compile, quantize
+(float8, mx), profiling, validation, fault_tolerance, memory_estimation, experimental), must keep
+torchtitan's default: `check_honoured` refuses it rather than ignore it."""
+
+
+def check_honoured(cfg, origin) -> None:
+    """Refuse any torchtitan key set away from its default that the loop does not implement.
+
+    Args:
+        origin: dotted key -> where its value came from ("configs/x.toml", "command line (--k)").
+    """
+    defaults = TitanJobConfig()
+    if cfg.model.name != MODEL_NAME:
+        raise ValueError(f"{origin('model.name')}: model.name = {cfg.model.name!r}; mop_train trains its own "
+                         f"model family only: set model.name = {MODEL_NAME!r} and pick a size with model.flavor")
+    for section in dataclasses.fields(defaults):
+        default_section, ours = getattr(defaults, section.name), getattr(cfg, section.name)
+        honoured = HONOURED.get(section.name, ())
+        for f in dataclasses.fields(default_section):
+            value, default = getattr(ours, f.name), getattr(default_section, f.name)
+            if f.name in honoured or value == default:
+                continue
+            dotted = f"{section.name}.{f.name}"
+            what = (f"honoured keys in [{section.name}]: {', '.join(honoured)}" if honoured else
+                    f"no key of [{section.name}] is implemented")
+            raise ValueError(f"{origin(dotted)}: {dotted} = {value!r} is not implemented by mop_train's loop "
+                             f"(it would be ignored); remove it or set it back to {default!r}. {what}")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -288,6 +397,9 @@ def validate(cfg, *, source: str = "config") -> None:
     _require(lay.expert_degree == 1 or moe.dispatch != "local",
              f"{source}: mop.moe.dispatch = 'local' keeps all experts on every rank, but "
              f"mop.layout.expert_degree = {lay.expert_degree}; set dispatch to 'ep', 'llep' or 'pipelined_llep'")
+    rel = mop.reliability
+    _require(rel.max_consecutive_skips >= 1,
+             f"{source}: mop.reliability.max_consecutive_skips = {rel.max_consecutive_skips} must be >= 1")
     t = cfg.training
     _require(t.seq_len >= 1, f"{source}: training.seq_len = {t.seq_len} must be >= 1")
     _require(t.local_batch_size >= 1, f"{source}: training.local_batch_size = {t.local_batch_size} must be >= 1")

@@ -83,3 +83,38 @@ def test_parse_bytes():
     for bad in ("-1GiB", "GiB", "12 parsecs", -3):
         with pytest.raises(ValueError):
             parse_bytes(bad)
+
+
+UNHONOURED = [
+    ("[compile]\nenable = true\n", ["compile.enable = True", "no key of [compile] is implemented"]),
+    ("[model]\nname = \"llama9\"\n", ["model.name = 'llama9'", "'mop'"]),
+    ("[training]\ngc_freq = 7\n", ["training.gc_freq = 7", "honoured keys in [training]", "seq_len"]),
+    ("[parallelism]\ndata_parallel_shard_degree = 2\n", ["parallelism.data_parallel_shard_degree = 2", "-1"]),
+    ("[checkpoint]\nasync_mode = \"async\"\n", ["checkpoint.async_mode = 'async'", "'disabled'"]),
+    ("[quantize.linear.float8]\nenable_fsdp_float8_all_gather = true\n", ["quantize.linear", "no key of [quantize]"]),
+    ("[job]\ncustom_config_module = \"os\"\n", ["job.custom_config_module", "not accepted"]),
+    ("[mop.reliability]\nmax_consecutive_skips = 0\n", ["mop.reliability.max_consecutive_skips = 0", ">= 1"]),
+]
+
+
+@pytest.mark.parametrize("text, needles", UNHONOURED)
+def test_keys_the_loop_does_not_implement_are_refused(tmp_path, text, needles):
+    path = _write(tmp_path, text)
+    with pytest.raises(ValueError) as info:
+        load_job_config(["--job.config_file", path])
+    msg = str(info.value)
+    assert path in msg
+    for needle in needles:
+        assert needle in msg, f"{needle!r} missing from: {msg}"
+
+
+def test_command_line_values_name_the_flag_and_the_file(tmp_path):
+    path = _write(tmp_path, "[model]\nflavor = \"debug\"\n")
+    for argv, needles in ((["--compile.enable"], ["--compile.enable", "compile.enable = True"]),
+                          (["--model.flavor", "gigantic"], ["--model.flavor", "'gigantic'", "debug, small"]),
+                          (["--job.custom_config_module", "os"], ["command line", "not accepted"])):
+        with pytest.raises(ValueError) as info:
+            load_job_config(["--job.config_file", path, *argv], model_flavors=["debug", "small"])
+        for needle in needles:
+            assert needle in str(info.value), f"{needle!r} missing from: {info.value}"
+    assert load_job_config(["--job.config_file", path], model_flavors=["debug"]).model.name == "mop"

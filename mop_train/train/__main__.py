@@ -1,15 +1,51 @@
 """`python -m mop_train.train ...` / `torchrun ... -m mop_train.train ...`: run the training loop.
 
-A configuration or input error (ValueError) prints one line naming the problem and exits with 2.
+Every way of stopping short has its own exit code (mop_train.train.reliability): a configuration
+or input error (ValueError) exits 2, a non-finite run 3, a bad checkpoint 4, SIGTERM 5, a hung
+collective 6, a dump folder held by another job 7. The message is one line on stderr, printed by
+rank 0 alone when every rank stops for the same reason (the others exit quietly, same code).
 """
 
+import os
 import sys
+import time
 
-from mop_train.train.loop import main
+from mop_train.train.reliability import EXIT_CONFIG, EXIT_HUNG, TrainingStop, is_timeout
 
-if __name__ == "__main__":
+
+QUIET_RANK_DELAY_S = 2.0
+"""How long a rank other than 0 waits before it exits quietly, so that torchrun (which stops the
+other ranks once one has exited) does not stop rank 0 before it has printed the error."""
+
+
+def _report(message: str, *, every_rank: bool = False) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    if every_rank or rank == 0:
+        prefix = f"mop_train.train (rank {rank})" if every_rank else "mop_train.train"
+        print(f"{prefix}: error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(QUIET_RANK_DELAY_S)
+
+
+def run() -> int:
+    from mop_train.train.loop import main
+
     try:
         main()
     except ValueError as err:
-        print(f"mop_train.train: error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _report(str(err))
+        return EXIT_CONFIG
+    except TrainingStop as err:
+        _report(str(err), every_rank=err.every_rank)
+        return err.exit_code
+    except RuntimeError as err:
+        if not is_timeout(err):
+            raise
+        _report(f"a collective did not complete within the timeout (comm.init_timeout_seconds before "
+                f"step 1, comm.train_timeout_seconds after): {str(err).splitlines()[0]}", every_rank=True)
+        return EXIT_HUNG
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())

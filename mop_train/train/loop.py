@@ -23,6 +23,7 @@ import random
 import time
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 
 import numpy as np
@@ -36,6 +37,10 @@ from mop_train.models import zoo
 from mop_train.models.document_mask import document_ids
 from mop_train.models.model import MoETransformer
 from mop_train.train.checkpoint import TrainState, build_checkpointer
+from mop_train.train.reliability import (CollectiveTimeout, DumpFolderLock, DumpFolderLocked, Fault,
+                                         NonFiniteGuard, StepVerdict, StopFlag, StopRequested,
+                                         exit_with_parent, install_a2a_split_check, is_timeout,
+                                         set_collective_timeout)
 from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir
 from mop_train.parallel.apply import (apply_expert_parallel, apply_sequence_parallel,
                                      apply_vocab_parallel, dispatch_metrics)
@@ -50,10 +55,12 @@ from mop_train.train.plan import (MemoryPlanInputs, check_host_memory, format_pl
                                   memory_plan)
 
 
-def init_distributed() -> torch.device:
-    """Join the torchrun world, or make a world of one (in-memory store) under plain python."""
+def init_distributed(timeout_s: float = 300) -> torch.device:
+    """Join the torchrun world, or make a world of one (in-memory store) under plain python.
+    `timeout_s`: how long a collective may wait before it fails (comm.init_timeout_seconds)."""
     single = "RANK" not in os.environ
     kwargs = dict(store=dist.HashStore(), rank=0, world_size=1) if single else {}
+    kwargs["timeout"] = timedelta(seconds=timeout_s)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -165,18 +172,33 @@ def shard_sequence(tokens: torch.Tensor, labels: torch.Tensor, layout):
     return tokens[:, start:start + S // D], labels[:, start:start + S // D], positions
 
 
+@dataclass
+class StepGuards:
+    """What a step checks besides its arithmetic (see mop_train.train.reliability)."""
+    nonfinite: NonFiniteGuard
+    stop: StopFlag
+    schedule_steps: int              # the LR schedule's length: past it, the final LR is held
+    fault: Fault | None = None       # tests: a NaN injected at a given step and rank
+
+
 def train_step(parts: ModelParts, layout, batch, optimizers, lr_schedulers, *, max_norm: float,
-               bias_rate: float, device: torch.device, eos_id: int | None = None) -> dict:
+               bias_rate: float, device: torch.device, guards: StepGuards, step: int,
+               eos_id: int | None = None) -> dict:
     """One optimizer step on this rank's batch; returns this step's tensors for logging.
-    `eos_id`: None (plain causal attention) or the EOS token id that closes packed documents."""
-    module, model = parts.module, parts.model
+    `eos_id`: None (plain causal attention) or the EOS token id that closes packed documents.
+    A step whose loss or gradient norm is non-finite on any rank updates nothing (`verdict.skip`)."""
+    module, model, rank = parts.module, parts.model, dist.get_rank()
     inputs, labels = batch
     tokens, labels = inputs["input"].to(device), labels.to(device)   # [B, S], [B, S]
     doc_ids = None if eos_id is None else document_ids(tokens, eos_id)  # [B, S]: full sequences
     tokens, labels, positions = shard_sequence(tokens, labels, layout)  # [B, S/D] each
+    if guards.fault is not None and guards.fault.fires(step, rank, "hang"):
+        time.sleep(3600)
     n_tokens = (labels != IGNORE_INDEX).sum()
     dist.all_reduce(n_tokens)                                          # global target count
     loss_sum = module(tokens, labels, positions, doc_ids)              # fp32 sum over local tokens
+    if guards.fault is not None and guards.fault.fires(step, rank, "nan_loss"):
+        loss_sum = loss_sum * float("nan")
     loss = loss_sum / n_tokens
     if model.args.aux_loss_coef > 0:
         loss = loss + model.aux_loss() / dist.get_world_size()         # gradients sum over ranks
@@ -185,16 +207,38 @@ def train_step(parts: ModelParts, layout, batch, optimizers, lr_schedulers, *, m
     reduce_dtype = parts.precision.reduce_dtype
     reduce_replica_grads(parts.expert_params, layout.expert_replica_group, reduce_dtype=reduce_dtype)
     reduce_replica_grads(parts.vocab_params, layout.vocab_replica_group, reduce_dtype=reduce_dtype)
-    grad_norm = clip_grad_norm_(list(module.parameters()), max_norm)
+    params = list(module.parameters())
+    if guards.fault is not None and guards.fault.fires(step, rank, "nan_grad"):
+        guards.fault.poison_grad(list(module.named_parameters()))
+    grad_norm = clip_grad_norm_(params, 0.0)                           # the global norm, not clipped yet
+    verdict = guards.nonfinite.check(loss, grad_norm, stop_requested=guards.stop.requested)
+    guards.nonfinite.after(verdict, step=step, named_params=list(module.named_parameters()))
     lr = lr_schedulers.schedulers[0].get_last_lr()[0]
     optimizer_span = DeviceSpan(device)
-    with optimizer_span:
-        optimizers.step()
-    lr_schedulers.step()
-    optimizers.zero_grad()
-    model.update_router_biases(bias_rate, reduce_fn=dist.all_reduce)
+    if verdict.skip:  # nothing moves: parameters, optimizer state, schedule, router biases
+        optimizers.zero_grad()
+        for moe in model.moe_layers():
+            moe.router.tokens_per_expert.zero_()
+    else:
+        clip_grads_with_norm_(params, max_norm, grad_norm)
+        with optimizer_span:
+            optimizers.step()
+        if lr_schedulers.schedulers[0].last_epoch < guards.schedule_steps - 1:
+            lr_schedulers.step()                                           # past its end: final LR held
+        optimizers.zero_grad()
+        model.update_router_biases(bias_rate, reduce_fn=dist.all_reduce)
     return {"loss_sum": loss_sum.detach(), "n_tokens": n_tokens, "grad_norm": grad_norm, "lr": lr,
-            "optimizer_span": optimizer_span, "dispatch": dispatch_metrics(model)}
+            "optimizer_span": optimizer_span, "dispatch": dispatch_metrics(model), "verdict": verdict}
+
+
+def clip_grads_with_norm_(params: list, max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale every gradient by min(1, max_norm / total_norm) (torch.nn.utils' rule; 0 disables)."""
+    if max_norm <= 0:
+        return
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            local(p.grad).mul_(coef.to(local(p.grad).device, local(p.grad).dtype))
 
 
 def document_eos_id(cfg, tokenizer) -> int | None:
@@ -242,7 +286,34 @@ def describe_run(cfg, layout, parts: ModelParts, seed: int, device, host_terms) 
         format_plan(host_terms, title="per-rank pinned host memory")])
 
 
-def train(cfg, device: torch.device) -> None:
+def lock_dump_folder(cfg) -> DumpFolderLock | None:
+    """Rank 0 takes the dump folder's lock; every rank raises DumpFolderLocked when it is held."""
+    if not cfg.mop.reliability.lock_dump_folder:
+        return None
+    lock, outcome = DumpFolderLock(cfg.job.dump_folder), [None, None]
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = lock.acquire()
+        except DumpFolderLocked as err:
+            outcome[1] = str(err)
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise DumpFolderLocked(outcome[1])
+    if outcome[0] and dist.get_rank() == 0:
+        print(outcome[0], flush=True)
+    return lock
+
+
+def train(cfg, device: torch.device, stop: StopFlag) -> None:
+    lock = lock_dump_folder(cfg)
+    try:
+        _train(cfg, device, stop)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg, device: torch.device, stop: StopFlag) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     lay = cfg.mop.layout
     layout = RankLayout.build(plan_layout(world, lay.seq_degree, lay.expert_degree, lay.vocab_degree),
@@ -272,11 +343,13 @@ def train(cfg, device: torch.device) -> None:
                       available_bytes=available_host_bytes())
     dist.barrier()  # every rank has read the free host memory before any rank pins its share
     optimizers = build_optimizers([module], cfg.optimizer, cfg.mop.offload_adamw, world_size=world)
-    lr_schedulers = build_lr_schedulers(optimizers, cfg.lr_scheduler, cfg.training.steps)
+    schedule_steps = cfg.lr_scheduler.total_steps or cfg.training.steps
+    lr_schedulers = build_lr_schedulers(optimizers, cfg.lr_scheduler, min(cfg.training.steps, schedule_steps))
     train_state = TrainState(rank)
     checkpointer = build_checkpointer(cfg.checkpoint, cfg.job.dump_folder, model=model,
                                       optimizers=optimizers, lr_schedulers=lr_schedulers,
-                                      dataloader=dataloader, train_state=train_state)
+                                      dataloader=dataloader, train_state=train_state,
+                                      reliability=cfg.mop.reliability, device=device)
     checkpointer.load(step=cfg.checkpoint.load_step)
     if train_state.step == 0:  # fresh start or a model-only load: offloaded masters follow the weights
         for opt in optimizers:
@@ -284,6 +357,8 @@ def train(cfg, device: torch.device) -> None:
                 opt.reset_masters_from_params()
     if rank == 0:
         print(describe_run(cfg, layout, parts, seed, device, host_terms), flush=True)
+        if checkpointer.note:
+            print(checkpointer.note, flush=True)
         if train_state.step:
             print(f"resumed from step {train_state.step} in {checkpointer.folder}", flush=True)
         if train_state.step >= cfg.training.steps:
@@ -295,10 +370,14 @@ def train(cfg, device: torch.device) -> None:
     counts, args = zoo.param_counts(cfg.model.flavor), model.args
     flops = flops_per_token(counts["active"], args.vocab_size * args.dim, args.n_layers, args.n_heads,
                             args.qk_head_dim, cfg.training.seq_len)
-    run_steps(cfg, parts, layout, dataloader, optimizers, lr_schedulers, checkpointer, train_state,
-              metrics, device=device, flops_per_token=flops, eos_id=eos_id)
-    metrics.close()
-    checkpointer.close()
+    guards = StepGuards(NonFiniteGuard(cfg.mop.reliability, rank=rank, world=world, device=device), stop,
+                        schedule_steps, Fault.from_env())
+    try:
+        run_steps(cfg, parts, layout, dataloader, optimizers, lr_schedulers, checkpointer, train_state,
+                  metrics, device=device, flops_per_token=flops, eos_id=eos_id, guards=guards)
+    finally:
+        metrics.close()
+        checkpointer.close()
     if rank == 0:
         print(f"done: metrics in {metrics.jsonl_path}"
               + (f", TensorBoard events in {metrics.tb_dir}" if cfg.metrics.enable_tensorboard else "")
@@ -307,23 +386,37 @@ def train(cfg, device: torch.device) -> None:
 
 
 def run_steps(cfg, parts: ModelParts, layout, dataloader, optimizers, lr_schedulers, checkpointer,
-              train_state, metrics, *, device, flops_per_token: float, eos_id: int | None = None) -> None:
+              train_state, metrics, *, device, flops_per_token: float, guards: StepGuards,
+              eos_id: int | None = None) -> None:
     steps, peak, sco = cfg.training.steps, peak_tflops(device), parts.sco
     batches = iter(dataloader)
-    window_start, window_tokens = time.perf_counter(), 0
+    window_start, window_tokens, timeout_set = time.perf_counter(), 0, False
     while train_state.step < steps:
         train_state.step += 1
         step = train_state.step
         if sco is not None:
             sco.begin_step()
-        out = train_step(parts, layout, next(batches), optimizers, lr_schedulers,
-                         max_norm=cfg.training.max_norm, bias_rate=cfg.mop.moe.bias_update_rate,
-                         device=device, eos_id=eos_id)
+        try:
+            out = train_step(parts, layout, next(batches), optimizers, lr_schedulers,
+                             max_norm=cfg.training.max_norm, bias_rate=cfg.mop.moe.bias_update_rate,
+                             device=device, eos_id=eos_id, guards=guards, step=step)
+        except RuntimeError as err:
+            if not is_timeout(err):
+                raise
+            raise CollectiveTimeout(
+                f"rank {dist.get_rank()}, step {step}: a collective of the training step did not complete "
+                f"within its timeout (comm.train_timeout_seconds = {cfg.comm.train_timeout_seconds}; "
+                f"comm.init_timeout_seconds before the first step): {str(err).splitlines()[0]}") from None
+        if not timeout_set:  # the first step (compilation, allocation) ran under the init timeout
+            set_collective_timeout(cfg.comm.train_timeout_seconds)
+            timeout_set = True
+        verdict: StepVerdict = out["verdict"]
+        train_state.skipped_steps += verdict.skip
         n_tokens = int(out["n_tokens"].item())
         train_state.tokens_seen += n_tokens
         window_tokens += n_tokens
         last = step == steps
-        if metrics.should_log(step, last):
+        if metrics.should_log(step, last) or verdict.skip:
             loss_sum = out["loss_sum"].clone()
             dist.all_reduce(loss_sum)
             if device.type == "cuda":
@@ -334,7 +427,8 @@ def run_steps(cfg, parts: ModelParts, layout, dataloader, optimizers, lr_schedul
                       "lr": out["lr"], "tokens_per_s": tokens_per_s,
                       "tokens_per_s_per_rank": tokens_per_s / dist.get_world_size(),
                       "tokens_seen": train_state.tokens_seen, "elapsed_s": elapsed,
-                      "optimizer_s": out["optimizer_span"].seconds()}
+                      "optimizer_s": None if verdict.skip else out["optimizer_span"].seconds(),
+                      "skipped": verdict.skip, "skipped_steps": train_state.skipped_steps}
             if device.type == "cuda":
                 tflops = flops_per_token * tokens_per_s / dist.get_world_size() / 1e12
                 values["tflops"] = tflops
@@ -344,19 +438,34 @@ def run_steps(cfg, parts: ModelParts, layout, dataloader, optimizers, lr_schedul
             values.update({f"moe_{k}": v for k, v in out["dispatch"].items()})
             metrics.log(step, values)
             window_start, window_tokens = time.perf_counter(), 0
+        if verdict.stop_requested:
+            stop_cleanly(cfg, checkpointer, step)
         checkpointer.save(step, last_step=last)
+
+
+def stop_cleanly(cfg, checkpointer, step: int) -> None:
+    """A rank got SIGTERM: every rank is at the same step boundary; save (when configured) and stop."""
+    saved = cfg.mop.reliability.save_on_sigterm and checkpointer.save(step, resumable=True)
+    raise StopRequested(f"stopped by a signal at the end of step {step}; "
+                        + (f"saved a resumable checkpoint in {checkpointer.folder}/step-{step}" if saved else
+                           "no checkpoint saved (checkpoint.enable = false or "
+                           "mop.reliability.save_on_sigterm = false)"))
 
 
 def main(argv: list[str] | None = None) -> None:
     init_logger()
     logger.setLevel("ERROR")  # torchtitan warns that hf_assets_path = "embedded" is not a folder
-    cfg = load_job_config(argv)
+    cfg = load_job_config(argv, model_flavors=zoo.names())
     logger.setLevel("INFO")
     warnings.filterwarnings("ignore", message=".*set_vital.*")
-    device = init_distributed()
+    exit_with_parent()
+    stop = StopFlag().install()
+    device = init_distributed(cfg.comm.init_timeout_seconds)
+    if cfg.mop.reliability.check_a2a_splits:
+        install_a2a_split_check()
     if dist.get_rank() != 0:
         logger.setLevel("WARNING")
     try:
-        train(cfg, device)
+        train(cfg, device, stop)
     finally:
         dist.destroy_process_group()

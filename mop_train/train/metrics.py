@@ -10,11 +10,15 @@ TensorBoard events go to `{dump_folder}/{metrics.save_tb_folder}` when enabled; 
 WandBLogger, offline when WANDB_MODE=offline) when enabled. Peak memory is the device allocator's
 peak on GPU and the process's peak resident set on CPU (`peak_mem_kind` says which).
 MFU divides achieved TFLOP/s by the device's dense bf16 peak (known devices only).
+The file is strict JSON: a NaN/inf value is written as null and its key listed under "nonfinite";
+a step skipped for non-finite values (mop.reliability.on_nonfinite) is always logged, with
+"skipped": true and "skipped_steps" (the run's count so far).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -118,12 +122,13 @@ class MetricLogger:
     def log(self, step: int, values: dict) -> None:
         """Write one record (all ranks call this; rank 0 prints and writes the jsonl)."""
         peak, kind = peak_memory_gib(self.device)
-        record = {"step": step, **values, "peak_mem_gib": peak, "peak_mem_kind": kind}
+        record = strict_json_record({"step": step, **values, "peak_mem_gib": peak, "peak_mem_kind": kind})
         for logger in self.loggers:
-            logger.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step)
+            logger.log({k: v for k, v in record.items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}, step)
         if self._jsonl is None:
             return
-        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         self._jsonl.flush()
         print(format_line(record), flush=True)
 
@@ -134,9 +139,23 @@ class MetricLogger:
             self._jsonl.close()
 
 
+def strict_json_record(record: dict) -> dict:
+    """NaN/inf floats -> None, their keys listed under "nonfinite" (strict JSON parsers reject NaN)."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return record
+    return {**{k: (None if k in bad else v) for k, v in record.items()}, "nonfinite": bad}
+
+
+def _num(value, spec: str) -> str:
+    return "nan" if value is None else format(value, spec)
+
+
 def format_line(r: dict) -> str:
-    line = (f"step {r['step']:>5}  loss {r['loss']:.4f}  grad_norm {r['grad_norm']:.4f}  "
+    line = (f"step {r['step']:>5}  loss {_num(r['loss'], '.4f')}  grad_norm {_num(r['grad_norm'], '.4f')}  "
             f"lr {r['lr']:.3e}  tokens/s {r['tokens_per_s']:,.0f}")
+    if r.get("skipped"):
+        line += f"  SKIPPED (non-finite {', '.join(r.get('nonfinite', []))}; {r['skipped_steps']} so far)"
     if r.get("tflops") is not None:
         line += f"  TFLOP/s {r['tflops']:.1f}"
     if r.get("mfu_pct") is not None:

@@ -1,0 +1,137 @@
+"""Reliability pieces that need no launch: strict metrics JSON, checkpoint manifests, the dump-folder lock.
+
+The launched checks (non-finite steps, damaged checkpoints, SIGTERM, orphans, hangs) are in
+tests/train/test_reliability_cli.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from mop_train.train import integrity
+from mop_train.train.metrics import format_line, strict_json_record
+from mop_train.train.reliability import CheckpointError, DumpFolderLock, DumpFolderLocked, Fault
+
+
+def test_metrics_stay_strict_json():
+    record = strict_json_record({"step": 3, "loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-3,
+                                 "tokens_per_s": 10.0, "peak_mem_gib": 0.5, "skipped": True, "skipped_steps": 1})
+    text = json.dumps(record, allow_nan=False)
+    back = json.loads(text)
+    assert back["loss"] is None and back["grad_norm"] is None and back["nonfinite"] == ["loss", "grad_norm"]
+    assert "SKIPPED" in format_line(back) and "loss nan" in format_line(back)
+    clean = {"step": 1, "loss": 1.0}
+    assert strict_json_record(clean) is clean
+
+
+def _fake_checkpoint(base, step: int) -> str:
+    folder = os.path.join(base, f"step-{step}")
+    os.makedirs(folder)
+    for name, size in ((".metadata", 100), ("__0_0.distcp", 5000), ("__1_0.distcp", 7000)):
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(os.urandom(size))
+    integrity.write_manifest(folder, rank=0, world=1)
+    return folder
+
+
+def test_manifest_catches_truncation_flips_and_missing_files(tmp_path):
+    base = str(tmp_path / "checkpoint")
+    older, newest = _fake_checkpoint(base, 2), _fake_checkpoint(base, 4)
+    assert integrity.verify(newest, rank=0, world=1) == []
+    assert integrity.choose_step(base, -1, fallback=False, rank=0, world=1) == (4, None)
+    shard = os.path.join(newest, "__1_0.distcp")
+    damages = {
+        "truncated": lambda: os.truncate(shard, 3000),
+        "SHA-256 differs": lambda: _flip_byte(shard, 4321),
+        "missing": lambda: os.unlink(shard),
+    }
+    for needle, damage in damages.items():
+        backup = open(shard, "rb").read() if os.path.exists(shard) else None
+        damage()
+        with pytest.raises(CheckpointError) as info:
+            integrity.choose_step(base, -1, fallback=False, rank=0, world=1)
+        msg = str(info.value)
+        for part in (needle, shard, newest, older, "--mop.reliability.resume_from_verified"):
+            assert part in msg, f"{part!r} missing from: {msg}"
+        step, note = integrity.choose_step(base, -1, fallback=True, rank=0, world=1)
+        assert step == 2 and older in note
+        with open(shard, "wb") as f:
+            f.write(backup)
+    # A folder with .metadata but no manifest (a save that died before its commit) is incomplete.
+    os.unlink(os.path.join(newest, integrity.MANIFEST))
+    with pytest.raises(CheckpointError, match="never completed"):
+        integrity.choose_step(base, -1, fallback=False, rank=0, world=1)
+    _flip_byte(os.path.join(older, "__0_0.distcp"), 10)
+    with pytest.raises(CheckpointError, match="No older complete, verified checkpoint"):
+        integrity.choose_step(base, -1, fallback=True, rank=0, world=1)
+
+
+def _flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_dump_folder_lock_names_the_holder_and_replaces_stale_ones(tmp_path):
+    first = DumpFolderLock(str(tmp_path))
+    assert first.acquire() is None
+    with pytest.raises(DumpFolderLocked) as info:     # held by a live process (this one)
+        DumpFolderLock(str(tmp_path)).acquire()
+    assert socket.gethostname() in str(info.value) and f"pid {os.getpid()}" in str(info.value)
+    first.release()
+    assert not os.path.exists(first.path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    with open(first.path, "w") as f:
+        f.write(f"{socket.gethostname()} {dead}\n")
+    lock = DumpFolderLock(str(tmp_path))
+    note = lock.acquire()
+    assert note is not None and "stale" in note and dead in note
+    assert lock.holder() == (socket.gethostname(), os.getpid())
+    lock.release()
+
+
+def test_fault_spec():
+    assert Fault.from_env({}) is None
+    fault = Fault.from_env({"MOP_TRAIN_FAULT": "nan_grad:3,5:1:layers.1"})
+    assert fault.fires(5, 1, "nan_grad") and not fault.fires(4, 1, "nan_grad") and not fault.fires(5, 0, "nan_grad")
+    assert fault.name == "layers.1"
+
+
+def _a2a_worker(rank: int, world: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from mop_train.ops.moe_dispatch import comm
+    from mop_train.train.reliability import SplitMismatch, install_a2a_split_check
+
+    install_a2a_split_check()
+    send = [r + rank + 1 for r in range(world)]            # rank s sends s + d + 1 rows to rank d
+    recv = [rank + s + 1 for s in range(world)]            # the transpose: what each rank expects
+    rows = torch.arange(sum(send), dtype=torch.float32)[:, None]
+    (out,) = comm.all_to_all([rows], send, recv, dist.group.WORLD)
+    assert out.shape[0] == sum(recv)
+    if rank == 1:
+        recv = [*recv[:-1], recv[-1] + 1]                   # injected: rank 1 expects a row too many
+    try:
+        comm.all_to_all([rows], send, recv, dist.group.WORLD)
+    except SplitMismatch as err:
+        expected = f"rank 1 expects {world + 2} rows from rank {world - 1}, which sends {world + 1}"
+        assert expected in str(err), str(err)
+    else:
+        raise AssertionError("the mismatch went through")
+
+
+@pytest.mark.parametrize("world", [3])
+def test_a2a_split_check_raises_on_every_rank(world):
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_a2a_worker, world)

@@ -1,0 +1,219 @@
+"""Faults injected into real launches (2 gloo ranks on CPU, the `mop-train train` launcher or torchrun).
+
+Each launch checks several things to keep the CPU time down: non-finite steps (skip, then stop)
+with checkpoints at every step; a damaged checkpoint refused, then the older one taken; a run
+extended past its LR schedule and stopped by SIGTERM; a second job on a held dump folder and
+the launcher SIGKILLed; a hung collective; a configuration error under torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.train.cli import DEBUG_CONFIG, REPO, check_ok, read_metrics, run_train
+
+pytestmark = pytest.mark.slow
+TINY = ["--training.local_batch_size", "2", "--training.seq_len", "64", "--metrics.log_freq", "1",
+        "--metrics.no-enable_tensorboard", "--lr_scheduler.warmup_steps", "2", "--debug.seed", "5",
+        "--checkpoint.enable", "--checkpoint.no-last_save_model_only"]
+
+
+def _env(**extra) -> dict:
+    return {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "OMP_NUM_THREADS": "1", **extra}
+
+
+def mop_train(args: list[str], *, env: dict | None = None, timeout: float = 180, background: bool = False):
+    """`mop-train train --nproc-per-node 2 configs/debug_cpu.toml ARGS`."""
+    cmd = [sys.executable, "-m", "mop_train.cli", "train", "--nproc-per-node", "2", DEBUG_CONFIG, *TINY, *args]
+    if background:
+        return subprocess.Popen(cmd, cwd=REPO, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    return subprocess.run(cmd, cwd=REPO, env=env or _env(), capture_output=True, text=True, timeout=timeout)
+
+
+def errors(proc) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if "error:" in line]
+
+
+def checkpoint_tensors(folder: str) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = folder + ".pt"
+    dcp_to_torch_save(folder, out)
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, torch.Tensor):
+            flat[prefix] = value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+    walk("", torch.load(out, weights_only=False))
+    os.unlink(out)
+    return flat
+
+
+def wait_for_records(dump: str, n: int, proc, limit: float = 120) -> list[dict]:
+    deadline = time.time() + limit
+    while time.time() < deadline:
+        path = os.path.join(dump, "metrics.jsonl")
+        if os.path.exists(path):
+            records = read_metrics(dump)
+            if len(records) >= n:
+                return records
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"no {n} records in {dump} after {limit} s")
+
+
+def test_nonfinite_steps_skip_then_stop_and_damaged_checkpoints(tmp_path):
+    """NaN gradients on rank 1 at steps 3, 5, 6: 3 and 5 are skipped (nothing moves), the second
+    in a row stops the run (exit 3) naming the step, the rank and the parameter; then a flipped byte
+    in the newest checkpoint is refused (exit 4) naming the file and the older verified one, which
+    --mop.reliability.resume_from_verified takes."""
+    dump = str(tmp_path / "run")
+    common = ["--job.dump_folder", dump, "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0",
+              "--mop.reliability.max_consecutive_skips", "2"]
+    proc = mop_train([*common, "--training.steps", "8"],
+                     env=_env(MOP_TRAIN_FAULT="nan_grad:3,5,6:1:layers.1."))
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    (line,) = errors(proc)
+    for part in ("step 6", "layers.1.", "(rank 1)", "max_consecutive_skips = 2"):
+        assert part in line, f"{part!r} missing from: {line}"
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        records = [json.loads(x) for x in f]          # strict JSON: json.loads rejects bare NaN
+    by_step = {r["step"]: r for r in records}
+    assert sorted(by_step) == [1, 2, 3, 4, 5]
+    for s in (3, 5):
+        assert by_step[s]["skipped"] and by_step[s]["grad_norm"] is None and "grad_norm" in by_step[s]["nonfinite"]
+    assert by_step[5]["skipped_steps"] == 2 and not by_step[4]["skipped"]
+    assert by_step[4]["lr"] == by_step[3]["lr"]       # the skipped step did not advance the schedule
+    ckpt = os.path.join(dump, "checkpoint")
+    assert sorted(os.listdir(ckpt)) == [f"step-{s}" for s in range(1, 6)]   # nothing saved at step 6
+    before, skipped, after = (checkpoint_tensors(os.path.join(ckpt, f"step-{s}")) for s in (2, 3, 4))
+    moved = [k for k in before if "train_state" not in k and "dataloader" not in k
+             and not torch.equal(before[k], skipped[k])]
+    assert moved == [], f"a skipped step changed {moved[:5]}"
+    assert any("expert_bias" in k for k in before)
+    assert not all(torch.equal(skipped[k], after[k]) for k in skipped if "model" in k or "layers" in k)
+
+    shard = os.path.join(ckpt, "step-5", "__1_0.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    proc = mop_train([*common, "--training.steps", "7"])
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    (line,) = errors(proc)
+    for part in (shard, os.path.join(ckpt, "step-4"), "resume_from_verified"):
+        assert part in line, f"{part!r} missing from: {line}"
+    proc = mop_train([*common, "--training.steps", "7", "--mop.reliability.resume_from_verified"])
+    check_ok(proc)
+    assert "resuming from" in proc.stdout and "resumed from step 4" in proc.stdout
+    assert read_metrics(dump)[-1]["step"] == 7
+
+
+def test_extend_past_the_schedule_then_sigterm(tmp_path):
+    """6 steps on a 6-step schedule (keep_latest_k = 2 holds after the final save); extended to 200
+    steps the final LR is held; SIGTERM stops every rank at a step boundary with a verified save."""
+    dump = str(tmp_path / "run")
+    common = ["--job.dump_folder", dump, "--lr_scheduler.total_steps", "6", "--checkpoint.interval", "2",
+              "--checkpoint.keep_latest_k", "2"]
+    check_ok(mop_train([*common, "--training.steps", "6"]))
+    ckpt = os.path.join(dump, "checkpoint")
+    assert sorted(os.listdir(ckpt)) == ["step-4", "step-6"]
+    first = read_metrics(dump)
+    proc = mop_train([*common, "--training.steps", "200", "--checkpoint.interval", "1000"], background=True)
+    wait_for_records(dump, len(first) + 3, proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 5, err[-3000:]
+    records = read_metrics(dump)
+    extended = records[len(first):]
+    assert extended[0]["step"] == 7 and all(r["lr"] == first[-1]["lr"] for r in extended), \
+        [(r["step"], r["lr"]) for r in records]
+    last = extended[-1]["step"]
+    assert f"step {last}" in "".join(errors(type("P", (), {"stderr": err})))
+    assert sorted(os.listdir(ckpt)) == ["step-6", f"step-{last}"]
+    for name in os.listdir(ckpt):
+        assert os.path.isfile(os.path.join(ckpt, name, "manifest.json"))
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return kids
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
+def test_one_writer_and_no_orphans(tmp_path):
+    """A second job on a held dump folder exits 7 naming the holder; SIGKILL of the launcher takes its
+    ranks with it within seconds."""
+    dump = str(tmp_path / "run")
+    common = ["--job.dump_folder", dump, "--training.steps", "500", "--checkpoint.interval", "1000"]
+    first = mop_train(common, background=True)
+    try:
+        wait_for_records(dump, 2, first)
+        ranks = _children(first.pid)
+        assert len(ranks) == 2, ranks
+        second = mop_train(common)
+        assert second.returncode == 7, second.stderr[-3000:]
+        (line,) = errors(second)
+        assert "in use by another job" in line and f"pid {ranks[0]}" in line or f"pid {ranks[1]}" in line, line
+        os.kill(first.pid, signal.SIGKILL)
+        deadline = time.time() + 10
+        while time.time() < deadline and any(os.path.exists(f"/proc/{r}") and _state(r) != "Z" for r in ranks):
+            time.sleep(0.1)
+        alive = [r for r in ranks if os.path.exists(f"/proc/{r}") and _state(r) != "Z"]
+        assert alive == [], f"ranks {alive} outlived their launcher"
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        first.communicate()
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def test_hung_collective_fails_within_the_timeout_naming_it(tmp_path):
+    start = time.time()
+    proc = mop_train(["--job.dump_folder", str(tmp_path / "run"), "--training.steps", "5",
+                      "--checkpoint.no-enable", "--comm.train_timeout_seconds", "5"],
+                     env=_env(MOP_TRAIN_FAULT="hang:3:1"))
+    assert proc.returncode == 6, proc.stderr[-3000:]
+    assert time.time() - start < 90
+    (line,) = errors(proc)
+    assert "rank 0, step 3" in line and "comm.train_timeout_seconds = 5" in line, line
+
+
+def test_config_error_under_torchrun_is_printed_once(tmp_path):
+    proc = run_train(["--job.config_file", DEBUG_CONFIG, "--model.flavor", "gigantic",
+                      "--job.dump_folder", str(tmp_path)], nproc=2, timeout=120)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("mop_train.train")]
+    assert len(ours) == 1, proc.stderr[-3000:]
+    for part in (DEBUG_CONFIG, "--model.flavor", "'gigantic'", "debug, small"):
+        assert part in ours[0], f"{part!r} missing from: {ours[0]}"
+    assert "exitcode  : 2" in proc.stderr
+    assert 'File "' + os.path.join(REPO, "mop_train") not in proc.stderr   # no traceback of ours
