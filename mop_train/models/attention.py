@@ -5,7 +5,10 @@ the tokens' global positions, and call `self.sdpa(q, k, v)` (or `self.sdpa(q, k,
 a document mask, see document_mask.py): the core attention, a submodule that
 sequence parallelism replaces with a wrapper (all-to-all heads <-> sequence around the same core),
 so the core takes and returns head-major-last tensors [B, S, heads, d] and does the GQA
-repeat itself. MLA (DeepSeek-V3 / Kimi-K2) compresses k/v through a rank-`kv_lora_rank`
+repeat itself. The core can keep its output and log-sum-exp for backward, so that a block's
+activation-checkpoint recompute skips the attention kernel (keep_attention.py), and can run one
+named kernel instead of F.scaled_dot_product_attention's own choice (attention_backends.py).
+MLA (DeepSeek-V3 / Kimi-K2) compresses k/v through a rank-`kv_lora_rank`
 latent and gives every head a shared rotated key part; YaRN rescaling is not modelled.
 
 Legend: B batch, S sequence, H hidden, h heads, h_kv kv heads, d head width, r rotated width.
@@ -18,7 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mop_train.models.args import MoEModelArgs
-from mop_train.models.document_mask import document_attention
+from mop_train.models.attention_backends import AttentionCall, sdpa_choice
+from mop_train.models.document_mask import _check as document_attention_check
+from mop_train.models.document_mask import default_impl, document_attention
+from mop_train.models.keep_attention import can_keep, explicit_attention
 
 
 def rope_inv_freq(rope_dim: int, theta: float, device=None) -> torch.Tensor:
@@ -47,20 +53,55 @@ class ScaledDotProductAttention(nn.Module):
     """Causal core attention: q [B, S, h, d_qk], k [B, S, h_kv, d_qk], v [B, S, h_kv, d_v]
     -> [B, S, h, d_v]. Scale 1/sqrt(d_qk). GQA (h_kv < h) is handled here, not by the caller.
     With doc_ids [B, S] a query also sees only its own document (`document_attention` with
-    `document_impl`: None picks by device)."""
+    `document_impl`: None picks by device).
+
+    Plain attributes set from outside (between steps):
+        keep: keep the output and log-sum-exp for backward, so an activation-checkpoint recompute
+            skips the kernel (keep_attention.py; `keep_attention(model)` sets it on every core).
+            Applies when an autograd graph is built; FlexAttention (CUDA document mask) is replayed.
+        backend: None lets F.scaled_dot_product_attention pick its kernel; a name from
+            attention_backends.BACKENDS runs that kernel explicitly (a per-shape choice plugs in here).
+    """
 
     def __init__(self, document_impl: str | None = None):
         super().__init__()
         self.document_impl = document_impl
+        self.keep = False
+        self.backend: str | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        call = self._explicit_call(q, k, v, doc_ids)
+        if call is not None:
+            return explicit_attention(q, k, v, doc_ids, call, owner=self)
         if doc_ids is not None:
             return document_attention(q, k, v, doc_ids, impl=self.document_impl)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))           # [B, heads, S, d]
         gqa = k.shape[1] != q.shape[1]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return out.transpose(1, 2)                                  # [B, S, h, d_v]
+
+    def _explicit_call(self, q, k, v, doc_ids) -> AttentionCall | None:
+        """The explicit-kernel call for these inputs, or None for the plain path."""
+        if self.backend is None and not self.keep:
+            return None
+        if doc_ids is not None:
+            if (self.document_impl or default_impl(q.device)) != "sdpa_mask":
+                return None                                         # FlexAttention: not kept
+            document_attention_check(q, k, v, doc_ids)
+        builds_graph = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        keep = self.keep and builds_graph
+        if self.backend is None and not keep:
+            return None
+        gqa = k.shape[2] != q.shape[2]
+        backend = self.backend
+        if backend is None:
+            B, S = q.shape[:2]
+            mask = None if doc_ids is None else torch.ones((), dtype=torch.bool, device=q.device).expand(B, 1, S, S)
+            backend = sdpa_choice(*(t.transpose(1, 2) for t in (q, k, v)), mask)
+            if not can_keep(backend, masked=doc_ids is not None):
+                return None
+        return AttentionCall(backend=backend, is_causal=True, gqa=gqa, keep=keep)
 
 
 def _trunc_normal(weight: torch.Tensor, std: float) -> None:
