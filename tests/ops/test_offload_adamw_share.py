@@ -165,6 +165,10 @@ def _fsdp2_share_worker(rank, world_size, path):
                          name=f"rank {rank} {key} {name}")
         assert ours_sd["state"][key]["exp_avg"].placements == entry["exp_avg"].placements
     assert ours_opt.last_step.device_updated_elements > 0 and ours_opt.last_step.host_updated_elements > 0
+    waits = ours_opt.forward_waits  # a unit that prefetches another's all-gather waits for its pieces too
+    full.a.set_modules_to_forward_prefetch([full.c])  # (b's 1-row weight leaves rank 1 nothing of b)
+    assert waits._prefetched_ranges(full.a) == waits._ranges_of[full.c] and waits._ranges_of[full.c]
+    assert waits._prefetched_ranges(full.c) == [] and full not in waits._ranges_of  # the root owns none
 
     first, first_opt = build(0, 0.4)
     _train(first, first_opt, 3, rank=rank)

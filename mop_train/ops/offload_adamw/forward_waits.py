@@ -12,7 +12,11 @@ waits are device-side (stream waits on events): the host never blocks, and on a 
 they are bookkeeping only.
 
 With the flat order = the forward's order (`forward_order`), the forward runs block i while the
-buckets of blocks > i are still in flight.
+buckets of blocks > i are still in flight. The CPU-updated share is still computed inside step()
+(the host thread runs torch's CPU AdamW), so with host_fraction > 0 the forward is enqueued once
+that is done; its uploads and the remaining buckets then overlap the forward.
+Anything that reads the weights outside the hooked units (a checkpoint save, an evaluation, a
+finiteness check of the model) must call `OffloadStreamAdamW.wait_for_weights()` first.
 Legend: N local elements, lane 0 update stream, lane 1 upload stream.
 """
 
@@ -89,6 +93,7 @@ class ForwardWaits:
         self.log: list[tuple[int, int]] = []
         self._cycle = self._finished = None
         self._handles = []
+        self._ranges_of: dict[nn.Module, list[tuple[int, int]]] = {}
 
     @property
     def hooked(self) -> bool:
@@ -128,21 +133,23 @@ class ForwardWaits:
                 self._done[lane] = j
                 self.log.append((lane, j))
 
-    def wait_all(self, streams=()) -> None:
+    def wait_all(self, since=None) -> None:
+        """Make the current stream wait for every piece; `since`: an earlier event of the current
+        stream from which the stall is counted (the step's start, when nothing ran in between)."""
         todo = [(lane, len(pieces) - 1) for lane, pieces in enumerate(self._lanes) if len(pieces) - 1 > self._done[lane]]
         if todo:
-            self._wait([self._lanes[lane][j].event for lane, j in todo], streams)
+            self._wait([self._lanes[lane][j].event for lane, j in todo], (), since)
             for lane, j in todo:
                 self._done[lane] = j
                 self.log.append((lane, j))
         self._finish()
 
-    def _wait(self, events, streams) -> None:
+    def _wait(self, events, streams, since=None) -> None:
         s = self._streams
         if not s.cuda:
             return
         current = torch.cuda.current_stream(s.device)
-        before = s.record(timing=True)
+        before = since if since is not None else s.record(timing=True)
         for event in events:
             if event is not None:
                 current.wait_event(event)
@@ -169,12 +176,22 @@ class ForwardWaits:
         return stalls + (cycle["wall"] if cycle["count_wall"] else 0.0)
 
     def hook(self, module: nn.Module, ranges: list[tuple[int, int]]) -> None:
-        """Wait for `ranges` before `module`'s forward (and before FSDP2's pre-forward all-gather)."""
+        """Wait for `ranges` before `module`'s forward (and before FSDP2's pre-forward all-gather,
+        also for the units it prefetches: `FSDPModule.set_modules_to_forward_prefetch`)."""
+        self._ranges_of[module] = ranges
+
         def pre_forward(mod, args):
-            self.wait_ranges(ranges, _fsdp_streams(mod))
+            self.wait_ranges(ranges + self._prefetched_ranges(mod), _fsdp_streams(mod))
         self._handles.append(module.register_forward_pre_hook(pre_forward, prepend=True))
+
+    def _prefetched_ranges(self, module: nn.Module) -> list[tuple[int, int]]:
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            return []
+        return [r for state in getattr(get_state(), "_states_to_forward_prefetch", ())
+                for m in getattr(state, "_modules", ()) for r in self._ranges_of.get(m, [])]
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        self._handles, self._ranges_of = [], {}

@@ -334,7 +334,7 @@ class OffloadStreamAdamW(Optimizer):
         overlap = self.overlap and self._waits.hooked
         self._waits.arm((ready, uploads), count_wall=overlap or not s.cuda)
         if not overlap:
-            self._waits.wait_all()  # the next reader of the weights waits for every piece
+            self._waits.wait_all(since=start)  # the next reader of the weights waits for every piece
         wall = time.perf_counter() - wall
         self._waits.set_wall(wall)
         done = [r.event for r in ready[-1:] + uploads[-1:]] + [self._writeback_done if self._buckets else None]
