@@ -3,7 +3,9 @@
 
 The products must be exactly those of a call on the bf16-cast shard (same loss and dX, bitwise),
 while dW comes back in fp32 straight from the fp32 accumulator: rounding it to bf16 gives the bf16
-call's dW bitwise, and it is no further from the fp64 truth. Gloo ranks P = 1..3, uneven N.
+call's dW bitwise, and over a ring (P > 1) it holds bits bf16 cannot. Both schedules (recompute in
+both modes; grad_in_forward, which moves activations, in chunks of 3 tokens). Gloo ranks P = 1..3,
+uneven N.
 """
 
 import torch
@@ -16,9 +18,11 @@ COUNTS = {1: [9], 2: [7, 4], 3: [5, 0, 8]}
 VOCAB, HIDDEN = 29, 16
 
 
-def _call(x, w, t, group, mode):
+def _call(x, w, t, group, mode, schedule):
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = ring_dtp_cross_entropy(x, w, t, group, vocab_size=VOCAB, mode=mode, reduction="sum", block_size=5)
+    chunk = 3 if schedule == "grad_in_forward" else None
+    loss = ring_dtp_cross_entropy(x, w, t, group, vocab_size=VOCAB, mode=mode, reduction="sum", block_size=5,
+                                  schedule=schedule, token_chunk=chunk)
     loss.backward(torch.tensor(0.75))
     return loss.detach(), x.grad, w.grad
 
@@ -33,22 +37,19 @@ def _cases(rank, world_size, seed):
     rows = -(-VOCAB // world_size)
     lo, hi = min(VOCAB, rank * rows), min(VOCAB, (rank + 1) * rows)
     x, t, shard = xs[rank], ts[rank], master[lo:hi]
-    # fp64 truth of the bf16 problem: the bf16 values of X and W, exact arithmetic after that.
-    w64 = master.bfloat16().double().requires_grad_()
-    x64 = [xi.double().requires_grad_() for xi in xs]
-    total = sum(torch.nn.functional.cross_entropy(xi @ w64.t(), ti, reduction="sum") for xi, ti in zip(x64, ts))
-    (0.75 * total).backward()
-    true_dw = w64.grad[lo:hi]
-    for mode in ("move_activations", "move_weights"):
-        tag = f"P={world_size} rank={rank} {mode}"
-        loss, dx, dw = _call(x, shard, t, group, mode)                    # fp32 master, cast inside
-        loss_b, dx_b, dw_b = _call(x, shard.bfloat16(), t, group, mode)   # bf16 weight, as before
+    for mode, schedule in (("move_activations", "recompute"), ("move_weights", "recompute"),
+                           ("move_activations", "grad_in_forward")):
+        tag = f"P={world_size} rank={rank} {mode} {schedule}"
+        loss, dx, dw = _call(x, shard, t, group, mode, schedule)                    # fp32 master, cast inside
+        loss_b, dx_b, dw_b = _call(x, shard.bfloat16(), t, group, mode, schedule)   # bf16 weight, as before
         assert dw.dtype == torch.float32 and dx.dtype == torch.bfloat16, f"{tag}: {dw.dtype} {dx.dtype}"
         assert torch.equal(loss, loss_b), f"{tag}: loss {loss} != bf16-weight loss {loss_b}"
         assert torch.equal(dx, dx_b), f"{tag}: dX differs from the bf16-weight call"
         assert torch.equal(dw.bfloat16(), dw_b), f"{tag}: dW rounded to bf16 differs from the bf16-weight dW"
-        err, err_b = (dw.double() - true_dw).abs().max(), (dw_b.double() - true_dw).abs().max()
-        assert err <= err_b, f"{tag}: fp32 dW error {err:.3e} above the bf16 dW's {err_b:.3e}"
+        if world_size > 1:
+            # Over a ring, dW sums every rank's bf16 partial products in fp32: handed back in fp32,
+            # it keeps bits that a bf16 round trip would drop.
+            assert not torch.equal(dw, dw.bfloat16().float()), f"{tag}: dW went through bf16"
 
 
 def test_fp32_master_shard_with_bf16_activations():
