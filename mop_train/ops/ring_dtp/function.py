@@ -10,9 +10,11 @@ The next round's operand is sent while the current meeting computes; accumulator
 Backward replays the rounds on recomputed logits; the gradient of the moving tensor (dW or dX,
 fp32) travels with it and a last hop delivers it to its owner. At P = 1 (one shard, no hops) the
 fp32 dX accumulator lives in dW's not-yet-written rows (`local.single_shard_backward`).
-Saved: X, W_r, targets, lse [N]. Products run in X's dtype; a W_r of another dtype (the fp32
-master under bf16 mixed precision) is cast for the products in forward and again in backward,
-and its gradient comes back in W_r's own dtype (fp32 accumulators, no round trip through bf16).
+Saved: X, W_r, targets, lse [N]. Products run in one compute dtype (X's, or autocast's): an X or
+W_r of another dtype (the fp32 master under bf16 mixed precision) is cast for the products in
+forward and again in backward, so the log-sum-exp and its recompute see the same logits; W_r's
+gradient comes back in its own dtype (fp32 accumulators, no round trip through bf16). Backward runs
+with autocast off whatever the caller's context.
 
 Paper section 3.2. Legend: N tokens (this rank), N_q (rank q), H hidden, V vocab, P group size,
 S = ceil(V/P) shard rows.
@@ -34,6 +36,7 @@ class RingDTPOptions:
     ignore_index: int
     block_size: int
     impl: str  # "triton" | "torch"
+    compute_dtype: torch.dtype  # dtype of the products (X's, or autocast's)
 
 
 def _forward_move_weights(ring: Ring, x, w, targets, opts: RingDTPOptions) -> torch.Tensor:
@@ -127,11 +130,25 @@ def _backward_move_activations(ring: Ring, counts, x, w, targets, lse, scale, op
     return dx, dw
 
 
-def _compute_copy(weight_shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The shard in the products' dtype: a higher-precision master (fp32 under bf16 mixed
+def _compute_copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An input in the products' dtype: a higher-precision master (fp32 under bf16 mixed
     precision) is cast here rather than by the caller, so its gradient is handed back in the
     master's dtype straight from the fp32 accumulator, never rounded through the compute dtype."""
-    return weight_shard if weight_shard.dtype == dtype else weight_shard.to(dtype)
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
+def per_token_loss(ring: Ring, counts: list[int], hidden, weight_shard, targets, opts: RingDTPOptions):
+    """(loss [N] fp32, 0 at ignored tokens; lse [N] fp32): the forward, also the no-grad path."""
+    x = _compute_copy(hidden, opts.compute_dtype)                      # [N, H]
+    w = _compute_copy(weight_shard, opts.compute_dtype)                # [S, H]
+    if opts.mode == "move_weights":
+        stats = _forward_move_weights(ring, x, w, targets, opts)
+    else:
+        stats = _forward_move_activations(ring, counts, x, w, targets, opts)
+    del x, w
+    lse = stats[0] + torch.log(stats[1])                                # [N] fp32
+    valid = targets != opts.ignore_index
+    return torch.where(valid, lse - stats[2], 0.0), lse
 
 
 class RingDTPCrossEntropy(torch.autograd.Function):
@@ -139,32 +156,29 @@ class RingDTPCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight_shard, targets, ring: Ring, counts: list[int], opts: RingDTPOptions):
-        w = _compute_copy(weight_shard, hidden.dtype)                    # [S, H] in hidden's dtype
-        if opts.mode == "move_weights":
-            stats = _forward_move_weights(ring, hidden, w, targets, opts)
-        else:
-            stats = _forward_move_activations(ring, counts, hidden, w, targets, opts)
-        del w
-        lse = stats[0] + torch.log(stats[1])                            # [N] fp32
-        valid = targets != opts.ignore_index
-        loss = torch.where(valid, lse - stats[2], 0.0)
+        loss, lse = per_token_loss(ring, counts, hidden, weight_shard, targets, opts)
         ctx.save_for_backward(hidden, weight_shard, targets, lse)
         ctx.ring, ctx.counts, ctx.opts = ring, counts, opts
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        with torch.autocast(grad_loss.device.type, enabled=False):
+            return RingDTPCrossEntropy._backward(ctx, grad_loss)
+
+    @staticmethod
+    def _backward(ctx, grad_loss):
         hidden, weight_shard, targets, lse = ctx.saved_tensors
         ring, counts, opts = ctx.ring, ctx.counts, ctx.opts
-        w = _compute_copy(weight_shard, hidden.dtype)
+        x = _compute_copy(hidden, opts.compute_dtype)
+        w = _compute_copy(weight_shard, opts.compute_dtype)
         valid = targets != opts.ignore_index
         scale = torch.where(valid, grad_loss.float(), 0.0).contiguous()  # [N]; ignored tokens get 0
         if ring.size == 1:
-            dx, dw = single_shard_backward(hidden, w, targets, lse, scale,
-                                           block_size=opts.block_size, impl=opts.impl)
+            dx, dw = single_shard_backward(x, w, targets, lse, scale, block_size=opts.block_size, impl=opts.impl)
         elif opts.mode == "move_weights":
-            dx, dw = _backward_move_weights(ring, hidden, w, targets, lse, scale, opts)
+            dx, dw = _backward_move_weights(ring, x, w, targets, lse, scale, opts)
         else:
-            dx, dw = _backward_move_activations(ring, counts, hidden, w, targets, lse, scale, opts)
-        del w
+            dx, dw = _backward_move_activations(ring, counts, x, w, targets, lse, scale, opts)
+        del x, w
         return dx.to(hidden.dtype), dw.to(weight_shard.dtype), None, None, None, None

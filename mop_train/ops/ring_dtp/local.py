@@ -170,3 +170,50 @@ def single_shard_backward(x: torch.Tensor, w: torch.Tensor, targets: torch.Tenso
     opts["block_size"] = max(1, block_size // FINAL_BLOCK_DIVISOR)
     shard_backward(x, w[split:], split, targets, lse, scale, None, dw[split:], **opts)
     return dx, dw
+
+
+# grad_in_forward: one stored partial-logits block [n, V_r] per (token chunk, shard), read twice.
+
+def block_stats(z: torch.Tensor, targets: torch.Tensor, offset: int, *, block_size: int, impl: str) -> torch.Tensor:
+    """Partial accumulators [3, n] (max, sum-exp, target logit) of a stored logits block z [n, V_r]
+    whose columns are global rows offset..offset+V_r; the torch path reads b columns at a time."""
+    stats = new_stats(z.shape[0], z.device)
+    if impl == "triton":
+        kernels.lse_update_(z, targets, offset, stats)
+        return stats
+    for start in range(0, z.shape[1], block_size):
+        _torch_lse_update(z[:, start:start + block_size], targets, offset + start, stats)
+    return stats
+
+
+def block_grad_(z: torch.Tensor, targets: torch.Tensor, offset: int, lse: torch.Tensor, scale: torch.Tensor, *,
+                block_size: int, impl: str) -> None:
+    """Overwrite the stored block z [n, V_r] with scale * (softmax - onehot), from the final lse [n]."""
+    if impl == "triton":
+        kernels.softmax_grad_(z, targets, offset, lse, scale)
+        return
+    for start in range(0, z.shape[1], block_size):
+        cols = slice(start, start + block_size)
+        z[:, cols] = _torch_softmax_grad(z[:, cols], targets, offset + start, lse, scale)
+
+
+def _gemm_columns(w: torch.Tensor, block_size: int, impl: str) -> int:
+    """Shard rows per GEMM: the whole shard on the GPU (one large GEMM, fp32 output in cuBLAS), a
+    block on the torch path (its fp32 upcasts of the operands stay block-sized)."""
+    return max(1, w.shape[0] if impl == "triton" else block_size)
+
+
+def add_dx(acc: torch.Tensor, g: torch.Tensor, w: torch.Tensor, *, block_size: int, impl: str) -> None:
+    """acc [n, H] fp32 += g [n, V_r] @ w [V_r, H]."""
+    cols = _gemm_columns(w, block_size, impl)
+    for start in range(0, w.shape[0], cols):
+        matmul_accumulate(acc, g[:, start:start + cols], w[start:start + cols])
+
+
+def add_dw(acc: torch.Tensor, g: torch.Tensor, x: torch.Tensor, *, block_size: int, impl: str) -> None:
+    """acc [V_r, H] fp32 += g [n, V_r]^T @ x [n, H]."""
+    if x.shape[0] == 0:
+        return
+    cols = _gemm_columns(acc, block_size, impl)
+    for start in range(0, acc.shape[0], cols):
+        matmul_accumulate(acc[start:start + cols], g[:, start:start + cols].t(), x)

@@ -8,11 +8,15 @@ The op's live set is fixed by (N, H, V, P, dtype, mode, block size), never by N 
     travelling gradient, the final casts to the input dtype, bounded fp32 partial products; at P = 1
     in a 2-byte dtype dX accumulates inside dW's unwritten rows (local.single_shard_backward);
   - O(N_max) per-token fp32 accumulators.
+That is the recompute schedule. The grad_in_forward schedule (grad_in_forward.py) keeps instead:
+  - fp32 dW_r [S, H] and dX [N, H] from forward to backward, then their casts to the input dtypes;
+  - per round: every owner's stored logits [c, V_r] (about c x V), its chunk [c, H], and at P > 1
+    two fp32 dX accumulators [c, H] in flight; c tokens per chunk (`default_token_chunk`).
 `ring_dtp_peak_bytes` sums every term that can be alive at once (an upper bound, not a prediction);
 `ring_dtp_largest_tensor_bytes` is the largest single allocation, checked on CPU by the tests.
 
 Paper section 3.2. Legend: N tokens (this rank), N_max (largest in the group), H hidden, V vocab,
-P vocab-group size, S = ceil(V/P), b = min(block_size, S).
+P vocab-group size, S = ceil(V/P), b = min(block_size, S), c tokens per grad_in_forward chunk.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from mop_train.ops.ring_dtp.local import FINAL_BLOCK_DIVISOR, borrowed_rows
 
 MODES = ("auto", "move_activations", "move_weights")
+SCHEDULES = ("auto", "recompute", "grad_in_forward")
 _PARTIAL_ROWS = 2048      # rows of one fp32 partial product (see local.matmul_accumulate)
 _PER_TOKEN_BYTES = 96     # stats, lse, loss, scale, targets and their in-flight copies, per token
 
@@ -72,26 +77,71 @@ def _terms(n, h, v, p, dtype, mode, block_size, n_max, impl) -> dict[str, int]:
     return terms
 
 
+def default_token_chunk(n_max: int, v: int, p: int, block_size: int) -> int:
+    """c for grad_in_forward: a round's stored logits (P chunks x S columns) hold about as many
+    elements as one recompute logits block (N_max x b), so both schedules bound the same strip."""
+    s = -(-v // p)
+    return max(1, min(n_max, n_max * min(block_size, s) // (p * s)))
+
+
+def _grad_in_forward_terms(n, h, v, p, dtype, block_size, n_max, impl, token_chunk, weight_dtype):
+    it = torch.empty((), dtype=dtype).element_size()
+    it_w = torch.empty((), dtype=weight_dtype or dtype).element_size()
+    n_max = n if n_max is None else max(n_max, n)
+    s = -(-v // p)
+    b = min(block_size, s)
+    c = min(token_chunk or default_token_chunk(n_max, v, p, block_size), max(n_max, 1))
+    round_bytes = p * c * s * it + (p + 1) * c * h * it * (p > 1) + 2 * c * h * 4 * (p > 1) + 48 * p * c
+    if impl != "triton":  # fp32 temporaries of one [c, b] column block and the upcast GEMM operands
+        round_bytes += c * b * (16 + it) + (c * b + (c + b) * h) * 4
+    elif it < 4:          # fp32 partial products where the fused fp32-output addmm is missing
+        round_bytes += _PARTIAL_ROWS * h * 4
+    outputs = n * h * it * (it < 4) + s * h * it_w * (it_w < 4)     # backward's casts; fp32 scales in place
+    return {
+        "tokens": _PER_TOKEN_BYTES * n_max,
+        "stored_grads": n * h * 4 + s * h * 4,                       # fp32 dX, dW_r: forward -> backward
+        "round_or_outputs": max(round_bytes, outputs),
+    }
+
+
 def ring_dtp_peak_bytes(n: int, h: int, v: int, p: int, *, dtype: torch.dtype, mode: str = "auto",
-                        block_size: int = 8192, n_max: int | None = None, impl: str = "triton") -> int:
+                        block_size: int = 8192, n_max: int | None = None, impl: str = "triton",
+                        schedule: str = "recompute", token_chunk: int | None = None,
+                        weight_dtype: torch.dtype | None = None) -> int:
     """Upper bound on the bytes one rank allocates in forward + backward (inputs excluded).
 
     Args:
         n: this rank's tokens; n_max: the largest count in the group (defaults to n).
         h, v, p: hidden size, vocabulary size, vocab-group size.
-        dtype: dtype of hidden and weight; mode: as for `ring_dtp_cross_entropy` ("auto" resolved
-            with n_max); block_size: vocabulary rows per logits block; impl: "triton" or "torch".
+        dtype: the compute dtype (hidden's, or autocast's); mode: as for `ring_dtp_cross_entropy`
+            ("auto" resolved with n_max; grad_in_forward always moves activations); block_size:
+            vocabulary rows per logits block; impl: "triton" or "torch".
+        schedule: "recompute" or "grad_in_forward"; token_chunk: c for grad_in_forward (None:
+            `default_token_chunk`); weight_dtype: the shard's dtype if not `dtype` (grad_in_forward).
     """
+    if schedule == "grad_in_forward":
+        return sum(_grad_in_forward_terms(n, h, v, p, dtype, block_size, n_max, impl, token_chunk,
+                                          weight_dtype).values())
+    if schedule != "recompute":
+        raise ValueError(f"schedule={schedule!r} must be 'recompute' or 'grad_in_forward' for a bound")
     return sum(_terms(n, h, v, p, dtype, mode, block_size, n_max, impl).values())
 
 
 def ring_dtp_largest_tensor_bytes(n: int, h: int, v: int, p: int, *, dtype: torch.dtype, mode: str = "auto",
                                   block_size: int = 8192, n_max: int | None = None,
-                                  impl: str = "triton") -> int:
+                                  impl: str = "triton", schedule: str = "recompute",
+                                  token_chunk: int | None = None) -> int:
     """The largest single tensor the op may allocate (same arguments as `ring_dtp_peak_bytes`)."""
     n_max = n if n_max is None else max(n_max, n)
     s = -(-v // p)
     b = min(block_size, s)
+    if schedule == "grad_in_forward":
+        it = torch.empty((), dtype=dtype).element_size()
+        c = min(token_chunk or default_token_chunk(n_max, v, p, block_size), max(n_max, 1))
+        candidates = [c * s * it, n * h * 4, s * h * 4, c * h * 4, 12 * p * c, 12 * n_max]
+        if impl != "triton":
+            candidates += [c * b * 4, b * h * 4]
+        return max(candidates)
     resolved = resolve_mode(mode, n_max, v, p)
     n_meet = n if resolved == "move_weights" else n_max
     candidates = [n_meet * b * 4, n_max * h * 4, s * h * 4, 12 * n_max]  # block, dX, dW, stats

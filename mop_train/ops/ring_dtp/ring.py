@@ -51,12 +51,17 @@ class Ring:
 
     def token_counts(self, n: int, device: torch.device) -> list[int]:
         """Every rank's local token count (one all-gather; at P = 1 no communication)."""
+        return [row[0] for row in self.gather_ints([n], device)]
+
+    def gather_ints(self, values: list[int], device: torch.device) -> list[list[int]]:
+        """Every rank's `values` (the same length on each rank), indexed by group rank: one
+        all-gather of a few integers, so that every rank takes the same decisions; none at P = 1."""
         if self.size == 1:
-            return [n]
-        mine = torch.tensor([n], dtype=torch.int64, device=device)
-        counts = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(counts, mine, group=self.group)
-        return [int(c.item()) for c in counts]
+            return [list(values)]
+        mine = torch.tensor(values, dtype=torch.int64, device=device)
+        rows = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(rows, mine, group=self.group)
+        return [[int(v) for v in row.tolist()] for row in rows]
 
     def shift(self, sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> list:
         """Start sending `sends` to rank+1 and receiving `recvs` from rank-1; returns the works to wait."""

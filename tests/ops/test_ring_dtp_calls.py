@@ -1,0 +1,197 @@
+"""Ring-DTP under every way a loss gets called, both schedules, P = 1 (in process) and 2..4 (gloo):
+a scaled loss, reduction="none" with per-token weights, two calls on the same inputs before one
+backward, evaluation (torch.no_grad, or no input requiring grad: the loss only, no gradient buffers),
+torch.autocast with backward inside and outside it, a second backward, ranks whose upstreams differ,
+ranks that disagree on needing gradients, and auto's choice against a memory budget.
+
+fp32 gradients: relative 1e-5 of the largest sum of |terms| (tests.ops.test_ring_dtp._term_scales);
+bf16 under autocast: no worse than PyTorch's own autocast against the fp64 truth of the same rounded
+inputs, on the whole problem (tests.utils.assert_no_worse_than_torch).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mop_train.ops.ring_dtp import reference_cross_entropy, ring_dtp_cross_entropy, ring_dtp_peak_bytes
+from tests.dist_utils import run_distributed
+from tests.ops.test_ring_dtp import COUNTS, _LargestTensor, _check_case, _problem, _scale, _term_scales
+from tests.utils import assert_close, assert_no_worse_than_torch, fresh_seed
+
+VOCAB, HIDDEN, BLOCK = 37, 16, 4
+SCHEDULES = ("recompute", "grad_in_forward")
+UPSTREAM = 0.8125  # the same on every rank (grad_in_forward's contract)
+
+
+class _Rank:
+    """One rank's view of a drawn problem: its tokens, targets, shard rows, and the whole problem."""
+
+    def __init__(self, rank, group, counts, seed, dtype=torch.float32):
+        self.rank, self.group, self.counts = rank, group, counts
+        self.weight, self.xs, self.ts, self.gouts = _problem(seed, counts, VOCAB, HIDDEN, dtype)
+        rows = -(-VOCAB // len(counts))
+        self.lo, self.hi = min(VOCAB, rank * rows), min(VOCAB, (rank + 1) * rows)
+
+    def leaves(self, grad=True):
+        x = self.xs[self.rank].clone().requires_grad_(grad)
+        w = self.weight[self.lo:self.hi].clone().requires_grad_(grad)
+        return x, w
+
+    def loss(self, x, w, **kw):
+        kw = dict(dict(block_size=BLOCK, impl="torch", token_chunk=2), **kw)
+        if kw.get("schedule") == "recompute":
+            kw.pop("token_chunk")
+        return ring_dtp_cross_entropy(x, w, self.ts[self.rank], self.group, vocab_size=VOCAB, **kw)
+
+    def reference(self, reduction, factor, dtype=torch.float64):
+        """Every rank's losses and the gradients of this rank's X and shard, upstream `factor`."""
+        w = self.weight.to(dtype).requires_grad_()
+        xs = [x.to(dtype).requires_grad_() for x in self.xs]
+        losses = [reference_cross_entropy(x, w, t, reduction=reduction) for x, t in zip(xs, self.ts)]
+        sum(l.nansum() * factor for l in losses).backward()
+        return losses[self.rank].detach(), xs[self.rank].grad, w.grad[self.lo:self.hi]
+
+    def check_fp32(self, loss, dx, dw, reduction, factor, tag):
+        ref_loss, ref_dx, ref_dw = self.reference(reduction, factor)
+        term_dx, term_dw = _term_scales(self.weight, self.xs, self.ts, self.gouts, reduction, self.rank, True)
+        term_dx, term_dw = term_dx * factor / UPSTREAM, term_dw * factor / UPSTREAM
+        if not torch.isnan(ref_loss).all():
+            assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5 * _scale(ref_loss), name=f"loss {tag}")
+        assert_close(dx, ref_dx, rtol=1e-5, atol=1e-5 * max(term_dx, _scale(ref_dx)), name=f"dX {tag}")
+        assert_close(dw, ref_dw, rtol=1e-5, atol=1e-5 * max(term_dw, _scale(ref_dw)), name=f"dW {tag}")
+
+
+def _grad_fn(loss) -> str:
+    return type(loss.grad_fn).__name__ if loss.grad_fn is not None else "None"
+
+
+def _scaled_and_twice(p: _Rank, tag):
+    for schedule in SCHEDULES:
+        for reduction in ("sum", "mean"):
+            x, w = p.leaves()                                               # a scaled loss, one call
+            (p.loss(x, w, schedule=schedule, reduction=reduction) * UPSTREAM).backward()
+            loss = p.loss(x.detach(), w.detach(), schedule=schedule, reduction=reduction)
+            p.check_fp32(loss, x.grad, w.grad, reduction, UPSTREAM, f"{tag} {schedule} {reduction} scaled")
+            x, w = p.leaves()                                               # two calls, one backward
+            first = p.loss(x, w, schedule=schedule, reduction=reduction)
+            second = p.loss(x, w, schedule=schedule, reduction=reduction)
+            (0.5 * first + 0.25 * second).backward()
+            p.check_fp32(first.detach(), x.grad, w.grad, reduction, 0.75, f"{tag} {schedule} {reduction} twice")
+
+
+def _evaluation(p: _Rank, tag):
+    """No gradient wanted: the loss only; nothing near a gradient accumulator is allocated."""
+    accumulator = (p.hi - p.lo) * HIDDEN * 4                               # dW_r fp32
+    ref = p.reference("sum", 1.0)[0].float()
+    for schedule in SCHEDULES + ("auto",):
+        for how in ("no_grad", "no_requires_grad"):
+            x, w = p.leaves(grad=how != "no_requires_grad")
+            with _LargestTensor() as seen, torch.set_grad_enabled(how != "no_grad"):
+                loss = p.loss(x, w, schedule=schedule, reduction="sum", memory_budget=1 << 40)
+            assert loss.grad_fn is None and not loss.requires_grad, f"{tag} {schedule} {how}: {_grad_fn(loss)}"
+            assert_close(loss, ref, rtol=1e-5, atol=1e-5 * _scale(ref), name=f"eval loss {tag} {schedule} {how}")
+            assert seen.largest < accumulator, f"{tag} {schedule} {how}: allocated {seen.largest} B"
+
+
+def _none_and_auto(p: _Rank, seed, tag):
+    """reduction="none" with per-token weights: auto takes recompute, whatever the budget; a sum takes
+    grad_in_forward exactly when its bound fits every rank's budget."""
+    x, w = p.leaves()
+    loss = p.loss(x, w, reduction="none", memory_budget=1 << 40)
+    assert _grad_fn(loss) == "RingDTPCrossEntropyBackward", f"{tag}: {_grad_fn(loss)}"
+    _check_case(p.rank, p.group, p.counts, VOCAB, HIDDEN, torch.float32, "none", seed, schedule="auto",
+                memory_budget=1 << 40, block_size=BLOCK, impl="torch")
+    bound = ring_dtp_peak_bytes(p.counts[p.rank], HIDDEN, VOCAB, len(p.counts), dtype=torch.float32,
+                                block_size=BLOCK, n_max=max(p.counts), impl="torch", schedule="grad_in_forward",
+                                token_chunk=2)
+    for budget, expected in ((None, "SumBackward0"), (bound, "RingDTPGradInForwardBackward"),
+                             (bound - (p.rank == 0), "SumBackward0")):
+        loss = p.loss(x, w, reduction="sum", memory_budget=budget)
+        assert _grad_fn(loss) == expected, f"{tag} budget {budget} (bound {bound}): {_grad_fn(loss)}"
+
+
+def _autocast(p: _Rank, tag):
+    """fp32 leaves under bf16 autocast, backward inside and outside it; PyTorch's autocast as the bar."""
+    p64 = _Rank.__new__(_Rank)                                              # the bf16-rounded inputs, in fp64
+    p64.__dict__.update(p.__dict__, weight=p.weight.bfloat16().float(), xs=[x.bfloat16().float() for x in p.xs])
+    truth = p64.reference("sum", UPSTREAM, dtype=torch.float64)
+    x, w = p.leaves()                                                       # PyTorch, whole problem
+    wf = p.weight.clone().requires_grad_()
+    xs = [xi.clone().requires_grad_() for xi in p.xs]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = [reference_cross_entropy(xi, wf, t, reduction="sum") for xi, t in zip(xs, p.ts)]
+    sum(losses).mul(UPSTREAM).backward()
+    theirs = (losses[p.rank].detach().float(), xs[p.rank].grad, wf.grad[p.lo:p.hi])
+    for schedule in SCHEDULES:
+        for inside in (True, False):
+            x, w = p.leaves()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = p.loss(x, w, schedule=schedule, reduction="sum")
+                if inside:
+                    (loss * UPSTREAM).backward()
+            if not inside:
+                (loss * UPSTREAM).backward()
+            assert x.grad.dtype == w.grad.dtype == torch.float32, f"{tag}: {x.grad.dtype} {w.grad.dtype}"
+            name = f"{tag} {schedule} autocast backward {'inside' if inside else 'outside'}"
+            for what, ours, other, true in zip(("loss", "dX", "dW"), (loss.detach(), x.grad, w.grad), theirs, truth):
+                ours, other, true = (_whole(p, t.float()) for t in (ours, other, true))
+                assert_no_worse_than_torch(ours, other, true, name=f"{what} {name} (whole problem)")
+
+
+def _whole(p: _Rank, t: torch.Tensor) -> torch.Tensor:
+    """Every rank's piece, flattened and concatenated in rank order."""
+    if p.group is None:
+        return t.reshape(-1)
+    pieces = [None] * len(p.counts)
+    dist.all_gather_object(pieces, t.reshape(-1).cpu(), group=p.group)
+    return torch.cat(pieces)
+
+
+def _misuse(p: _Rank, tag):
+    """A second backward, ranks whose upstreams differ, ranks that disagree on needing gradients."""
+    x, w = p.leaves()
+    loss = p.loss(x, w, schedule="recompute", reduction="sum")
+    loss.backward(retain_graph=True)
+    first = x.grad.clone()
+    loss.backward()
+    assert_close(x.grad, 2 * first, name=f"{tag} recompute: second backward")
+    loss = p.loss(x, w, schedule="grad_in_forward", reduction="sum")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()
+    if p.group is None:
+        return
+    active = [q for q, t in enumerate(p.ts) if bool((t != -100).any())]
+    loss = p.loss(x, w, schedule="grad_in_forward", reduction="sum")
+    if len(active) > 1:
+        with pytest.raises(ValueError, match="differs across"):
+            loss.backward(torch.tensor(1.0 + p.rank))
+    else:                                                                   # one rank's tokens: its upstream
+        loss.backward(torch.tensor(1.0 + p.rank))
+    with pytest.raises(ValueError, match="every rank makes the same call"):
+        with torch.set_grad_enabled(p.rank != 0):
+            p.loss(x, w, schedule="grad_in_forward", reduction="sum")
+
+
+def _cases(rank, world_size, seed):
+    group = dist.new_group(list(range(world_size))) if world_size > 1 else None
+    counts = COUNTS[world_size]
+    tag = f"P={world_size} rank={rank}"
+    p = _Rank(rank, group, counts, seed)
+    _scaled_and_twice(p, tag)
+    _evaluation(p, tag)
+    _none_and_auto(p, seed + 1, tag)
+    _autocast(_Rank(rank, group, counts, seed + 2), tag)
+    _misuse(p, tag)
+
+
+def test_calls_single_device():
+    _cases(0, 1, fresh_seed(4100))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_calls_on_a_ring(world_size):
+    run_distributed(_cases, world_size, fresh_seed(4100 + world_size))
