@@ -29,7 +29,7 @@ OFFLOAD_ADAMW = "OffloadStreamAdamW"
 TITAN_OPTIMIZERS = ("AdamW", "Adam")
 
 __all__ = ["build_optimizers", "build_lr_schedulers", "resolve_device_fraction", "parse_device_fraction",
-           "OFFLOAD_ADAMW"]
+           "describe_offload", "OFFLOAD_ADAMW"]
 
 
 def parse_device_fraction(value) -> float | str:
@@ -77,6 +77,25 @@ def _build_offload_adamw(model_parts, kwargs, *, overlap: bool) -> OptimizersCon
     for opt, part in zip(container.optimizers, model_parts):
         opt.wait_in_forward(forward_units(part))
     return container
+
+
+def describe_offload(optimizers: OptimizersContainer, *, free_device_bytes: int | None = None) -> str:
+    """One line per OffloadStreamAdamW for the launch plan ("" for other optimizers): the device
+    share and its bytes (with the free bytes "auto" saw), staging, the CPU share, overlap."""
+    from mop_train.ops.offload_adamw import AUTO_MARGIN_BYTES
+    gib = 2**30
+    lines = []
+    for opt in getattr(optimizers, "optimizers", optimizers):
+        if not hasattr(opt, "device_state_bytes"):
+            continue
+        auto = "" if free_device_bytes is None else (
+            f" (auto: {free_device_bytes / gib:.2f} GiB free after the plan, {AUTO_MARGIN_BYTES / gib:.0f} GiB margin)")
+        lines.append(
+            f"OffloadStreamAdamW: device_fraction {opt.device_fraction:.3f}{auto}, {opt.device_state_bytes / gib:.2f} "
+            f"GiB of state on the device; buckets {opt.bucket_params:,} x {opt.slots} slots, "
+            f"{opt.staging_bytes / gib:.2f} GiB staging; host_fraction {opt.host_fraction:g} of the rest on the CPU; "
+            f"overlap with the next forward {'on' if opt.overlap and opt.forward_waits.hooked else 'off'}")
+    return "\n".join(lines)
 
 
 def _offload_adamw_cls():

@@ -169,3 +169,39 @@ def test_cuda_overlap_same_bits_and_forward_runs_early(device_fraction):
         h = m(h)
     torch.cuda.synchronize()
     assert not opt.forward_waits.pending() and opt.exposed_seconds() > 0.0
+
+
+def _fsdp_overlap_worker(rank, world_size, device_fraction):
+    """FSDP2 units with bf16 compute: overlap (hooks before FSDP2's pre-forward) against no overlap."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from tests.dist_utils import worker_device
+    device = worker_device()
+    mesh = init_device_mesh(device.type, (world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    runs = []
+    for overlap in (False, True):
+        model = _Net(51, device=device, width=64)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        opt = OffloadStreamAdamW(forward_order(model), **HP, bucket_params=300, slots=2,
+                                 device_fraction=device_fraction, overlap=overlap)
+        opt.wait_in_forward(forward_units(model))
+        assert opt.forward_waits.hooked == overlap
+        for step in range(4):
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(fresh_seed(step + 10 * rank)))
+            opt.zero_grad()
+            model(x.to(device)).float().square().sum().backward()
+            opt.step()
+        opt.wait_for_weights()
+        runs.append([p.to_local().detach().clone() for p in model.parameters()])
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert_bitwise_equal(a, b, name=f"rank {rank} param {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device_fraction", [0.0, 0.4])
+def test_cuda_fsdp2_overlap_same_bits(device_fraction):
+    from tests.dist_utils import run_distributed
+    run_distributed(_fsdp_overlap_worker, 1, device_fraction, backend="nccl")

@@ -292,3 +292,20 @@ def test_cuda_device_share_memory(dtype):
     free = AUTO_MARGIN_BYTES + staging_bytes_bound(bucket, slots) + opt.device_state_bytes
     assert fit_device_fraction(free, n, fp32_weights=dtype == torch.float32, bucket_params=bucket,
                                slots=slots) >= 0.499
+
+
+def test_build_optimizers_forward_order_and_plan_line():
+    from mop_train.train.optim import build_optimizers, describe_offload
+    model = _Tiny(5)
+    section = SimpleNamespace(bucket_params=4, slots=3, host_fraction=0.0, device_fraction="auto", overlap=False)
+    optimizer = SimpleNamespace(name="OffloadStreamAdamW", lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
+    with pytest.raises(ValueError, match="auto"):
+        build_optimizers([model], optimizer, section, world_size=1)
+    numel = sum(p.numel() for p in model.parameters())
+    free = AUTO_MARGIN_BYTES + staging_bytes_bound(4, 3) + 8 * numel // 2
+    share = resolve_device_fraction(section, local_numel=numel, fp32_weights=True, free_device_bytes=free)
+    container = build_optimizers([model], optimizer, section, world_size=1, device_fraction=share)
+    opt = container.optimizers[0]
+    assert opt.device_fraction == 0.5 and opt.device_state_bytes == 8 * round(0.5 * numel)
+    line = describe_offload(container, free_device_bytes=free)
+    assert "device_fraction 0.500 (auto:" in line and "4 x 3 slots" in line and "overlap with the next forward off" in line

@@ -24,15 +24,11 @@ Legend: N local elements (all parameters), N_d device-resident, B bucket capacit
 
 from __future__ import annotations
 
-import contextlib
 import time
 import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.optim import Optimizer
 
 from mop_train.ops.offload_adamw.buckets import (
@@ -40,9 +36,9 @@ from mop_train.ops.offload_adamw.buckets import (
 from mop_train.ops.offload_adamw.device_share import DeviceShare
 from mop_train.ops.offload_adamw.forward_waits import ForwardWaits, Ready
 from mop_train.ops.offload_adamw.host_update import HostUpdate, host_split
+from mop_train.ops.offload_adamw.state import ROW, StateDictMixin, check_group, local_shard
+from mop_train.ops.offload_adamw.streams import Streams
 from mop_train.ops.offload_adamw.update import fused_adamw_by_group
-
-_ROW = {"master": 0, "exp_avg": 1, "exp_avg_sq": 2}  # rows of the [3, N - N_d] host state
 
 DEFAULT_BUCKET_PARAMS = 25_000_000  # benchmarks/RESULTS.md: 25M x 3 slots is 2-4% faster than
 DEFAULT_SLOTS = 3                   # 100M x 2 at 1B and 2.6B params, with 954 MiB of staging (not 2.6 GiB)
@@ -60,25 +56,6 @@ class OffloadStepStats:
     device_updated_elements: int = 0  # elements of the device-resident share (updated in place)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of an FSDP2 / DTensor parameter or gradient; plain tensors as they are."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _as_param_state(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """View one parameter's state (flat, any device) with the parameter's shape (a DTensor for DTensors).
-
-    DTensor.from_local would copy a host tensor to the mesh's device, so the wrapper is built from
-    the parameter's own sharding spec with an fp32 tensor meta.
-    """
-    local = flat.view(_local(param).shape)
-    if not isinstance(param, DTensor):
-        return local
-    meta = TensorMeta(param.shape, param.stride(), torch.float32)
-    return DTensor(local, DTensorSpec(param.device_mesh, param.placements, tensor_meta=meta),
-                   requires_grad=False)
-
-
 def _check_staging(bucket_params, slots) -> None:
     if isinstance(bucket_params, bool) or not isinstance(bucket_params, int) or bucket_params < 1:
         raise ValueError(f"bucket_params ({bucket_params!r}) must be an int >= 1, e.g. 25_000_000; "
@@ -94,56 +71,7 @@ def _check_fraction(name: str, value, meaning: str) -> None:
                          f"set [mop.offload_adamw] {name}")
 
 
-def _check_group(group: dict) -> None:
-    lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    if not float(lr) >= 0.0:
-        raise ValueError(f"lr ({lr}) must be >= 0")
-    if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
-        raise ValueError(f"betas ({betas}) must be two numbers in [0, 1), e.g. (0.9, 0.95)")
-    if not float(eps) >= 0.0:
-        raise ValueError(f"eps ({eps}) must be >= 0")
-    if not float(wd) >= 0.0:
-        raise ValueError(f"weight_decay ({wd}) must be >= 0")
-    for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
-        if group.get(flag):
-            raise ValueError(f"{flag}=True is not supported by OffloadStreamAdamW; drop it")
-
-
-class _Streams:
-    """Streams beside the current (compute) stream; on CPU, program order.
-
-    update runs the device-side AdamW (device share and buckets) and the weight refresh, so that the
-    compute stream is free for the next forward; h2d / d2h carry the streamed buckets; down / up the
-    host-updated range's gradients and weights, so that those interleave with the buckets."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self.update, self.h2d, self.d2h, self.down, self.up = (
-            (torch.cuda.Stream(device) for _ in range(5)) if self.cuda else (None,) * 5)
-
-    def use(self, stream):
-        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
-
-    def record(self, timing: bool = False):
-        """An event on the current stream (None on CPU, where everything has already happened)."""
-        if not self.cuda:
-            return None
-        event = torch.cuda.Event(enable_timing=timing)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def wait(self, event) -> None:
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
-
-    def synchronize(self) -> None:
-        if self.cuda:
-            for stream in (self.update, self.h2d, self.d2h, self.down, self.up):
-                stream.synchronize()
-
-
-class OffloadStreamAdamW(Optimizer):
+class OffloadStreamAdamW(StateDictMixin, Optimizer):
     """AdamW (torch.optim.AdamW's math) with fp32 masters and moments in (pinned) host memory,
     except a device-resident share.
 
@@ -199,11 +127,11 @@ class OffloadStreamAdamW(Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-        shards = [_local(p) for p in self._params]
+        shards = [local_shard(p) for p in self._params]
         self.device = self._check_params(shards)
         self._numels = [t.numel() for t in shards]
         self._offsets = param_offsets(self._numels)
-        self._streams = _Streams(self.device)
+        self._streams = Streams(self.device)
         total = sum(self._numels)
         self.device_fraction, self.overlap = float(device_fraction), overlap
         self._dev_end = device_split(total, self.device_fraction)
@@ -215,7 +143,7 @@ class OffloadStreamAdamW(Optimizer):
         self._steps = torch.zeros(len(self._params), dtype=torch.float32)  # torch keeps fp32 steps
         with torch.no_grad():  # the state must not join the parameters' autograd graph
             for i, shard in enumerate(shards):
-                self._write_row(_ROW["master"], i, shard.reshape(-1))
+                self._write_row(ROW["master"], i, shard.reshape(-1))
         self._refresh_state()
         self._waits = ForwardWaits(self._streams)
         self._writeback_done = None
@@ -230,7 +158,7 @@ class OffloadStreamAdamW(Optimizer):
             raise ValueError("OffloadStreamAdamW lays out its host state once; pass every param group "
                              "to the constructor instead of calling add_param_group later")
         super().add_param_group(param_group)
-        _check_group(self.param_groups[-1])
+        check_group(self.param_groups[-1])
 
     @staticmethod
     def _check_params(shards: list[torch.Tensor]) -> torch.device:
@@ -296,10 +224,10 @@ class OffloadStreamAdamW(Optimizer):
             return None
         if grad.is_sparse:
             raise ValueError("OffloadStreamAdamW does not support sparse gradients")
-        grad = _local(grad)
-        if grad.shape != _local(self._params[i]).shape:
+        grad = local_shard(grad)
+        if grad.shape != local_shard(self._params[i]).shape:
             raise ValueError(f"gradient shape {tuple(grad.shape)} != local parameter shape "
-                             f"{tuple(_local(self._params[i]).shape)} (parameter {i})")
+                             f"{tuple(local_shard(self._params[i]).shape)} (parameter {i})")
         return grad.reshape(-1)
 
     @torch.no_grad()
@@ -317,7 +245,7 @@ class OffloadStreamAdamW(Optimizer):
         hparams = [(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]),
                     float(g["weight_decay"]), float(g["eps"])) for g in self.param_groups]
         s, host = self._streams, self._host_update
-        work = [_local(p).view(-1) for p in self._params]  # FSDP2 may swap local tensors: re-read
+        work = [local_shard(p).view(-1) for p in self._params]  # FSDP2 may swap local tensors: re-read
         wall = time.perf_counter()
         start = s.record(timing=True)  # gradients and weights are final from here on
         if s.cuda:  # read on the update stream: not to be reused before it is done (zero_grad frees them)
@@ -470,117 +398,3 @@ class OffloadStreamAdamW(Optimizer):
     def forward_waits(self) -> ForwardWaits:
         """The waits of the latest step (its `log` lists (lane, piece) per wait, for tests)."""
         return self._waits
-
-    # ---- where each parameter's state lives --------------------------------------------------
-    def _row_pieces(self, row: int, i: int) -> list[tuple[int, torch.Tensor]]:
-        """(first element in the parameter, view) of parameter i's state row: its head in the device
-        share, its tail in the host buffer (one piece unless it straddles N_d)."""
-        start, numel, end = self._offsets[i], self._numels[i], self._dev_end
-        if numel == 0:
-            return [(0, self._host[row, :0])]
-        pieces = []
-        head = min(numel, max(end - start, 0))
-        if head:
-            work = {i: _local(self._params[i]).view(-1)}
-            pieces.append((0, self._device_share.rows(i, 0, start, head, work)[row]))
-        if head < numel:
-            lo = start + head - end
-            pieces.append((head, self._host[row, lo:lo + numel - head]))
-        return pieces
-
-    def _write_row(self, row: int, i: int, value: torch.Tensor) -> None:
-        """Copy parameter i's flat `value` into its state row (wherever its pieces live)."""
-        for first, view in self._row_pieces(row, i):  # (an aliased master copies the weight onto itself)
-            view.copy_(value[first:first + view.numel()])
-
-    def _read_row(self, row: int, i: int) -> torch.Tensor:
-        """Parameter i's state row: a live view, or a host copy when it straddles N_d."""
-        pieces = self._row_pieces(row, i)
-        if len(pieces) == 1:
-            return pieces[0][1]
-        return torch.cat([view.detach().to("cpu") for _, view in pieces])
-
-    def _refresh_state(self) -> None:
-        """self.state[p] as torch's state_dict packs it: views (or the straddler's copies) per key."""
-        for i, p in enumerate(self._params):
-            self.state[p] = {"step": self._steps[i]} | {
-                key: _as_param_state(self._read_row(row, i), p)
-                for key, row in (("exp_avg", 1), ("exp_avg_sq", 2), ("master", 0))}
-
-    # ---- checkpointing ----------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        self.wait_for_writeback()
-        self._refresh_state()  # FSDP2 may have swapped the local tensors that fp32 masters alias
-        out = super().state_dict()
-        out["state"] = {k: dict(v) for k, v in out["state"].items()}  # callers may edit entries
-        return out
-
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Copy a state dict (ours, torch.optim.AdamW's, or DCP's) into the state's places.
-
-        Parameters missing from state_dict["state"] start afresh; a missing "master" is taken from
-        the current working weight (so a torch.optim.AdamW checkpoint can be resumed).
-        """
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            state_dict = hook(self, state_dict) or state_dict
-        saved_groups = state_dict["param_groups"]
-        sizes = [len(g["params"]) for g in self.param_groups]
-        saved_sizes = [len(g["params"]) for g in saved_groups]
-        if saved_sizes != sizes:
-            raise ValueError(f"state_dict has param groups of sizes {saved_sizes}, this optimizer "
-                             f"{sizes}; build the optimizer with the same param groups")
-        self.wait_for_writeback()
-        i = 0
-        for saved, group in zip(saved_groups, self.param_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-            _check_group(group)
-            for key in saved["params"]:
-                self._load_param_state(i, state_dict["state"].get(key))
-                i += 1
-        self._refresh_state()
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
-
-    def _load_param_state(self, i: int, entry) -> None:
-        weight = _local(self._params[i]).reshape(-1)
-        if entry is None:
-            self._steps[i] = 0.0
-            for row in (1, 2):
-                for _, view in self._row_pieces(row, i):
-                    view.zero_()
-            self._write_row(0, i, weight)
-            return
-        self._steps[i] = float(entry["step"])
-        for key, row in _ROW.items():
-            if key in entry:
-                self._write_row(row, i, self._local_value(entry[key], i).reshape(-1))
-            elif key == "master":
-                self._write_row(row, i, weight)
-            else:
-                raise ValueError(f"optimizer state of parameter {i} lacks {key!r} "
-                                 f"(has {sorted(entry)}); load an AdamW state dict")
-
-    def _local_value(self, value: torch.Tensor, i: int) -> torch.Tensor:
-        """This rank's part of a saved state tensor (DTensor, local shard, or full tensor)."""
-        param = self._params[i]
-        local_shape = _local(param).shape
-        if isinstance(value, DTensor):
-            if isinstance(param, DTensor) and tuple(value.placements) != tuple(param.placements):
-                value = value.redistribute(param.device_mesh, param.placements)
-            value = value._local_tensor
-        elif isinstance(param, DTensor) and value.shape == param.shape != local_shape:
-            shape, offset = compute_local_shape_and_global_offset(
-                param.shape, param.device_mesh, param.placements)
-            value = value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-        if value.shape != local_shape:
-            raise ValueError(f"saved state of shape {tuple(value.shape)} does not fit parameter {i} "
-                             f"(local shape {tuple(local_shape)})")
-        return value
-
-    @torch.no_grad()
-    def reset_masters_from_params(self) -> None:
-        """Re-read every master from its working weight (after loading weights without optimizer state)."""
-        self.wait_for_writeback()
-        for i, p in enumerate(self._params):
-            self._write_row(0, i, _local(p).reshape(-1))
