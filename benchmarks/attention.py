@@ -15,6 +15,10 @@ Methods (a method that fails records its error and is not retried at longer S fo
   kernels_<b>           the explicit kernel pairs of mop_train/models/attention_backends.py, through
                         keep_attention's autograd.Function (what keep runs): flash(_pad_v), efficient, cudnn
   flex_document_<L>     compiled FlexAttention with the document BlockMask, documents ~L tokens (--doc-lens)
+  checkpointed_plain    the model's core (ScaledDotProductAttention) under non-reentrant checkpointing:
+                        backward recomputes the forward kernel first (what a checkpointed block does)
+  checkpointed_keep     the same with keep on: the recompute returns the kept output (no kernel);
+                        the difference to checkpointed_plain is what keeping saves per layer
 FLOPs, causal counted once: forward 2 * h * S^2/2 * (d_qk + d_v) (B = 1), backward 2.5x that.
 Time: CUDA events, median of --repeats after one warm-up (compilation happens in the warm-up).
 Peak: max_memory_allocated after reset_peak_memory_stats over one forward+backward, minus inputs.
@@ -26,7 +30,7 @@ fit in what is left is skipped and recorded.
 
     python benchmarks/attention.py --shapes mla-h8,gqa-h8 --time-budget 540      # H200
     python benchmarks/attention.py --smoke                                      # CPU, tiny, seconds
-JSON to $OUT/attention.json if OUT is set, else benchmarks/results/attention.json; a table to stdout.
+JSON to $OUT/attention_<shapes>.json if OUT is set, else benchmarks/results/; a table to stdout.
 """
 
 from __future__ import annotations
@@ -79,6 +83,18 @@ def kernels_method(backend: str):
     def run(q, k, v):
         call = AttentionCall(backend=backend, gqa=k.shape[2] != q.shape[2], keep=True)
         return explicit_attention(q, k, v, None, call, owner)
+    return run
+
+
+def checkpointed_method(keep: bool):
+    from torch.utils.checkpoint import checkpoint
+
+    from mop_train.models.attention import ScaledDotProductAttention
+    core = ScaledDotProductAttention()
+    core.keep = keep
+
+    def run(q, k, v):
+        return checkpoint(core, q, k, v, use_reentrant=False)
     return run
 
 
@@ -155,6 +171,8 @@ def methods_for(device: torch.device, shape, doc_lens, smoke: bool) -> dict:
         if b in ("flash", "cpu_flash") and d_v < d_qk:
             b = "flash_pad_v" if b == "flash" else "math"
         out[f"kernels_{b}"] = kernels_method(b)
+    out["checkpointed_plain"] = checkpointed_method(keep=False)
+    out["checkpointed_keep"] = checkpointed_method(keep=True)
     for L in doc_lens:
         out[f"flex_document_{L}"] = flex.document(L)
     return out
@@ -351,17 +369,17 @@ def main():
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del q, k, v, gout
-    write(rows, args, device, started)
+    write(rows, args, device, started, list(shapes))
 
 
-def write(rows, args, device, started):
+def write(rows, args, device, started, shape_names):
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out_dir, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
                 cudnn=torch.backends.cudnn.version() if device.type == "cuda" else None,
                 date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), args=vars(args),
                 wall_s=time.monotonic() - started, dtype="bfloat16", batch=1)
-    path = os.path.join(out_dir, "attention_smoke.json" if args.smoke else "attention.json")
+    path = os.path.join(out_dir, "attention_smoke.json" if args.smoke else f"attention_{'+'.join(shape_names)}.json")
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"\n{'shape':<8} {'S':>7} {'method':<22} {'fwd ms':>9} {'TF/s':>6} {'f+b ms':>9} {'TF/s':>6} "

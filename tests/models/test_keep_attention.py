@@ -39,8 +39,8 @@ def _args(variant: str):
 
 
 def _wrapped(base, keep: bool, wrap: str = "plain", seq_group=None):
-    """A copy of `base` with every block checkpointed (plain or through SCO) and keep on/off;
-    with `seq_group`, every core Ulysses-wrapped over it."""
+    """A copy of `base` with its blocks checkpointed (every one plain or through SCO, or
+    "alternate": every other one) and keep on/off; with `seq_group`, every core Ulysses-wrapped."""
     model = copy.deepcopy(base)
     if seq_group is not None:
         from mop_train.parallel.ulysses import UlyssesAttention
@@ -49,8 +49,9 @@ def _wrapped(base, keep: bool, wrap: str = "plain", seq_group=None):
             if isinstance(getattr(module, "sdpa", None), ScaledDotProductAttention):
                 module.sdpa = UlyssesAttention(module.sdpa, seq_group)
     sco = SelectiveCheckpointOffload(1 << 20) if wrap == "sco" else None
-    for name, block in list(model.layers.items()):
-        model.layers.register_module(name, sco.wrap(block) if sco else checkpointed(block))
+    for i, (name, block) in enumerate(list(model.layers.items())):
+        if wrap != "alternate" or i % 2 == 0:
+            model.layers.register_module(name, sco.wrap(block) if sco else checkpointed(block))
     assert keep_attention(model, keep) == len(model.layers)
     return model
 
@@ -92,14 +93,15 @@ class _KernelCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("variant,masked,wrap", [
-    ("mla", False, "plain"), ("mla", True, "plain"), ("gqa", False, "plain"), ("gqa", True, "sco"),
-    ("gqa", False, "sco")])
-def test_keep_equals_plain_checkpointing_bitwise(variant, masked, wrap):
+@pytest.mark.parametrize("variant,masked,wrap,dtype", [
+    ("mla", False, "plain", torch.float32), ("mla", True, "plain", torch.bfloat16),
+    ("gqa", False, "plain", torch.float32), ("gqa", True, "sco", torch.bfloat16),
+    ("gqa", False, "alternate", torch.float32)])
+def test_keep_equals_plain_checkpointing_bitwise(variant, masked, wrap, dtype):
     """Two steps (optimizer-free: grads zeroed), losses and every gradient bitwise equal; nothing
     kept after each backward."""
     torch.manual_seed(fresh_seed(1))
-    base = zoo.build_model(_args(variant))
+    base = zoo.build_model(_args(variant), dtype=dtype)
     runs = {}
     for keep in (False, True):
         model = _wrapped(base, keep, wrap)
