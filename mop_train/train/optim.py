@@ -1,6 +1,10 @@
 """Optimizer and LR schedule: torchtitan's containers, plus OffloadStreamAdamW by name.
 
-    optimizers = build_optimizers([module], cfg.optimizer, cfg.mop.offload_adamw, world_size=W)
+    share = resolve_device_fraction(cfg.mop.offload_adamw, local_numel=n, fp32_weights=True,
+                                    free_device_bytes=free_device_bytes(plan_terms, device))
+    optimizers = build_optimizers([module], cfg.optimizer, cfg.mop.offload_adamw, world_size=W,
+                                  device_fraction=share)
+    print(describe_offload(optimizers))
     lr_schedulers = build_lr_schedulers(optimizers, cfg.lr_scheduler, cfg.training.steps)
 
 `[optimizer] name` = "AdamW" | "Adam" goes to torchtitan's `build_optimizers`;
@@ -18,6 +22,7 @@ follows the same learning rates as a straight one.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.lr_scheduler import build_lr_schedulers as titan_build_lr_schedulers
@@ -29,7 +34,7 @@ OFFLOAD_ADAMW = "OffloadStreamAdamW"
 TITAN_OPTIMIZERS = ("AdamW", "Adam")
 
 __all__ = ["build_optimizers", "build_lr_schedulers", "resolve_device_fraction", "parse_device_fraction",
-           "describe_offload", "OFFLOAD_ADAMW"]
+           "free_device_bytes", "describe_offload", "OFFLOAD_ADAMW"]
 
 
 def parse_device_fraction(value) -> float | str:
@@ -44,6 +49,15 @@ def parse_device_fraction(value) -> float | str:
         raise ValueError(f"mop.offload_adamw.device_fraction = {value!r} must be \"auto\" or a number in "
                          "[0, 1] (the share of the optimizer state kept on the device; 0 streams everything)")
     return share
+
+
+def free_device_bytes(plan_terms: list[tuple[str, int, str]], device) -> int:
+    """Device bytes the memory plan leaves free on this rank: the device's total memory minus the
+    plan's terms (`plan.memory_plan`, with the optimizer offloaded); 0 on a CPU-only build, where
+    "auto" keeps everything streamed."""
+    if torch.device(device).type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).total_memory - sum(b for _, b, _ in plan_terms)
 
 
 def resolve_device_fraction(offload_adamw, *, local_numel: int, fp32_weights: bool,

@@ -295,7 +295,7 @@ def test_cuda_device_share_memory(dtype):
 
 
 def test_build_optimizers_forward_order_and_plan_line():
-    from mop_train.train.optim import build_optimizers, describe_offload
+    from mop_train.train.optim import build_optimizers, describe_offload, free_device_bytes
     model = _Tiny(5)
     section = SimpleNamespace(bucket_params=4, slots=3, host_fraction=0.0, device_fraction="auto", overlap=False)
     optimizer = SimpleNamespace(name="OffloadStreamAdamW", lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
@@ -307,5 +307,6 @@ def test_build_optimizers_forward_order_and_plan_line():
     container = build_optimizers([model], optimizer, section, world_size=1, device_fraction=share)
     opt = container.optimizers[0]
     assert opt.device_fraction == 0.5 and opt.device_state_bytes == 8 * round(0.5 * numel)
+    assert free_device_bytes([("parameters", 10, ""), ("gradients", 10, "")], "cpu") == 0
     line = describe_offload(container, free_device_bytes=free)
     assert "device_fraction 0.500 (auto:" in line and "4 x 3 slots" in line and "overlap with the next forward off" in line

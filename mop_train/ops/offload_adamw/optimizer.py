@@ -290,7 +290,7 @@ class OffloadStreamAdamW(StateDictMixin, Optimizer):
         fused_adamw_by_group(pieces, hparams)
         for weight, master in refresh:
             weight.copy_(master)
-        return Ready(bucket.start, bucket.start + bucket.numel, s.record())
+        return Ready(bucket.start, bucket.start + bucket.numel, s.record(timing=True))
 
     def _stream_buckets(self, grads, work, fresh, steps, hparams) -> list[Ready]:
         """Queue every streamed bucket's copy-in, update, weight refresh and write-back (the current
@@ -319,7 +319,7 @@ class OffloadStreamAdamW(StateDictMixin, Optimizer):
                 self._slot_free[k] = s.record(timing=True)
             for param, src, dst in live:  # refresh the working weights while the write-back runs
                 work[param][src].copy_(staged[0, dst])
-            self._slot_read[k] = s.record()
+            self._slot_read[k] = s.record(timing=True)  # also the bucket's ready event (step_seconds times it)
             ready.append(Ready(bucket.start, bucket.start + bucket.numel, self._slot_read[k]))
         if self._buckets:
             self._writeback_done = self._slot_free[(len(self._buckets) - 1) % self.slots]
