@@ -6,7 +6,8 @@
 
 `train` checks the configuration in this process first (a bad key or value: one line, exit 2,
 before any rank starts), then runs torchrun's launcher in-process on this node and exits with the
-ranks' own exit code (mop_train.train.__main__ lists them) instead of torchrun's summary. Several
+ranks' own exit code (mop_train.train.__main__ lists them) instead of torchrun's summary; on SIGTERM
+or SIGINT it passes the signal to the ranks, which stop at a step boundary and save, and exits 5. Several
 nodes: `torchrun ... -m mop_train.train --job.config_file X.toml` on each.
 """
 
@@ -43,16 +44,25 @@ def _train(args: argparse.Namespace) -> int:
     job = ["--job.config_file", args.config, *args.overrides]
     load_job_config(job, model_flavors=zoo.names())   # ValueError -> one line, exit 2
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    from mop_train.train.reliability import EXIT_STOPPED
+
     launch = torchrun.parse_args(["--standalone", f"--nproc-per-node={args.nproc_per_node}",
                                   "-m", "mop_train.train", *job])
+    for name in list(logging.root.manager.loggerDict):  # the ranks say what went wrong, not the agent
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         torchrun.run(launch)
     except ChildFailedError as err:
         codes = [f.exitcode for _, f in sorted(err.failures.items())]
         return next((c for c in codes if c > 0), 1)  # a rank's own code, not a kill by the launcher
+    except SignalException:
+        # torchrun's agent passed the signal on to the ranks and waited for them (30 s, then
+        # SIGKILL): they stopped at a step boundary and saved, as their own messages say.
+        return EXIT_STOPPED
     return 0
 
 
