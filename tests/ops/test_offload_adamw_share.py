@@ -68,6 +68,7 @@ def test_device_share_matches_fp32_adamw(dtype, device_fraction, host_fraction, 
     n_dev = round(device_fraction * total)
     n_host = round(host_fraction * (total - n_dev))
     assert device_fraction == 1.0 or _straddles(n_dev)
+    assert host_fraction in (0.0, 1.0) or _straddles(total - n_host)  # a tensor on both sides of each boundary
     ours = opt.state_dict()
     for i, (p, q) in enumerate(zip(ours_p, ref_p)):
         master = ours["state"][i]["master"]
