@@ -9,7 +9,7 @@ host-link floor measured in the same run (12 B/param host->device and device->ho
   deepspeed       DeepSpeed CPUAdam (AVX, JIT-compiled on first use) with the same transfers
   fsdp2_offload   FSDP2 + CPUOffloadPolicy on 1 rank: iteration time minus the same model's
                   forward+backward without offload (the time the offloaded optimizer adds)
-  overlap         issue 20: device_fraction (0, 0.25, 0.5) x overlap (off, on) at --overlap-staging,
+  overlap         (--overlap; issue 20) device_fraction (0, 0.25, 0.5) x overlap (off, on) at --overlap-staging,
                   each step followed by a synthetic forward (one unit per weight tensor, matmuls
                   calibrated to --forward-ms in all) that waits per unit with overlap on; reports the
                   step's exposed time (`exposed_seconds()`), step + forward against the forward alone,
@@ -17,8 +17,8 @@ host-link floor measured in the same run (12 B/param host->device and device->ho
 Times are wall clock between device synchronisations, median of repeats after one warm-up.
 
     python benchmarks/optimizer_step.py                 # one GPU: 1B and 2.6B params
-    python benchmarks/optimizer_step.py --skip sweep,torch_cpu,deepspeed,fsdp2_offload   # overlap rows only
-    python benchmarks/optimizer_step.py --smoke         # CPU, tiny sizes (checks that it runs)
+    python benchmarks/optimizer_step.py --overlap --skip sweep,torch_cpu,deepspeed,fsdp2_offload   # overlap rows only
+    python benchmarks/optimizer_step.py --smoke         # CPU, tiny sizes, overlap rows included (checks that it runs)
 JSON goes to $OUT/optimizer_step.json if OUT is set, else benchmarks/results/optimizer_step.json.
 """
 
@@ -356,6 +356,7 @@ def main():
                     help="comma list of BUCKETxSLOTS where the host fractions are measured")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--baseline-repeats", type=int, default=2)
+    ap.add_argument("--overlap", action="store_true", help="also measure the device_fraction x overlap rows")
     ap.add_argument("--device-fractions", default="0,0.25,0.5", help="device_fraction values of the overlap rows")
     ap.add_argument("--overlap-staging", default="25000000x3", help="BUCKETxSLOTS of the overlap rows")
     ap.add_argument("--forward-ms", type=float, default=150.0,
@@ -403,7 +404,7 @@ def main():
         if "sweep" not in skip:
             entry["ours"], entry["ours_build_seconds"] = bench_ours(params, points, args.repeats, device)
             save()
-        if "overlap" not in skip:
+        if (args.overlap or args.smoke) and "overlap" not in skip:
             entry["overlap"] = bench_overlap(params, overlap_points, args.repeats, device, args.forward_ms / 1e3,
                                              args.smoke)
             save()
