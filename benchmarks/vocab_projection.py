@@ -1,4 +1,5 @@
-"""Vocabulary projection + cross-entropy, forward + backward: full logits vs Liger vs Cut CE vs Ring-DTP.
+"""Vocabulary projection + cross-entropy, forward + backward: full logits vs Liger vs Cut CE vs Ring-DTP
+(both schedules: "recompute", four GEMM passes; "grad_in_forward", three).
 
     python benchmarks/vocab_projection.py                 # one GPU: N=16384, H=7168, V=200000, bf16 + fp32
     python benchmarks/vocab_projection.py --smoke         # tiny shapes, runs on CPU too
@@ -12,6 +13,8 @@ Every method sees the same inputs and is measured the same way, one method at a 
         the gradients it produces; `peak_gib` adds the bytes of the inputs X, W, targets.
 The full-logits "standard" is F.cross_entropy(x @ w.T upcast to fp32). Liger and Cut CE run with
 their defaults (Cut CE filters small softmax gradients by default, so it is not exact).
+Accuracy (one device): `rel_err_*` against the first method (the standard), and `truth_err_*` against
+an fp64 computation from the same (rounded) inputs, token chunk by chunk (--no-truth to skip it).
 Writes JSON to $OUT/<name>.json if $OUT is set, else benchmarks/results/<name>.json (--name).
 """
 
@@ -48,11 +51,25 @@ def cut_ce(x, w, t, group=None):
     return linear_cross_entropy(x, w, t, reduction="sum")
 
 
-def ring_dtp(block_size, vocab_size, mode="auto"):
+def ring_dtp(block_size, vocab_size, mode="auto", schedule="recompute", token_chunk=None):
     def run(x, w, t, group=None):
         return ring_dtp_cross_entropy(x, w, t, group, vocab_size=vocab_size, mode=mode, reduction="sum",
-                                      block_size=block_size)
+                                      block_size=block_size, schedule=schedule, token_chunk=token_chunk)
     return run
+
+
+def truth(x, w, t, chunk=2048):
+    """fp64 loss, dX, dW of the sum over tokens from x, w as given (already rounded), chunk by chunk."""
+    w64 = w.detach().double().requires_grad_()
+    dx = torch.empty(x.shape, dtype=torch.float64, device=x.device)
+    loss = torch.zeros((), dtype=torch.float64, device=x.device)
+    for start in range(0, x.shape[0], chunk):
+        xc = x.detach()[start:start + chunk].double().requires_grad_()
+        part = F.cross_entropy(xc @ w64.t(), t[start:start + chunk], reduction="sum")  # [chunk, V] logits
+        part.backward()                                                 # dW accumulates in w64.grad
+        loss += part.detach()
+        dx[start:start + chunk] = xc.grad
+    return loss, dx, w64.grad
 
 
 class _FourGemms(torch.autograd.Function):
@@ -150,10 +167,14 @@ def single_device(args, device):
         if device.type == "cuda":
             methods.update({"liger": liger, "cut_ce": cut_ce})
         for b in args.block_sizes:
-            methods[f"ring_dtp b={b}"] = ring_dtp(b, args.v)
+            methods[f"ring_dtp recompute b={b}"] = ring_dtp(b, args.v)
+        for c in args.token_chunks:
+            methods[f"ring_dtp grad_in_forward c={c}"] = ring_dtp(args.block_sizes[-1], args.v,
+                                                                  schedule="grad_in_forward", token_chunk=c)
         for b in args.gemm_floor_blocks:
             methods[f"4 GEMMs only b={b}"] = four_gemms(b)
         reference = None
+        true = truth(x, w, t) if args.truth else None
         for name, fn in methods.items():
             row = {"method": name, "dtype": str(dtype).removeprefix("torch."), "N": args.n, "H": args.h,
                    "V": args.v, "P": 1}
@@ -167,15 +188,22 @@ def single_device(args, device):
                     reference = got
                 if not name.startswith("4 GEMMs"):  # a timing floor, not a loss
                     row.update({f"rel_err_{k}": _rel(a, r) for k, a, r in zip(("loss", "dx", "dw"), got, reference)})
+                    if true is not None:
+                        row.update({f"truth_err_{k}": _rel(a.double(), r) for k, a, r in
+                                    zip(("loss", "dx", "dw"), got, true)})
             except Exception as err:  # a baseline missing or failing must not hide the others
                 row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
-            if name.startswith("ring_dtp") and dtype in (torch.bfloat16, torch.float32):
-                b = int(name.split("=")[1])
-                row["bound_gib"] = ring_dtp_peak_bytes(args.n, args.h, args.v, 1, dtype=dtype, block_size=b) / GIB
+            if name.startswith("ring_dtp"):
+                gif = "grad_in_forward" in name
+                size = int(name.split("=")[1])
+                row["bound_gib"] = ring_dtp_peak_bytes(
+                    args.n, args.h, args.v, 1, dtype=dtype, block_size=args.block_sizes[-1] if gif else size,
+                    schedule="grad_in_forward" if gif else "recompute", token_chunk=size if gif else None,
+                    impl="triton" if device.type == "cuda" else "torch") / GIB
             x.grad = w.grad = None
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del x, w, t, reference
+        del x, w, t, reference, true
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -194,8 +222,11 @@ def ring(args, device):
             t = torch.randint(0, args.v, (n,), device=device)
             w_shard = w_full.detach()[lo:hi].clone().requires_grad_()
             cases = [("standard", standard, w_full, None)]
-            cases += [(f"ring_dtp {m}", ring_dtp(args.block_sizes[0], args.v, m), w_shard, group)
+            cases += [(f"ring_dtp recompute {m}", ring_dtp(args.block_sizes[0], args.v, m), w_shard, group)
                       for m in ("auto", "move_activations", "move_weights")]
+            cases += [(f"ring_dtp grad_in_forward c={c}", ring_dtp(args.block_sizes[0], args.v, "auto",
+                                                                   "grad_in_forward", c), w_shard, group)
+                      for c in args.token_chunks]
             for name, fn, w, g in cases:
                 row = {"method": name, "dtype": str(dtype).removeprefix("torch."), "N": n, "H": args.h,
                        "V": args.v, "P": world}
@@ -211,15 +242,15 @@ def ring(args, device):
 
 
 def table(rows):
-    lines = [f"{'method':<27}{'dtype':<10}{'N':>7}{'P':>3}{'time s':>9}{'peak GiB':>10}{'above in.':>10}"
-             f"{'rel err dW':>12}"]
+    lines = [f"{'method':<37}{'dtype':<10}{'N':>7}{'P':>3}{'time s':>9}{'peak GiB':>10}{'above in.':>10}"
+             f"{'rel err dW':>12}{'dW vs fp64':>12}"]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['method']:<27}{r['dtype']:<10}{r['N']:>7}{r['P']:>3}  {r['error'][:60]}")
+            lines.append(f"{r['method']:<37}{r['dtype']:<10}{r['N']:>7}{r['P']:>3}  {r['error'][:60]}")
             continue
         peak = f"{r['peak_gib']:>10.3f}{r['above_inputs_gib']:>10.3f}" if "peak_gib" in r else f"{'-':>10}{'-':>10}"
-        err = f"{r['rel_err_dw']:>12.2e}" if "rel_err_dw" in r else f"{'-':>12}"
-        lines.append(f"{r['method']:<27}{r['dtype']:<10}{r['N']:>7}{r['P']:>3}{r['time_s']:>9.4f}{peak}{err}")
+        err = "".join(f"{r[k]:>12.2e}" if k in r else f"{'-':>12}" for k in ("rel_err_dw", "truth_err_dw"))
+        lines.append(f"{r['method']:<37}{r['dtype']:<10}{r['N']:>7}{r['P']:>3}{r['time_s']:>9.4f}{peak}{err}")
     return "\n".join(lines)
 
 
@@ -232,6 +263,10 @@ def main():
     parser.add_argument("--v", type=int, default=200_000)
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--block-sizes", default="2048,4096,8192")
+    parser.add_argument("--token-chunks", default="2048,4096",
+                        help="tokens per rank per grad_in_forward round, one row each ('' for none)")
+    parser.add_argument("--no-truth", dest="truth", action="store_false",
+                        help="skip the fp64 ground truth (one device)")
     parser.add_argument("--gemm-floor-blocks", default="8192",
                         help="block sizes of the GEMMs-only floor rows ('' for none)")
     parser.add_argument("--ring-tokens", default="16384,32768")
@@ -241,10 +276,12 @@ def main():
     args = parser.parse_args()
     if args.smoke:
         args.n, args.h, args.v, args.ring_tokens, args.block_sizes = 96, 64, 1000, "64,160", "128,512"
+        args.token_chunks = "16,96"
     args.dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     args.block_sizes = [int(b) for b in args.block_sizes.split(",")]
     args.gemm_floor_blocks = [min(int(b), args.v) for b in args.gemm_floor_blocks.split(",") if b]
     args.ring_tokens = [int(n) for n in args.ring_tokens.split(",")]
+    args.token_chunks = [int(c) for c in args.token_chunks.split(",") if c]
     if args.ring:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \

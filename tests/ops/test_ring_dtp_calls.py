@@ -113,17 +113,18 @@ def _none_and_auto(p: _Rank, seed, tag):
 
 
 def _autocast(p: _Rank, tag):
-    """fp32 leaves under bf16 autocast, backward inside and outside it; PyTorch's autocast as the bar."""
-    p64 = _Rank.__new__(_Rank)                                              # the bf16-rounded inputs, in fp64
-    p64.__dict__.update(p.__dict__, weight=p.weight.bfloat16().float(), xs=[x.bfloat16().float() for x in p.xs])
-    truth = p64.reference("sum", UPSTREAM, dtype=torch.float64)
-    x, w = p.leaves()                                                       # PyTorch, whole problem
-    wf = p.weight.clone().requires_grad_()
-    xs = [xi.clone().requires_grad_() for xi in p.xs]
+    """fp32 leaves under bf16 autocast, backward inside and outside it; PyTorch's autocast as the bar,
+    both judged on the whole problem (every rank's loss and dX, the full dW) against the fp64 truth."""
+    rounded = [xi.bfloat16().double().requires_grad_() for xi in p.xs]     # what autocast's products see
+    w64 = p.weight.bfloat16().double().requires_grad_()
+    wf, xs = p.weight.clone().requires_grad_(), [xi.clone().requires_grad_() for xi in p.xs]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         losses = [reference_cross_entropy(xi, wf, t, reduction="sum") for xi, t in zip(xs, p.ts)]
-    sum(losses).mul(UPSTREAM).backward()
-    theirs = (losses[p.rank].detach().float(), xs[p.rank].grad, wf.grad[p.lo:p.hi])
+    true_losses = [reference_cross_entropy(xi, w64, t, reduction="sum") for xi, t in zip(rounded, p.ts)]
+    for ls in (losses, true_losses):
+        sum(ls).mul(UPSTREAM).backward()
+    theirs = _flat([l.detach() for l in losses], [xi.grad for xi in xs], wf.grad)
+    truth = _flat([l.detach() for l in true_losses], [xi.grad for xi in rounded], w64.grad)
     for schedule in SCHEDULES:
         for inside in (True, False):
             x, w = p.leaves()
@@ -134,19 +135,19 @@ def _autocast(p: _Rank, tag):
             if not inside:
                 (loss * UPSTREAM).backward()
             assert x.grad.dtype == w.grad.dtype == torch.float32, f"{tag}: {x.grad.dtype} {w.grad.dtype}"
+            mine = [(loss.detach(), x.grad, w.grad)]
+            if p.group is not None:
+                mine = [None] * len(p.counts)
+                dist.all_gather_object(mine, (loss.detach(), x.grad, w.grad), group=p.group)
+            ours = _flat([m[0] for m in mine], [m[1] for m in mine], torch.cat([m[2] for m in mine]))
             name = f"{tag} {schedule} autocast backward {'inside' if inside else 'outside'}"
-            for what, ours, other, true in zip(("loss", "dX", "dW"), (loss.detach(), x.grad, w.grad), theirs, truth):
-                ours, other, true = (_whole(p, t.float()) for t in (ours, other, true))
-                assert_no_worse_than_torch(ours, other, true, name=f"{what} {name} (whole problem)")
+            for what, a, b, c in zip(("loss", "dX", "dW"), ours, theirs, truth):
+                assert_no_worse_than_torch(a, b, c, name=f"{what} {name} (whole problem)")
 
 
-def _whole(p: _Rank, t: torch.Tensor) -> torch.Tensor:
-    """Every rank's piece, flattened and concatenated in rank order."""
-    if p.group is None:
-        return t.reshape(-1)
-    pieces = [None] * len(p.counts)
-    dist.all_gather_object(pieces, t.reshape(-1).cpu(), group=p.group)
-    return torch.cat(pieces)
+def _flat(losses, dxs, dw):
+    """(losses, dX, dW) of the whole problem, each flattened to fp32."""
+    return tuple(torch.cat([t.reshape(-1).float() for t in ts]) for ts in (losses, dxs, [dw]))
 
 
 def _misuse(p: _Rank, tag):

@@ -124,7 +124,7 @@ def grad_in_forward(ring: Ring, counts: list[int], x, w, targets, opts: GradInFo
     c = opts.token_chunk
     lo = ring.shard_bounds(ring.rank)[0]
     loss = torch.zeros(n, dtype=torch.float32, device=x.device)
-    dx = torch.zeros(n, h, dtype=torch.float32, device=x.device) if opts.dx_ring else None
+    dx = torch.zeros(n, h, dtype=torch.float32, device=x.device) if opts.want_dx else None
     dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if opts.want_dw else None
     for k in range(-(-max(counts) // c)):
         rows = [(min(k * c, m), min((k + 1) * c, m)) for m in counts]
@@ -134,9 +134,11 @@ def grad_in_forward(ring: Ring, counts: list[int], x, w, targets, opts: GradInFo
         valid = targets[start:stop] != opts.ignore_index
         loss[start:stop] = torch.where(valid, lse[ring.rank, :stop - start] - target_logit[ring.rank, :stop - start],
                                        0.0)
-        _gradient_round(ring, held, lse, w, lo, dx[start:stop] if dx is not None else None, dw, opts)
+        own_dx = None if not opts.dx_ring else (dx[start:stop] if dx is not None else   # else serve others only
+                                                 torch.zeros(stop - start, h, dtype=torch.float32, device=x.device))
+        _gradient_round(ring, held, lse, w, lo, own_dx, dw, opts)
         del held
-    return loss, (dx if opts.want_dx else None), dw
+    return loss, dx, dw
 
 
 def _scaled(acc: torch.Tensor | None, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

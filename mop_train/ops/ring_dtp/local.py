@@ -8,6 +8,9 @@ backward (`shard_backward`): the same blocks are recomputed; z becomes g = scale
                              both accumulated in fp32 (dW_blk is written directly when this meeting is
                              the shard's only one, i.e. P = 1).
 The largest temporary is one logits block [n, b]; `impl` picks Triton kernels (GPU) or torch ops.
+grad_in_forward (`block_stats`, `block_grad_`, `add_dx`, `add_dw`) instead keeps one block
+[n, V_r] per token chunk: its partial accumulators first, then, once the chunk's lse is known, the
+gradient in place and the two GEMMs (one each on the GPU, b columns at a time on the torch path).
 
 Paper section 3.2. Legend: n tokens in the meeting, H hidden, b block rows, V_r shard rows.
 """

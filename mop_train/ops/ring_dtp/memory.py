@@ -29,6 +29,7 @@ MODES = ("auto", "move_activations", "move_weights")
 SCHEDULES = ("auto", "recompute", "grad_in_forward")
 _PARTIAL_ROWS = 2048      # rows of one fp32 partial product (see local.matmul_accumulate)
 _PER_TOKEN_BYTES = 96     # stats, lse, loss, scale, targets and their in-flight copies, per token
+_MIN_CHUNK_TOKENS = 2048  # grad_in_forward: c/4 flop per byte of dW_r traffic; 512 >> an H200's ~200
 
 
 def resolve_mode(mode: str, n_max: int, vocab_size: int, group_size: int) -> str:
@@ -78,10 +79,11 @@ def _terms(n, h, v, p, dtype, mode, block_size, n_max, impl) -> dict[str, int]:
 
 
 def default_token_chunk(n_max: int, v: int, p: int, block_size: int) -> int:
-    """c for grad_in_forward: a round's stored logits (P chunks x S columns) hold about as many
-    elements as one recompute logits block (N_max x b), so both schedules bound the same strip."""
+    """c for grad_in_forward: a round's stored logits (P chunks x S columns) hold as many elements as
+    one recompute logits block (N_max x b), and c >= _MIN_CHUNK_TOKENS where the tokens allow: every
+    round reads and writes the fp32 dW_r once, so its GEMM does 2cSH flops per 8SH bytes."""
     s = -(-v // p)
-    return max(1, min(n_max, n_max * min(block_size, s) // (p * s)))
+    return max(1, min(n_max, max(_MIN_CHUNK_TOKENS, n_max * min(block_size, s) // (p * s))))
 
 
 def _grad_in_forward_terms(n, h, v, p, dtype, block_size, n_max, impl, token_chunk, weight_dtype):
