@@ -14,6 +14,8 @@ and `train_state`: the step, the tokens seen, and every rank's RNG states (torch
 Python, NumPy), which torchtitan's own checkpoints leave out. Per-rank entries use per-rank keys,
 so each rank writes and reads only its own.
 
+Nothing in a checkpoint runs code on load: non-tensor entries load with `weights_only=True`, the
+RNG states are tensors, and the dataloader's pickled state is checked to be plain data first.
 `Checkpointer` wraps the manager with what it leaves out: a model or optimizer state holding a
 NaN/inf is never saved (CheckpointError); a re-save into an existing step folder first removes
 it; after each commit every file gets a checksum in `manifest.json` (`integrity`), and a load
@@ -23,6 +25,7 @@ the loaded state finite; `keep_latest_k` also holds after the last save.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import random
@@ -32,7 +35,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.checkpoint import CheckpointManager
 
@@ -40,20 +46,76 @@ from mop_train.train import integrity
 from mop_train.train.reliability import CheckpointError, state_is_finite, tensors_of
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """This process's RNG states: torch CPU, every CUDA device, Python `random`, NumPy."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+def capture_rng_state() -> dict[str, torch.Tensor]:
+    """This process's RNG states as tensors (nothing to unpickle on load): torch CPU, every CUDA
+    device, Python `random` (version, 625 words, gauss), NumPy (624 words, pos, gauss)."""
+    version, words, gauss = random.getstate()
+    _, np_words, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(),
+             "python": torch.tensor([version, *words], dtype=torch.int64),
+             "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
+             "numpy": torch.from_numpy(np_words.astype(np.int64)),
+             "numpy_pos": torch.tensor([pos, has_gauss], dtype=torch.int64),
+             "numpy_gauss": torch.tensor(cached, dtype=torch.float64)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
     return state
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
+def restore_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py = state["python"].tolist()
+    has_gauss, gauss = state["python_gauss"].tolist()
+    random.setstate((py[0], tuple(py[1:]), gauss if has_gauss else None))
+    pos, np_has_gauss = state["numpy_pos"].tolist()
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), pos, np_has_gauss,
+                         float(state["numpy_gauss"])))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all(list(state["cuda"]))
+
+
+class _PlainData(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        raise CheckpointError(f"the checkpoint's dataloader state refers to {module}.{name}; only plain data "
+                              f"(dicts, lists, numbers, strings) is accepted, nothing that runs code on load")
+
+
+class SafeDataloaderState(Stateful):
+    """The dataloader as a checkpoint entry whose pickled per-rank state (torchtitan's format) is
+    checked to be plain data before torchtitan unpickles it."""
+
+    def __init__(self, dataloader):
+        self.dataloader = dataloader
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataloader.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for key, value in state_dict.items():
+            if isinstance(value, bytes):
+                _PlainData(io.BytesIO(value)).load()
+        self.dataloader.load_state_dict(state_dict)
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, but non-tensor entries load with `torch.load(weights_only=True)`."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def _weights_only_dcp_load(manager: CheckpointManager):
+    """torchtitan's `dcp_load` (DCP checkpoints, no HF) with the weights-only planner."""
+    def dcp_load(state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        if from_hf:
+            raise ValueError("loading HF safetensors is not supported by mop_train (no state-dict adapter)")
+        dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=WeightsOnlyLoadPlanner())
+        manager.states["model"].load_state_dict(state_dict)
+    return dcp_load
 
 
 class TrainState(Stateful):
@@ -69,7 +131,7 @@ class TrainState(Stateful):
         return {"step": torch.tensor(self.step, dtype=torch.int64),
                 "tokens_seen": torch.tensor(self.tokens_seen, dtype=torch.int64),
                 "skipped_steps": torch.tensor(self.skipped_steps, dtype=torch.int64),
-                f"rng_rank{self.rank}": pickle.dumps(capture_rng_state())}
+                f"rng_rank{self.rank}": capture_rng_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
@@ -79,7 +141,11 @@ class TrainState(Stateful):
         if key not in state_dict:
             raise ValueError(f"the checkpoint holds no RNG state for rank {self.rank} (saved with fewer "
                              f"ranks?); resume with the world size it was saved with")
-        restore_rng_state(pickle.loads(state_dict[key]))
+        if not isinstance(state_dict[key], dict):
+            raise CheckpointError(f"the checkpoint keeps rank {self.rank}'s RNG state pickled (written before "
+                                  f"issue 19); it is not unpickled (arbitrary code); resume with the commit "
+                                  f"that wrote it or start afresh")
+        restore_rng_state(state_dict[key])
 
 
 def build_checkpointer(checkpoint, dump_folder: str, *, model: nn.Module, optimizers, lr_schedulers,
@@ -95,9 +161,11 @@ def build_checkpointer(checkpoint, dump_folder: str, *, model: nn.Module, optimi
     if checkpoint.last_save_in_hf:
         raise ValueError("checkpoint.last_save_in_hf = true needs a state-dict adapter, which mop_train "
                          "models do not have; set it to false")
-    manager = CheckpointManager(dataloader=dataloader, model_parts=[model], optimizers=optimizers,
-                                lr_schedulers=lr_schedulers, states={"train_state": train_state},
-                                checkpoint_config=checkpoint, sd_adapter=None, base_folder=dump_folder)
+    manager = CheckpointManager(dataloader=SafeDataloaderState(dataloader), model_parts=[model],
+                                optimizers=optimizers, lr_schedulers=lr_schedulers,
+                                states={"train_state": train_state}, checkpoint_config=checkpoint,
+                                sd_adapter=None, base_folder=dump_folder)
+    manager.dcp_load = _weights_only_dcp_load(manager)
     return Checkpointer(manager, model=model, optimizers=optimizers, device=device,
                         fallback=reliability.resume_from_verified)
 

@@ -135,3 +135,35 @@ def test_a2a_split_check_raises_on_every_rank(world):
     from tests.dist_utils import run_distributed
 
     run_distributed(_a2a_worker, world)
+
+
+def test_checkpoint_loads_run_no_code(tmp_path):
+    """Dataloader state with a global in its pickle is refused; non-tensor entries load weights-only."""
+    import io
+    import pickle
+
+    import torch
+
+    from mop_train.train.checkpoint import SafeDataloaderState, TrainState
+
+    class Loader:
+        loaded = None
+
+        def state_dict(self):
+            return {"dp_rank_0": pickle.dumps({"_num_yielded": 3, "buf": [1, 2]}), "world_size": 1}
+
+        def load_state_dict(self, sd):
+            self.loaded = sd
+
+    loader = Loader()
+    safe = SafeDataloaderState(loader)
+    safe.load_state_dict(safe.state_dict())
+    assert loader.loaded is not None
+    evil = {"dp_rank_0": pickle.dumps({"x": os.getcwd}), "world_size": 1}   # os.getcwd: a global
+    with pytest.raises(CheckpointError, match="posix.getcwd|os.getcwd"):
+        safe.load_state_dict(evil)
+    state = TrainState(rank=0).state_dict()
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    assert set(torch.load(buf, weights_only=True)) == set(state)   # tensors only: loads weights-only
