@@ -29,6 +29,7 @@ import io
 import os
 import pickle
 import random
+import re
 import shutil
 from typing import Any
 
@@ -126,18 +127,20 @@ class TrainState(Stateful):
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0   # non-finite steps that updated nothing
+        self.rng_source = rank   # whose saved RNG state a load takes (another when the world shrank/grew)
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": torch.tensor(self.step, dtype=torch.int64),
                 "tokens_seen": torch.tensor(self.tokens_seen, dtype=torch.int64),
                 "skipped_steps": torch.tensor(self.skipped_steps, dtype=torch.int64),
-                f"rng_rank{self.rank}": capture_rng_state()}
+                f"rng_rank{self.rng_source}": capture_rng_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
         self.tokens_seen = int(state_dict["tokens_seen"])
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        key = f"rng_rank{self.rank}"
+        key = f"rng_rank{self.rng_source}"
+        self.rng_source = self.rank
         if key not in state_dict:
             raise ValueError(f"the checkpoint holds no RNG state for rank {self.rank} (saved with fewer "
                              f"ranks?); resume with the world size it was saved with")
@@ -200,12 +203,21 @@ class Checkpointer:
                                                   rank=self.rank, world=self.world)
         if chosen == -1:
             return False
+        self._pick_rng_source(os.path.join(self.folder, f"step-{chosen}"))
         loaded = self.manager.load(step=chosen)
         if not state_is_finite(self._state_tensors(), self.device):
             raise CheckpointError(f"checkpoint {self.folder}/step-{chosen} passed its checksums but holds "
                                   f"NaN/inf in the model or optimizer state (saved before manifests "
                                   f"existed?); resume from an older step with --checkpoint.load_step")
         return loaded
+
+    def _pick_rng_source(self, folder: str) -> None:
+        """Saved at another world size: rank r takes the RNG state of saved rank r mod W_saved."""
+        keys = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+        saved = sorted({int(m.group(1)) for k in keys if (m := re.match(r"train_state\.rng_rank(\d+)\.", k))})
+        state = self.manager.states.get("train_state")
+        if saved and state is not None and self.rank not in saved:
+            state.rng_source = saved[self.rank % len(saved)]
 
     def save(self, step: int, *, last_step: bool = False, resumable: bool = False) -> bool:
         """Save when the interval, the last step or `resumable` (a full checkpoint now, whatever
