@@ -12,12 +12,14 @@ per live set, so that each operator can replace its own line with its bound:
   gradients    FSDP shard of the fp32 gradients                   4 * P / W
   optimizer    AdamW's two fp32 moments (0 on device when offloaded)  8 * P / W
   gathered     one block's weights unsharded in the compute dtype, x2 for prefetch
-  boundaries   retained checkpoint inputs: L_ckpt * B * S * H * act bytes, minus what SCO's
+  boundaries   retained checkpoint inputs: L_ckpt * B * S/D * H * act bytes, minus what SCO's
                host budget takes (whole boundaries, greedy in forward order)
-  block        one block's recomputed activations (rough: 16 * B * S * H act bytes + routed copies)
+  kept attn    attention outputs and log-sum-exps kept across the recompute ([mop.attention] keep)
+  block        one block's recomputed activations (rough: 16 * B * S/D * H act bytes + routed copies)
   logits       one chunk of the loss: chunk * V * 4 bytes, x3 (logits, softmax, grad)
 
-Legend: P parameters, W ranks, L blocks, B local batch, S sequence, H hidden, V vocab, k top-k.
+Legend: P parameters, W ranks, D sequence degree, L blocks, B local batch, S sequence, H hidden,
+V vocab, k top-k. A rank holds B * S/D token positions (Ulysses splits every sequence over D).
 """
 
 from __future__ import annotations
@@ -49,11 +51,15 @@ class MemoryPlanInputs:
     """False when OffloadStreamAdamW keeps the moments in host memory."""
     sco_host_budget: int = 0
     """SCO host bytes per rank for checkpoint boundaries (0: SCO off)."""
+    seq_degree: int = 1
+    """D: each rank holds seq_len / D positions of its group's sequences."""
+    kept_attention_per_layer: int = 0
+    """Bytes one checkpointed layer keeps of its attention (0: keep off)."""
 
 
 def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
     """Per-rank device bytes, term by term: [(name, bytes, formula)]."""
-    P, W, tokens = x.total_params, x.world_size, x.local_batch * x.seq_len
+    P, W, tokens = x.total_params, x.world_size, x.local_batch * x.seq_len // x.seq_degree
     plain_layers = x.n_layers - x.checkpointed_layers
     boundary = tokens * x.hidden * x.act_bytes
     offloaded = min(x.checkpointed_layers, x.sco_host_budget // boundary) if boundary else 0
@@ -64,26 +70,31 @@ def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
          "AdamW moments: 8 * P / W" if x.optimizer_on_device else "moments in host memory"),
         ("gathered", 2 * x.largest_block_params * x.act_bytes, "2 blocks unsharded (prefetch)"),
         ("boundaries", (x.checkpointed_layers - offloaded) * boundary,
-         f"{x.checkpointed_layers} checkpointed block inputs of B*S*H, {offloaded} offloaded by SCO"),
+         f"{x.checkpointed_layers} checkpointed block inputs of B*S/D*H, {offloaded} offloaded by SCO"),
+        ("kept attn", x.checkpointed_layers * x.kept_attention_per_layer,
+         f"{x.checkpointed_layers} layers x B*S/D*heads*(d_v*act+4)" if x.kept_attention_per_layer
+         else "attention replayed in the recompute"),
         ("block", (max(plain_layers, 1) * 16 + 2 * x.top_k) * tokens * x.hidden * x.act_bytes,
-         f"{max(plain_layers, 1)} block(s) of live activations, ~16 B*S*H + 2k routed copies"),
+         f"{max(plain_layers, 1)} block(s) of live activations, ~16 B*S/D*H + 2k routed copies"),
         ("logits", 3 * min(x.loss_chunk, tokens) * x.vocab * 4, "one loss chunk: 3 * chunk * V fp32"),
     ]
 
 
 def host_memory_plan(local_params: int, *, offload_optimizer: bool, host_fraction: float = 0.0,
-                     sco_host_budget: int = 0) -> list[tuple[str, int, str]]:
+                     sco_host_budget: int = 0, device_fraction: float = 0.0) -> list[tuple[str, int, str]]:
     """Per-rank host bytes the operators pin: OffloadStreamAdamW's fp32 master and moments of this
-    rank's parameters plus its host share's fp32 gradient buffer, and SCO's boundary budget. Terms
+    rank's parameters not kept on the device (`device_fraction`; 0 is the upper bound while "auto"
+    is unresolved) plus its host share's fp32 gradient buffer, and SCO's boundary budget. Terms
     are 0 for operators that are off."""
     state = share = 0
+    streamed = local_params - round(device_fraction * local_params)
     if offload_optimizer:
         from mop_train.ops.offload_adamw.buckets import host_state_bytes
         from mop_train.ops.offload_adamw.host_update import host_share_bytes
-        state, share = host_state_bytes(local_params), host_share_bytes(local_params, host_fraction)
+        state, share = host_state_bytes(streamed), host_share_bytes(streamed, host_fraction)
     return [
-        ("optimizer state", state, "OffloadStreamAdamW: fp32 master + 2 moments, 12 B x local params"
-         if offload_optimizer else "on the device (not offloaded)"),
+        ("optimizer state", state, f"OffloadStreamAdamW: fp32 master + 2 moments, 12 B x {streamed:,} params "
+         f"off the device" if offload_optimizer else "on the device (not offloaded)"),
         ("host share grads", share, f"fp32 gradients of the CPU-updated share ({host_fraction:g})"),
         ("sco boundaries", sco_host_budget, "[mop.sco] host_budget per rank"),
     ]

@@ -194,12 +194,20 @@ def test_memory_plan_terms():
     assert off["optimizer"] == 0 and GIB == 2**30
     sco = {n: b for n, b, _ in memory_plan(MemoryPlanInputs(**{**x.__dict__, "sco_host_budget": 1100}))}
     assert sco["boundaries"] == 1 * 16 * 16 * 2  # 1100 bytes hold two 512-byte boundaries
+    # Ulysses: a rank holds S/D positions, so its boundaries and block shrink by D; kept attention adds up.
+    d2 = {n: b for n, b, _ in memory_plan(MemoryPlanInputs(**{**x.__dict__, "seq_degree": 2,
+                                                                "kept_attention_per_layer": 40}))}
+    assert d2["boundaries"] == terms["boundaries"] // 2 and d2["block"] == terms["block"] // 2
+    assert terms["kept attn"] == 0 and d2["kept attn"] == 3 * 40
 
 
 def test_host_memory_plan_and_check():
     terms = {n: b for n, b, _ in host_memory_plan(1000, offload_optimizer=True, host_fraction=0.25,
                                                   sco_host_budget=300)}
     assert terms == {"optimizer state": 12_000, "host share grads": 1_000, "sco boundaries": 300}
+    shared = {n: b for n, b, _ in host_memory_plan(1000, offload_optimizer=True, host_fraction=0.25,
+                                                   device_fraction=0.4)}
+    assert shared["optimizer state"] == 12 * 600 and shared["host share grads"] == 4 * 150  # of the 600 streamed
     plain = host_memory_plan(1000, offload_optimizer=False, host_fraction=0.25, sco_host_budget=0)
     assert sum(b for _, b, _ in plain) == 0
     plan = host_memory_plan(1000, offload_optimizer=True, host_fraction=0.25, sco_host_budget=300)
