@@ -203,7 +203,7 @@ class Checkpointer:
                                                   rank=self.rank, world=self.world)
         if chosen == -1:
             return False
-        self._pick_rng_source(os.path.join(self.folder, f"step-{chosen}"))
+        self._match_saved_world(os.path.join(self.folder, f"step-{chosen}"))
         loaded = self.manager.load(step=chosen)
         if not state_is_finite(self._state_tensors(), self.device):
             raise CheckpointError(f"checkpoint {self.folder}/step-{chosen} passed its checksums but holds "
@@ -211,13 +211,21 @@ class Checkpointer:
                                   f"existed?); resume from an older step with --checkpoint.load_step")
         return loaded
 
-    def _pick_rng_source(self, folder: str) -> None:
-        """Saved at another world size: rank r takes the RNG state of saved rank r mod W_saved."""
+    def _match_saved_world(self, folder: str) -> None:
+        """A checkpoint saved at another world size: rank r takes the RNG state of saved rank
+        r mod W_saved; the number of sequence groups (W/D, the dataloader's ranks) must match."""
         keys = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
         saved = sorted({int(m.group(1)) for k in keys if (m := re.match(r"train_state\.rng_rank(\d+)\.", k))})
         state = self.manager.states.get("train_state")
         if saved and state is not None and self.rank not in saved:
             state.rng_source = saved[self.rank % len(saved)]
+        readers = {k for k in keys if re.match(r"dataloader\.dp_rank_\d+$", k)}
+        loader = getattr(self.manager.states.get("dataloader"), "dataloader", None)
+        now = getattr(loader, "dp_world_size", None)
+        if readers and now is not None and len(readers) != now:
+            raise ValueError(f"checkpoint {folder} was written by {len(readers)} sequence groups (W/D) and this "
+                             f"run has {now}; the data position cannot be split differently: resume with "
+                             f"W / mop.layout.seq_degree = {len(readers)}")
 
     def save(self, step: int, *, last_step: bool = False, resumable: bool = False) -> bool:
         """Save when the interval, the last step or `resumable` (a full checkpoint now, whatever

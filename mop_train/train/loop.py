@@ -6,7 +6,8 @@
 One step: every rank reads its own B sequences of S tokens; the FSDP2-sharded model returns the
 summed token loss; the loop divides by the global count of target tokens (all-reduced), runs
 backward (gradients are summed over ranks), clips the global gradient norm, steps the optimizer
-and LR schedule, then moves the router biases from the all-reduced expert loads. With
+and LR schedule, then moves the router biases from the all-reduced expert loads; a step whose loss
+or gradient norm is non-finite on any rank updates none of that (mop_train.train.reliability). With
 [mop.data] document_mask, document ids are taken from the full sequences (before the sequence
 split) at the tokenizer's EOS, and attention stays inside each packed document. Checkpoints
 (DCP) save and restore every piece of that state, so a resumed run repeats the same losses.
@@ -179,6 +180,7 @@ class StepGuards:
     stop: StopFlag
     schedule_steps: int              # the LR schedule's length: past it, the final LR is held
     fault: Fault | None = None       # tests: a NaN injected at a given step and rank
+    phase: str = "setup"             # the part of the step running now (named when a collective hangs)
 
 
 def train_step(parts: ModelParts, layout, batch, optimizers, lr_schedulers, *, max_norm: float,
@@ -193,15 +195,18 @@ def train_step(parts: ModelParts, layout, batch, optimizers, lr_schedulers, *, m
     doc_ids = None if eos_id is None else document_ids(tokens, eos_id)  # [B, S]: full sequences
     tokens, labels, positions = shard_sequence(tokens, labels, layout)  # [B, S/D] each
     if guards.fault is not None and guards.fault.fires(step, rank, "hang"):
-        time.sleep(3600)
+        guards.fault.hang(guards.stop)
+    guards.phase = "the target-token count all-reduce"
     n_tokens = (labels != IGNORE_INDEX).sum()
     dist.all_reduce(n_tokens)                                          # global target count
+    guards.phase = "the forward (FSDP all-gathers, expert all-to-alls, Ulysses, Ring-DTP)"
     loss_sum = module(tokens, labels, positions, doc_ids)              # fp32 sum over local tokens
     if guards.fault is not None and guards.fault.fires(step, rank, "nan_loss"):
         loss_sum = loss_sum * float("nan")
     loss = loss_sum / n_tokens
     if model.args.aux_loss_coef > 0:
         loss = loss + model.aux_loss() / dist.get_world_size()         # gradients sum over ranks
+    guards.phase = "the backward (FSDP reduce-scatters, expert all-to-alls, replica sums)"
     loss.backward()
     # Ranks holding the same expert / vocab shard saw different tokens: sum their gradients.
     reduce_dtype = parts.precision.reduce_dtype
@@ -210,6 +215,7 @@ def train_step(parts: ModelParts, layout, batch, optimizers, lr_schedulers, *, m
     params = list(module.parameters())
     if guards.fault is not None and guards.fault.fires(step, rank, "nan_grad"):
         guards.fault.poison_grad(list(module.named_parameters()))
+    guards.phase = "the gradient-norm all-reduce and the non-finite check"
     grad_norm = clip_grad_norm_(params, 0.0)                           # the global norm, not clipped yet
     verdict = guards.nonfinite.check(loss, grad_norm, stop_requested=guards.stop.requested)
     guards.nonfinite.after(verdict, step=step, named_params=list(module.named_parameters()))
@@ -221,6 +227,7 @@ def train_step(parts: ModelParts, layout, batch, optimizers, lr_schedulers, *, m
             moe.router.tokens_per_expert.zero_()
     else:
         clip_grads_with_norm_(params, max_norm, grad_norm)
+        guards.phase = "the optimizer step and the router-bias all-reduce"
         with optimizer_span:
             optimizers.step()
         if lr_schedulers.schedulers[0].last_epoch < guards.schedule_steps - 1:
@@ -404,8 +411,8 @@ def run_steps(cfg, parts: ModelParts, layout, dataloader, optimizers, lr_schedul
             if not is_timeout(err):
                 raise
             raise CollectiveTimeout(
-                f"rank {dist.get_rank()}, step {step}: a collective of the training step did not complete "
-                f"within its timeout (comm.train_timeout_seconds = {cfg.comm.train_timeout_seconds}; "
+                f"rank {dist.get_rank()}, step {step}: a collective did not complete within its timeout, "
+                f"during {guards.phase} (comm.train_timeout_seconds = {cfg.comm.train_timeout_seconds}; "
                 f"comm.init_timeout_seconds before the first step): {str(err).splitlines()[0]}") from None
         if not timeout_set:  # the first step (compilation, allocation) ran under the init timeout
             set_collective_timeout(cfg.comm.train_timeout_seconds)

@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -198,6 +199,12 @@ class Fault:
 
     def fires(self, step: int, rank: int, kind: str) -> bool:
         return self.kind == kind and step in self.steps and rank == self.rank
+
+    def hang(self, stop: "StopFlag") -> None:
+        """Sleep past every collective timeout, until a signal (torchrun stopping the rank) arrives."""
+        while not stop.requested:
+            time.sleep(0.05)
+        sys.exit(EXIT_STOPPED)
 
     def poison_grad(self, named_params) -> None:
         for name, p in named_params:

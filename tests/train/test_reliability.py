@@ -56,6 +56,7 @@ def test_manifest_catches_truncation_flips_and_missing_files(tmp_path):
         damage()
         with pytest.raises(CheckpointError) as info:
             integrity.choose_step(base, -1, fallback=False, rank=0, world=1)
+        assert info.value.exit_code == 4
         msg = str(info.value)
         for part in (needle, shard, newest, older, "--mop.reliability.resume_from_verified"):
             assert part in msg, f"{part!r} missing from: {msg}"

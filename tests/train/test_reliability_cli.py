@@ -78,8 +78,8 @@ def wait_for_records(dump: str, n: int, proc, limit: float = 120) -> list[dict]:
 def test_nonfinite_steps_skip_then_stop_and_damaged_checkpoints(tmp_path):
     """NaN gradients on rank 1 at steps 3, 5, 6: 3 and 5 are skipped (nothing moves), the second
     in a row stops the run (exit 3) naming the step, the rank and the parameter; then a flipped byte
-    in the newest checkpoint is refused (exit 4) naming the file and the older verified one, which
-    --mop.reliability.resume_from_verified takes."""
+    in the newest checkpoint is named, and --mop.reliability.resume_from_verified takes the older
+    verified one (without the flag: exit 4, tests/train/test_reliability.py checks the message)."""
     dump = str(tmp_path / "run")
     common = ["--job.dump_folder", dump, "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0",
               "--mop.reliability.max_consecutive_skips", "2"]
@@ -112,14 +112,12 @@ def test_nonfinite_steps_skip_then_stop_and_damaged_checkpoints(tmp_path):
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0x5A]))
-    proc = mop_train([*common, "--training.steps", "7"])
-    assert proc.returncode == 4, proc.stderr[-3000:]
-    (line,) = errors(proc)
-    for part in (shard, os.path.join(ckpt, "step-4"), "resume_from_verified"):
-        assert part in line, f"{part!r} missing from: {line}"
     proc = mop_train([*common, "--training.steps", "7", "--mop.reliability.resume_from_verified"])
     check_ok(proc)
-    assert "resuming from" in proc.stdout and "resumed from step 4" in proc.stdout
+    note = next(line for line in proc.stdout.splitlines() if "failed verification" in line)
+    for part in (shard, "SHA-256", os.path.join(ckpt, "step-4")):
+        assert part in note, f"{part!r} missing from: {note}"
+    assert "resumed from step 4" in proc.stdout
     assert read_metrics(dump)[-1]["step"] == 7
 
 
@@ -176,7 +174,7 @@ def test_one_writer_and_no_orphans(tmp_path):
         second = mop_train(common)
         assert second.returncode == 7, second.stderr[-3000:]
         (line,) = errors(second)
-        assert "in use by another job" in line and f"pid {ranks[0]}" in line or f"pid {ranks[1]}" in line, line
+        assert "in use by another job" in line and any(f"pid {r}" in line for r in ranks), line
         os.kill(first.pid, signal.SIGKILL)
         deadline = time.time() + 10
         while time.time() < deadline and any(os.path.exists(f"/proc/{r}") and _state(r) != "Z" for r in ranks):
@@ -205,7 +203,8 @@ def test_hung_collective_fails_within_the_timeout_naming_it(tmp_path):
     assert proc.returncode == 6, proc.stderr[-3000:]
     assert time.time() - start < 90
     (line,) = errors(proc)
-    assert "rank 0, step 3" in line and "comm.train_timeout_seconds = 5" in line, line
+    assert "rank 0, step 3" in line and "during the target-token count all-reduce" in line, line
+    assert "comm.train_timeout_seconds = 5" in line, line
 
 
 def test_config_error_under_torchrun_is_printed_once(tmp_path):
