@@ -131,11 +131,64 @@ def _a2a_worker(rank: int, world: int) -> None:
         raise AssertionError("the mismatch went through")
 
 
+class _StubManager:
+    """What Checkpointer uses of torchtitan's CheckpointManager."""
+    enable, load_only, last_save_model_only = True, False, False
+
+    def __init__(self, folder, model):
+        self.folder, self.model, self.saved = folder, model, []
+
+    def _should_save(self, step, last_step=False):
+        return True
+
+    def _create_checkpoint_id(self, step):
+        return os.path.join(self.folder, f"step-{step}")
+
+
+def _guards_worker(rank: int, world: int, folder: str) -> None:
+    import torch
+
+    from mop_train.train.checkpoint import Checkpointer
+    from mop_train.train.reliability import NonFiniteError, NonFiniteGuard
+
+    class Rel:
+        on_nonfinite, max_consecutive_skips = "stop", 10
+
+    _a2a_worker(rank, world)
+    guard = NonFiniteGuard(Rel, rank=rank, world=world, device=torch.device("cpu"))
+    model = torch.nn.Linear(3, 2)
+    model.weight.grad = torch.zeros_like(model.weight)
+    model.bias.grad = torch.full_like(model.bias, float("nan") if rank == 1 else 0.0)
+    loss = torch.tensor(float("nan") if rank == world - 1 else 1.0)
+    verdict = guard.check(loss, torch.tensor(1.0), stop_requested=rank == 0)
+    assert verdict.skip and verdict.loss_ranks == (world - 1,) and verdict.stop_requested
+    try:
+        guard.after(verdict, step=7, named_params=list(model.named_parameters()))
+    except NonFiniteError as err:
+        for part in ("step 7", f"loss on rank(s) [{world - 1}]", "first non-finite gradient: bias (rank 1)"):
+            assert part in str(err), str(err)
+    else:
+        raise AssertionError("on_nonfinite = 'stop' did not stop")
+    # A non-finite state is neither saved nor taken from a checkpoint.
+    ckpt = Checkpointer(_StubManager(folder, model), model=model, optimizers=[], device=torch.device("cpu"),
+                        fallback=False)
+    with torch.no_grad():
+        model.weight[0, 0] = float("inf") if rank == 1 else 0.0
+    try:
+        ckpt.save(3)
+    except CheckpointError as err:
+        assert "not saving" in str(err) and err.exit_code == 4
+    else:
+        raise AssertionError("a non-finite state was saved")
+
+
 @pytest.mark.parametrize("world", [3])
-def test_a2a_split_check_raises_on_every_rank(world):
+def test_guards_across_ranks(world, tmp_path):
+    """One spawn: all-to-all splits that disagree raise on every rank; a NaN on one rank stops every
+    rank naming the step, the ranks and the parameter; a non-finite state is not saved."""
     from tests.dist_utils import run_distributed
 
-    run_distributed(_a2a_worker, world)
+    run_distributed(_guards_worker, world, str(tmp_path))
 
 
 def test_checkpoint_loads_run_no_code(tmp_path):
