@@ -241,8 +241,8 @@ PR_SET_PDEATHSIG = 1
 def exit_with_parent() -> None:
     """Linux: have the kernel SIGKILL this rank when the process that launched it (torchrun's
     agent) dies, so no rank trains on, or writes checkpoints, after its launcher is gone."""
-    if not sys.platform.startswith("linux"):
-        return
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return   # not under torchrun: the parent is a shell, which `nohup` users expect to outlive
     parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
