@@ -17,7 +17,8 @@ from tests.utils import assert_close
 pytestmark = pytest.mark.slow
 COMMON = ["--job.config_file", DEBUG_CONFIG, "--training.local_batch_size", "2", "--training.seq_len", "128",
           "--metrics.log_freq", "1", "--metrics.no-enable_tensorboard", "--debug.seed", "11",
-          "--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.no-last_save_model_only",
+          "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
+          "--checkpoint.no-last_save_model_only",
           "--lr_scheduler.total_steps", "8", "--lr_scheduler.warmup_steps", "2",
           "--optimizer.name", "OffloadStreamAdamW", "--mop.offload_adamw.bucket_params", "40000",
           "--mop.moe.dispatch", "ep"]
@@ -31,17 +32,17 @@ def _train(folder: str, steps: int, nproc: int, layout: list[str]) -> None:
 
 
 def test_resume_at_another_layout(tmp_path):
-    straight, shrunk, grown = (str(tmp_path / n) for n in ("straight", "shrunk", "grown"))
+    """Three launches: the unchanged narrow run (1-8, checkpoints every 2 steps); from its step 4 the
+    wide layout trains 5-6 and saves; from that step 6 the narrow layout trains 7-8."""
+    straight, chain = str(tmp_path / "straight"), str(tmp_path / "chain")
     _train(straight, 8, 2, NARROW)
-    ref = torch.tensor([r["loss"] for r in read_metrics(straight)])
-    _train(shrunk, 4, 4, WIDE)             # written wide, resumed narrow
-    _train(shrunk, 8, 2, NARROW)
-    os.makedirs(os.path.join(grown, "checkpoint"))   # written narrow (the straight run's step 4), resumed wide
-    shutil.copytree(os.path.join(straight, "checkpoint", "step-4"), os.path.join(grown, "checkpoint", "step-4"))
-    _train(grown, 8, 4, WIDE)
-    shrunk_losses = torch.tensor([r["loss"] for r in read_metrics(shrunk)])
-    grown_records = read_metrics(grown)
-    assert [r["step"] for r in grown_records] == [5, 6, 7, 8]
-    assert_close(shrunk_losses, ref, rtol=1e-5, atol=0, name="W=4 -> W=2 losses")
-    assert_close(torch.tensor([r["loss"] for r in grown_records]), ref[4:], rtol=1e-5, atol=0,
-                 name="W=2 -> W=4 losses")
+    ref = {r["step"]: r["loss"] for r in read_metrics(straight)}
+    os.makedirs(os.path.join(chain, "checkpoint"))
+    shutil.copytree(os.path.join(straight, "checkpoint", "step-4"), os.path.join(chain, "checkpoint", "step-4"))
+    _train(chain, 6, 4, WIDE)             # written narrow, resumed wide
+    _train(chain, 8, 2, NARROW)           # written wide, resumed narrow
+    records = read_metrics(chain)
+    assert [r["step"] for r in records] == [5, 6, 7, 8]
+    losses = torch.tensor([r["loss"] for r in records])
+    assert_close(losses[:2], torch.tensor([ref[5], ref[6]]), rtol=1e-5, atol=0, name="W=2 -> W=4 losses")
+    assert_close(losses[2:], torch.tensor([ref[7], ref[8]]), rtol=1e-5, atol=0, name="W=4 -> W=2 losses")
