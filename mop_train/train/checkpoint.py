@@ -192,8 +192,9 @@ class Checkpointer:
         return self.manager.enable
 
     def _state_tensors(self) -> list:
+        # state_dict(), not .state: OffloadStreamAdamW refreshes its host rows into it there
         return tensors_of(self.model.state_dict()) + [
-            t for opt in self.optimizers for st in opt.state.values() for t in tensors_of(st)]
+            t for opt in self.optimizers for t in tensors_of(opt.state_dict()["state"])]
 
     def load(self, step: int = -1) -> bool:
         """Resume from the verified checkpoint `step` (-1: the newest); False when there is none."""
