@@ -76,6 +76,17 @@ class RingDTP:
     block_size: int = 8192
     """Vocabulary rows per fused projection + online log-sum-exp block."""
 
+    schedule: Literal["auto", "recompute", "grad_in_forward"] = "auto"
+    """recompute: backward recomputes the logits (4 GEMM passes, least memory); grad_in_forward: dX and
+    dW are formed in the forward (3 passes, an fp32 dW shard accumulator); auto: grad_in_forward when
+    its bound fits memory_budget."""
+
+    memory_budget: str = "0"
+    """Bytes above the inputs Ring-DTP may use ("6GiB"); "0": none given, so auto takes recompute."""
+
+    token_chunk: int = 0
+    """grad_in_forward's tokens per ring chunk (0: the operator's default)."""
+
 
 @dataclass
 class SCO:
@@ -85,14 +96,30 @@ class SCO:
 
 @dataclass
 class OffloadAdamW:
-    bucket_params: int = 100_000_000
-    """Parameters per streamed bucket (buckets may split tensors)."""
+    bucket_params: int = 25_000_000
+    """Parameters per streamed bucket (buckets may split tensors; 25M x 3 slots measured fastest, RESULTS.md)."""
 
-    slots: int = 2
+    slots: int = 3
     """Device staging slots (2+ overlaps transfers with the update)."""
 
     host_fraction: float = 0.0
-    """Share of parameters the CPU updates in place while the rest streams (0 = stream all; see benchmarks/RESULTS.md)."""
+    """Share of the streamed parameters (those not kept on the device) the CPU updates in place while the
+    rest streams (0 = stream all; keep 0 when several ranks share a host: see benchmarks/RESULTS.md)."""
+
+    device_fraction: str = "0"
+    """Share of the optimizer state kept and updated on the device (the forward's first weights): a
+    number in [0, 1], or "auto" (what fits the device memory the plan leaves, minus 2 GiB)."""
+
+    overlap: bool = False
+    """Overlap the streamed step with the next forward: each FSDP2 unit waits only for its own buckets
+    (same values; not yet measured on a GPU)."""
+
+
+@dataclass
+class Attention:
+    keep: bool = False
+    """Keep each checkpointed block's attention output and log-sum-exp (B*S/D*heads*(d_v*act + 4) bytes
+    per layer per rank) so the recompute skips the attention kernel; exact."""
 
 
 @dataclass
@@ -140,6 +167,7 @@ class Mop:
     ring_dtp: RingDTP = field(default_factory=RingDTP)
     sco: SCO = field(default_factory=SCO)
     offload_adamw: OffloadAdamW = field(default_factory=OffloadAdamW)
+    attention: Attention = field(default_factory=Attention)
 
 
 @dataclass
@@ -394,6 +422,22 @@ def validate(cfg, *, source: str = "config") -> None:
              f"{source}: mop.offload_adamw.host_fraction = {mop.offload_adamw.host_fraction} only applies to "
              f"optimizer.name = 'OffloadStreamAdamW', but optimizer.name = {cfg.optimizer.name!r}; set one or "
              "drop the other")
+    from mop_train.train.optim import parse_device_fraction
+    try:
+        device_share = parse_device_fraction(mop.offload_adamw.device_fraction)
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
+    _require(device_share == 0.0 or cfg.optimizer.name == "OffloadStreamAdamW",
+             f"{source}: mop.offload_adamw.device_fraction = {mop.offload_adamw.device_fraction!r} only applies to "
+             f"optimizer.name = 'OffloadStreamAdamW', but optimizer.name = {cfg.optimizer.name!r}; set one or "
+             "drop the other")
+    _require(not mop.offload_adamw.overlap or cfg.optimizer.name == "OffloadStreamAdamW",
+             f"{source}: mop.offload_adamw.overlap = true only applies to optimizer.name = 'OffloadStreamAdamW', "
+             f"but optimizer.name = {cfg.optimizer.name!r}")
+    if mop.ring_dtp.memory_budget.strip() != "0":
+        parse_bytes(mop.ring_dtp.memory_budget, key=f"{source}: mop.ring_dtp.memory_budget")
+    _require(mop.ring_dtp.token_chunk >= 0,
+             f"{source}: mop.ring_dtp.token_chunk = {mop.ring_dtp.token_chunk} must be >= 0 (0: the default)")
     _require(lay.expert_degree == 1 or moe.dispatch != "local",
              f"{source}: mop.moe.dispatch = 'local' keeps all experts on every rank, but "
              f"mop.layout.expert_degree = {lay.expert_degree}; set dispatch to 'ep', 'llep' or 'pipelined_llep'")

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import init_logger, logger
 
-from mop_train.config import load_job_config
+from mop_train.config import load_job_config, parse_bytes
 from mop_train.layout import RankLayout, plan_layout
 from mop_train.models import zoo
 from mop_train.models.document_mask import document_ids
@@ -49,7 +49,10 @@ from mop_train.parallel.precision import MixedPrecision
 from mop_train.parallel.sharding import clip_grad_norm_, local, reduce_replica_grads
 from mop_train.train.loss import IGNORE_INDEX, LanguageModelLoss, chunked_cross_entropy_sum
 from mop_train.train.metrics import DeviceSpan, MetricLogger, flops_per_token, peak_tflops
-from mop_train.train.optim import OFFLOAD_ADAMW, build_lr_schedulers, build_optimizers
+from mop_train.models.keep_attention import keep_attention, kept_attention_bytes
+from mop_train.ops.offload_adamw import forward_units
+from mop_train.train.optim import (OFFLOAD_ADAMW, build_lr_schedulers, build_optimizers, describe_offload,
+                                   free_device_bytes, parse_device_fraction, resolve_device_fraction)
 from mop_train.train.parallelize import (apply_activation_checkpointing, apply_fsdp, check_layout_fits,
                                         check_titan_parallelism)
 from mop_train.train.plan import (MemoryPlanInputs, check_host_memory, format_plan, host_memory_plan,
@@ -113,11 +116,14 @@ def build_loss_fn(cfg, layout, vocab_size: int):
     from mop_train.ops.ring_dtp import ring_dtp_cross_entropy
 
     rd, group = cfg.mop.ring_dtp, (layout.vocab_group if layout.vocab_size > 1 else None)
+    budget = None if rd.memory_budget.strip() == "0" else parse_bytes(rd.memory_budget,
+                                                                        key="mop.ring_dtp.memory_budget")
 
     def ring_loss(hidden, weight, targets):
         return ring_dtp_cross_entropy(hidden, local(weight), targets, group, vocab_size=vocab_size,
-                                      mode=rd.mode, ignore_index=IGNORE_INDEX, reduction="sum",
-                                      block_size=rd.block_size)
+                                      mode=rd.mode, schedule=rd.schedule, memory_budget=budget,
+                                      token_chunk=rd.token_chunk or None, ignore_index=IGNORE_INDEX,
+                                      reduction="sum", block_size=rd.block_size)
     return ring_loss
 
 
@@ -137,6 +143,7 @@ def build_model(cfg, layout, device: torch.device) -> ModelParts:
         model.init_weights(buffer_device="cpu")
         model.to(device)
     apply_sequence_parallel(model, layout.seq_group)
+    keep_attention(model, cfg.mop.attention.keep)
     expert_params = apply_expert_parallel(model, layout.expert_mesh, layout.expert_group, cfg.mop.moe)
     vocab_params = apply_vocab_parallel(model, layout.vocab_mesh) if layout.vocab_size > 1 else []
     sco = build_sco(cfg.mop.sco, device)
@@ -260,26 +267,38 @@ def document_eos_id(cfg, tokenizer) -> int | None:
 
 
 def host_plan(cfg, parts: ModelParts) -> list[tuple[str, int, str]]:
-    """This rank's pinned host memory: OffloadStreamAdamW's state of its local shards, SCO's budget."""
+    """This rank's pinned host memory: OffloadStreamAdamW's state of its local shards not kept on the
+    device (all of them while device_fraction = "auto" is unresolved: an upper bound), SCO's budget."""
     local_params = sum(local(p).numel() for p in parts.module.parameters())
+    device_share = parse_device_fraction(cfg.mop.offload_adamw.device_fraction)
     return host_memory_plan(local_params, offload_optimizer=cfg.optimizer.name == OFFLOAD_ADAMW,
                             host_fraction=cfg.mop.offload_adamw.host_fraction,
+                            device_fraction=0.0 if device_share == "auto" else device_share,
                             sco_host_budget=parts.sco.host_budget_bytes if parts.sco is not None else 0)
 
 
-def describe_run(cfg, layout, parts: ModelParts, seed: int, device, host_terms) -> str:
-    module, checkpointed, sco = parts.module, parts.checkpointed, parts.sco
+def device_plan(cfg, layout, parts: ModelParts) -> list[tuple[str, int, str]]:
+    """This rank's device memory, term by term (mop_train.train.plan), before the optimizer exists."""
+    checkpointed, sco = parts.checkpointed, parts.sco
     args, counts = zoo.get_model_args(cfg.model.flavor), zoo.param_counts(cfg.model.flavor)
     # DTensor parameters report their global (unsharded) numel.
-    blocks = [sum(p.numel() for p in b.parameters()) for b in module.model.layers.values()]
-    t = cfg.training
-    plan = memory_plan(MemoryPlanInputs(
+    blocks = [sum(p.numel() for p in b.parameters()) for b in parts.module.model.layers.values()]
+    t, D = cfg.training, layout.plan.seq_degree
+    kept = kept_attention_bytes(args, t.local_batch_size, t.seq_len, D, parts.precision.activation_bytes)
+    return memory_plan(MemoryPlanInputs(
         total_params=counts["total"], largest_block_params=max(blocks), world_size=layout.plan.world_size,
-        local_batch=t.local_batch_size, seq_len=t.seq_len, hidden=args.dim, vocab=args.vocab_size,
-        top_k=args.top_k, n_layers=args.n_layers, checkpointed_layers=len(checkpointed),
+        local_batch=t.local_batch_size, seq_len=t.seq_len, seq_degree=D, hidden=args.dim,
+        vocab=args.vocab_size, top_k=args.top_k, n_layers=args.n_layers, checkpointed_layers=len(checkpointed),
         act_bytes=parts.precision.activation_bytes,
         loss_chunk=cfg.mop.data.loss_chunk_tokens, optimizer_on_device=cfg.optimizer.name != OFFLOAD_ADAMW,
-        sco_host_budget=sco.host_budget_bytes if sco is not None else 0))
+        sco_host_budget=sco.host_budget_bytes if sco is not None else 0,
+        kept_attention_per_layer=kept if cfg.mop.attention.keep else 0))
+
+
+def describe_run(cfg, layout, parts: ModelParts, seed: int, device, host_terms, plan) -> str:
+    checkpointed = parts.checkpointed
+    args, counts = zoo.get_model_args(cfg.model.flavor), zoo.param_counts(cfg.model.flavor)
+    t = cfg.training
     return "\n".join([
         f"model {cfg.model.flavor}: {counts['total']:,} parameters ({counts['active']:,} active per token), "
         f"{args.n_layers} blocks, H={args.dim}, V={args.vocab_size}",
@@ -288,7 +307,8 @@ def describe_run(cfg, layout, parts: ModelParts, seed: int, device, host_terms) 
         f"steps={t.steps}, seed={seed}, checkpointed blocks {checkpointed}, init {parts.init_mode}, "
         f"dispatch {cfg.mop.moe.dispatch}, loss "
         f"{'ring_dtp' if uses_ring_dtp(cfg, layout) else 'chunked cross-entropy'}"
-        + (", document mask on" if cfg.mop.data.document_mask else ""),
+        + (", document mask on" if cfg.mop.data.document_mask else "")
+        + (", attention kept across the recompute" if cfg.mop.attention.keep else ""),
         format_plan(plan),
         format_plan(host_terms, title="per-rank pinned host memory")])
 
@@ -349,7 +369,19 @@ def _train(cfg, device: torch.device, stop: StopFlag) -> None:
     check_host_memory(host_terms, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                       available_bytes=available_host_bytes())
     dist.barrier()  # every rank has read the free host memory before any rank pins its share
-    optimizers = build_optimizers([module], cfg.optimizer, cfg.mop.offload_adamw, world_size=world)
+    plan_terms = device_plan(cfg, layout, parts)
+    free_bytes, device_share = free_device_bytes(plan_terms, device), None
+    if cfg.optimizer.name == OFFLOAD_ADAMW:
+        shards = [local(p) for p in module.parameters() if p.requires_grad]
+        device_share = resolve_device_fraction(cfg.mop.offload_adamw, local_numel=sum(t.numel() for t in shards),
+                                               fp32_weights=all(t.dtype == torch.float32 for t in shards),
+                                               free_device_bytes=free_bytes)
+    optimizers = build_optimizers([module], cfg.optimizer, cfg.mop.offload_adamw, world_size=world,
+                                  device_fraction=device_share)
+    if cfg.mop.offload_adamw.overlap:
+        for opt in optimizers:
+            if hasattr(opt, "wait_in_forward"):
+                opt.wait_in_forward(forward_units(module))
     schedule_steps = cfg.lr_scheduler.total_steps or cfg.training.steps
     lr_schedulers = build_lr_schedulers(optimizers, cfg.lr_scheduler, min(cfg.training.steps, schedule_steps))
     train_state = TrainState(rank)
@@ -363,7 +395,10 @@ def _train(cfg, device: torch.device, stop: StopFlag) -> None:
             if hasattr(opt, "reset_masters_from_params"):
                 opt.reset_masters_from_params()
     if rank == 0:
-        print(describe_run(cfg, layout, parts, seed, device, host_terms), flush=True)
+        print(describe_run(cfg, layout, parts, seed, device, host_terms, plan_terms), flush=True)
+        offload_line = describe_offload(optimizers, free_device_bytes=free_bytes if device.type == "cuda" else None)
+        if offload_line:
+            print(offload_line, flush=True)
         if checkpointer.note:
             print(checkpointer.note, flush=True)
         if train_state.step:
@@ -435,6 +470,7 @@ def run_steps(cfg, parts: ModelParts, layout, dataloader, optimizers, lr_schedul
                       "tokens_per_s_per_rank": tokens_per_s / dist.get_world_size(),
                       "tokens_seen": train_state.tokens_seen, "elapsed_s": elapsed,
                       "optimizer_s": None if verdict.skip else out["optimizer_span"].seconds(),
+                      "optimizer_exposed_s": None if verdict.skip else exposed_optimizer_seconds(optimizers),
                       "skipped": verdict.skip, "skipped_steps": train_state.skipped_steps}
             if device.type == "cuda":
                 tflops = flops_per_token * tokens_per_s / dist.get_world_size() / 1e12
@@ -445,9 +481,23 @@ def run_steps(cfg, parts: ModelParts, layout, dataloader, optimizers, lr_schedul
             values.update({f"moe_{k}": v for k, v in out["dispatch"].items()})
             metrics.log(step, values)
             window_start, window_tokens = time.perf_counter(), 0
+        if verdict.stop_requested or last:
+            wait_for_weights(optimizers)   # an overlapped step may still be writing the weights
         if verdict.stop_requested:
             stop_cleanly(cfg, checkpointer, step)
         checkpointer.save(step, last_step=last)
+
+
+def wait_for_weights(optimizers) -> None:
+    for opt in optimizers:
+        if hasattr(opt, "wait_for_weights"):
+            opt.wait_for_weights()
+
+
+def exposed_optimizer_seconds(optimizers) -> float | None:
+    """What the step waited for the optimizer (OffloadStreamAdamW's own figure; None for others)."""
+    offload = [o for o in optimizers if hasattr(o, "exposed_seconds")]
+    return sum(o.exposed_seconds() for o in offload) if offload else None
 
 
 def stop_cleanly(cfg, checkpointer, step: int) -> None:

@@ -1,0 +1,36 @@
+"""The operator options a TOML reaches through the real CLI change no loss (fp32, CPU, 2 gloo ranks):
+OffloadStreamAdamW with a device-resident share and overlap, attention kept across the recompute,
+and Ring-DTP's grad_in_forward schedule, against the same run with each left at its default."""
+
+import pytest
+
+from tests.train.cli import DEBUG_CONFIG, check_ok, read_metrics, run_train
+
+COMMON = ["--job.config_file", DEBUG_CONFIG, "--training.steps", "3", "--metrics.log_freq", "1",
+          "--metrics.no-enable-tensorboard", "--checkpoint.no-enable", "--debug.seed", "5",
+          "--optimizer.name", "OffloadStreamAdamW", "--mop.layout.expert_degree", "2",
+          "--mop.layout.vocab_degree", "2", "--mop.moe.dispatch", "ep"]
+
+
+@pytest.mark.slow
+def test_new_operator_options_keep_the_losses(tmp_path):
+    runs = {}
+    for name, extra in (("defaults", []),
+                        ("options", ["--mop.offload_adamw.device_fraction", "0.4", "--mop.offload_adamw.overlap",
+                                     "--mop.attention.keep", "--mop.ring_dtp.schedule", "grad_in_forward"])):
+        folder = str(tmp_path / name)
+        proc = run_train([*COMMON, "--job.dump_folder", folder, *extra], nproc=2, timeout=300)
+        check_ok(proc)
+        runs[name] = [m["loss"] for m in read_metrics(folder)]
+        if name == "options":
+            assert "device_fraction 0.400" in proc.stdout and "attention kept" in proc.stdout
+    want, got = runs["defaults"], runs["options"]
+    assert len(got) == len(want) == 3
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= 1e-5, f"{got} vs {want}"
+
+
+def test_options_for_another_optimizer_fail_before_launch(tmp_path):
+    proc = run_train(["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path / "x"),
+                      "--mop.offload_adamw.device_fraction", "0.5"], nproc=None, timeout=120)
+    assert proc.returncode != 0
+    assert "device_fraction = '0.5' only applies to optimizer.name = 'OffloadStreamAdamW'" in proc.stdout + proc.stderr
