@@ -441,6 +441,11 @@ def validate(cfg, *, source: str = "config") -> None:
     _require(lay.expert_degree == 1 or moe.dispatch != "local",
              f"{source}: mop.moe.dispatch = 'local' keeps all experts on every rank, but "
              f"mop.layout.expert_degree = {lay.expert_degree}; set dispatch to 'ep', 'llep' or 'pipelined_llep'")
+    if cfg.metrics.enable_wandb:
+        import importlib.util
+        _require(importlib.util.find_spec("wandb") is not None,
+                 f"{source}: metrics.enable_wandb = true but wandb is not installed; "
+                 "pip install 'mop-train[wandb]' (or wandb), or set metrics.enable_wandb = false")
     rel = mop.reliability
     _require(rel.max_consecutive_skips >= 1,
              f"{source}: mop.reliability.max_consecutive_skips = {rel.max_consecutive_skips} must be >= 1")
