@@ -234,6 +234,9 @@ class Checkpointer:
         m = self.manager
         if not (m._should_save(step, last_step) or (resumable and m.enable and not m.load_only)):
             return False
+        for opt in self.optimizers:  # an overlapped OffloadStreamAdamW step may still be writing weights
+            if hasattr(opt, "wait_for_weights"):
+                opt.wait_for_weights()
         if not state_is_finite(self._state_tensors(), self.device):
             raise CheckpointError(f"step {step}: the model or optimizer state holds NaN/inf; not saving it "
                                   f"(the newest checkpoint in {self.folder} is the last finite state)")
