@@ -190,31 +190,47 @@ class StepGuards:
     phase: str = "setup"             # the part of the step running now (named when a collective hangs)
 
 
-def train_step(parts: ModelParts, layout, batch, optimizers, lr_schedulers, *, max_norm: float,
-               bias_rate: float, device: torch.device, guards: StepGuards, step: int,
-               eos_id: int | None = None) -> dict:
-    """One optimizer step on this rank's batch; returns this step's tensors for logging.
-    `eos_id`: None (plain causal attention) or the EOS token id that closes packed documents.
-    A step whose loss or gradient norm is non-finite on any rank updates nothing (`verdict.skip`)."""
-    module, model, rank = parts.module, parts.model, dist.get_rank()
+def _micro_batch(batch, layout, device: torch.device, eos_id: int | None):
+    """This rank's S/D positions of one micro-batch: tokens, labels, positions [B, S/D], doc ids [B, S]."""
     inputs, labels = batch
     tokens, labels = inputs["input"].to(device), labels.to(device)   # [B, S], [B, S]
     doc_ids = None if eos_id is None else document_ids(tokens, eos_id)  # [B, S]: full sequences
-    tokens, labels, positions = shard_sequence(tokens, labels, layout)  # [B, S/D] each
+    return (*shard_sequence(tokens, labels, layout), doc_ids)
+
+
+def train_step(parts: ModelParts, layout, batches: list, optimizers, lr_schedulers, *, max_norm: float,
+               bias_rate: float, device: torch.device, guards: StepGuards, step: int,
+               eos_id: int | None = None) -> dict:
+    """One optimizer step on this rank's micro-batches (gradient accumulation when there are
+    several); returns this step's tensors for logging.
+
+    The loss is every micro-batch's summed token loss over the step's global target count, so the
+    accumulated gradient is exactly that of one step over the whole batch. FSDP2 reduce-scatters
+    after each micro-batch's backward (its fp32 gradient shards accumulate; skipping that sync would
+    hold the whole model's unsharded gradients), the expert and vocab shards' replica sums run once
+    per step, and the router-bias update counts every micro-batch's loads once.
+    `eos_id`: None (plain causal attention) or the EOS token id that closes packed documents.
+    A step whose loss or gradient norm is non-finite on any rank updates nothing (`verdict.skip`)."""
+    module, model, rank = parts.module, parts.model, dist.get_rank()
+    micro = [_micro_batch(b, layout, device, eos_id) for b in batches]
     if guards.fault is not None and guards.fault.fires(step, rank, "hang"):
         guards.fault.hang(guards.stop)
     guards.phase = "the target-token count all-reduce"
-    n_tokens = (labels != IGNORE_INDEX).sum()
-    dist.all_reduce(n_tokens)                                          # global target count
-    guards.phase = "the forward (FSDP all-gathers, expert all-to-alls, Ulysses, Ring-DTP)"
-    loss_sum = module(tokens, labels, positions, doc_ids)              # fp32 sum over local tokens
-    if guards.fault is not None and guards.fault.fires(step, rank, "nan_loss"):
-        loss_sum = loss_sum * float("nan")
+    n_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels, _, _ in micro)
+    dist.all_reduce(n_tokens)                                          # global target count of the step
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    for tokens, labels, positions, doc_ids in micro:
+        guards.phase = "the forward (FSDP all-gathers, expert all-to-alls, Ulysses, Ring-DTP)"
+        micro_sum = module(tokens, labels, positions, doc_ids)         # fp32 sum over local tokens
+        if guards.fault is not None and guards.fault.fires(step, rank, "nan_loss"):
+            micro_sum = micro_sum * float("nan")
+        loss = micro_sum / n_tokens
+        if model.args.aux_loss_coef > 0:                               # gradients sum over ranks
+            loss = loss + model.aux_loss() / (dist.get_world_size() * len(micro))
+        guards.phase = "the backward (FSDP reduce-scatters, expert all-to-alls, replica sums)"
+        loss.backward()
+        loss_sum = loss_sum + micro_sum.detach()
     loss = loss_sum / n_tokens
-    if model.args.aux_loss_coef > 0:
-        loss = loss + model.aux_loss() / dist.get_world_size()         # gradients sum over ranks
-    guards.phase = "the backward (FSDP reduce-scatters, expert all-to-alls, replica sums)"
-    loss.backward()
     # Ranks holding the same expert / vocab shard saw different tokens: sum their gradients.
     reduce_dtype = parts.precision.reduce_dtype
     reduce_replica_grads(parts.expert_params, layout.expert_replica_group, reduce_dtype=reduce_dtype)
@@ -241,7 +257,7 @@ def train_step(parts: ModelParts, layout, batch, optimizers, lr_schedulers, *, m
             lr_schedulers.step()                                           # past its end: final LR held
         optimizers.zero_grad()
         model.update_router_biases(bias_rate, reduce_fn=dist.all_reduce)
-    return {"loss_sum": loss_sum.detach(), "n_tokens": n_tokens, "grad_norm": grad_norm, "lr": lr,
+    return {"loss_sum": loss_sum, "n_tokens": n_tokens, "grad_norm": grad_norm, "lr": lr,
             "optimizer_span": optimizer_span, "dispatch": dispatch_metrics(model), "verdict": verdict}
 
 
@@ -299,11 +315,14 @@ def describe_run(cfg, layout, parts: ModelParts, seed: int, device, host_terms, 
     checkpointed = parts.checkpointed
     args, counts = zoo.get_model_args(cfg.model.flavor), zoo.param_counts(cfg.model.flavor)
     t = cfg.training
+    micro_batches = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * layout.data_size)
     return "\n".join([
         f"model {cfg.model.flavor}: {counts['total']:,} parameters ({counts['active']:,} active per token), "
         f"{args.n_layers} blocks, H={args.dim}, V={args.vocab_size}",
         layout.plan.describe().splitlines()[0],
         f"device {device}, W={layout.plan.world_size}, B={t.local_batch_size}, S={t.seq_len}, "
+        f"global batch {micro_batches * t.local_batch_size * layout.data_size} sequences "
+        f"({micro_batches} micro-batch{'es' if micro_batches > 1 else ''} per step), "
         f"steps={t.steps}, seed={seed}, checkpointed blocks {checkpointed}, init {parts.init_mode}, "
         f"dispatch {cfg.mop.moe.dispatch}, loss "
         f"{'ring_dtp' if uses_ring_dtp(cfg, layout) else 'chunked cross-entropy'}"
@@ -346,7 +365,7 @@ def _train(cfg, device: torch.device, stop: StopFlag) -> None:
     layout = RankLayout.build(plan_layout(world, lay.seq_degree, lay.expert_degree, lay.vocab_degree),
                               device_type=device.type)
     check_layout_fits(layout.plan, cfg.training, zoo.get_model_args(cfg.model.flavor))
-    check_titan_parallelism(cfg.parallelism, cfg.training, data_size=layout.data_size)
+    micro_batches = check_titan_parallelism(cfg.parallelism, cfg.training, data_size=layout.data_size)
     if cfg.debug.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=cfg.debug.deterministic_warn_only)
     seed = seed_everything(cfg.debug.seed, device)
@@ -416,7 +435,8 @@ def _train(cfg, device: torch.device, stop: StopFlag) -> None:
                         schedule_steps, Fault.from_env())
     try:
         run_steps(cfg, parts, layout, dataloader, optimizers, lr_schedulers, checkpointer, train_state,
-                  metrics, device=device, flops_per_token=flops, eos_id=eos_id, guards=guards)
+                  metrics, device=device, flops_per_token=flops, eos_id=eos_id, guards=guards,
+                  micro_batches=micro_batches)
     finally:
         metrics.close()
         checkpointer.close()
@@ -429,7 +449,7 @@ def _train(cfg, device: torch.device, stop: StopFlag) -> None:
 
 def run_steps(cfg, parts: ModelParts, layout, dataloader, optimizers, lr_schedulers, checkpointer,
               train_state, metrics, *, device, flops_per_token: float, guards: StepGuards,
-              eos_id: int | None = None) -> None:
+              eos_id: int | None = None, micro_batches: int = 1) -> None:
     steps, peak, sco = cfg.training.steps, peak_tflops(device), parts.sco
     batches = iter(dataloader)
     window_start, window_tokens, timeout_set = time.perf_counter(), 0, False
@@ -439,7 +459,8 @@ def run_steps(cfg, parts: ModelParts, layout, dataloader, optimizers, lr_schedul
         if sco is not None:
             sco.begin_step()
         try:
-            out = train_step(parts, layout, next(batches), optimizers, lr_schedulers,
+            out = train_step(parts, layout, [next(batches) for _ in range(micro_batches)], optimizers,
+                             lr_schedulers,
                              max_norm=cfg.training.max_norm, bias_rate=cfg.mop.moe.bias_update_rate,
                              device=device, eos_id=eos_id, guards=guards, step=step)
         except RuntimeError as err:
@@ -471,7 +492,8 @@ def run_steps(cfg, parts: ModelParts, layout, dataloader, optimizers, lr_schedul
                       "tokens_seen": train_state.tokens_seen, "elapsed_s": elapsed,
                       "optimizer_s": None if verdict.skip else out["optimizer_span"].seconds(),
                       "optimizer_exposed_s": None if verdict.skip else exposed_optimizer_seconds(optimizers),
-                      "skipped": verdict.skip, "skipped_steps": train_state.skipped_steps}
+                      "skipped": verdict.skip, "skipped_steps": train_state.skipped_steps,
+                      "micro_batches": micro_batches}
             if device.type == "cuda":
                 tflops = flops_per_token * tokens_per_s / dist.get_world_size() / 1e12
                 values["tflops"] = tflops

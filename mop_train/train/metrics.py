@@ -161,8 +161,12 @@ def format_line(r: dict) -> str:
     if r.get("mfu_pct") is not None:
         line += f"  MFU {r['mfu_pct']:.1f}%"
     line += f"  peak_mem {r['peak_mem_gib']:.2f} GiB"
+    if r.get("micro_batches", 1) > 1:
+        line += f"  micro-batches {r['micro_batches']}"
     if r.get("optimizer_s") is not None:
         line += f"  opt {1e3 * r['optimizer_s']:.0f} ms"
+    if r.get("optimizer_exposed_s") is not None:
+        line += f" (exposed {1e3 * r['optimizer_exposed_s']:.0f} ms)"
     if "sco_offloaded_layers" in r:
         line += (f"  sco {r['sco_offloaded_layers']} layers {r['sco_host_bytes'] / 2**30:.2f} GiB host "
                  f"wait {1e3 * r['sco_wait_s']:.1f} ms")

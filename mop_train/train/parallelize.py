@@ -33,9 +33,10 @@ def check_layout_fits(layout_plan, training, model_args) -> None:
     check_model_fits_layout(model_args, D, layout_plan.expert_degree)
 
 
-def check_titan_parallelism(parallelism, training, *, data_size: int) -> None:
+def check_titan_parallelism(parallelism, training, *, data_size: int) -> int:
     """torchtitan's own parallelism knobs are not used: the MoP layout ([mop.layout]) replaces them.
-    `data_size` is the number of ranks reading distinct sequences (W / D)."""
+    `data_size` is the number of ranks reading distinct sequences (W / D). Returns the micro-batches
+    per step: global_batch_size / (local_batch_size x W/D) (torchtitan's rule; 1 for -1)."""
     for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
                 "context_parallel_degree", "expert_parallel_degree"):
         value = getattr(parallelism, key)
@@ -43,14 +44,16 @@ def check_titan_parallelism(parallelism, training, *, data_size: int) -> None:
             raise ValueError(f"parallelism.{key} = {value}: mop_train shards dense weights with FSDP2 over "
                              f"all ranks and splits sequences/experts/vocab through [mop.layout]; set it to 1")
     one_step = training.local_batch_size * data_size
-    if training.global_batch_size not in (-1, one_step):
-        raise ValueError(f"training.global_batch_size = {training.global_batch_size}: a step consumes "
-                         f"local_batch_size x W/D = {training.local_batch_size} x {data_size} sequences "
-                         f"(gradient accumulation is not supported); set it to -1 or {one_step}, or change "
-                         f"local_batch_size to global_batch_size / {data_size}")
+    if training.global_batch_size != -1 and (training.global_batch_size < one_step
+                                             or training.global_batch_size % one_step):
+        raise ValueError(f"training.global_batch_size = {training.global_batch_size}: one micro-batch is "
+                         f"local_batch_size x W/D = {training.local_batch_size} x {data_size} = {one_step} "
+                         f"sequences, and a step accumulates a whole number of them; set it to -1 (no "
+                         f"accumulation) or a multiple of {one_step}")
     if training.dtype != "float32":
         raise ValueError(f"training.dtype = {training.dtype!r}: weights and optimizer state stay fp32; "
                          f"use training.mixed_precision_param = \"bfloat16\" for bf16 compute")
+    return 1 if training.global_batch_size == -1 else training.global_batch_size // one_step
 
 
 def _checkpointed_layer_ids(ac, n_layers: int) -> list[int]:

@@ -173,11 +173,14 @@ def test_inconsistent_layouts_are_rejected_before_launch():
     with pytest.raises(ValueError, match="tensor_parallel_degree = 2"):
         check_titan_parallelism(cfg.parallelism, cfg.training, data_size=2)
     cfg = load_job_config(["--training.local_batch_size", "3", "--training.global_batch_size", "12"])
-    with pytest.raises(ValueError, match="local_batch_size x W/D = 3 x 2"):
-        check_titan_parallelism(cfg.parallelism, cfg.training, data_size=2)
-    check_titan_parallelism(cfg.parallelism, cfg.training, data_size=4)
+    with pytest.raises(ValueError, match=r"local_batch_size x W/D = 3 x 5 = 15 .* a multiple of 15"):
+        check_titan_parallelism(cfg.parallelism, cfg.training, data_size=5)
+    assert check_titan_parallelism(cfg.parallelism, cfg.training, data_size=4) == 1
+    assert check_titan_parallelism(cfg.parallelism, cfg.training, data_size=2) == 2   # 2 micro-batches
+    with pytest.raises(ValueError, match="a multiple of 9"):
+        check_titan_parallelism(cfg.parallelism, cfg.training, data_size=3)
     cfg = load_job_config([])
-    check_titan_parallelism(cfg.parallelism, cfg.training, data_size=3)
+    assert check_titan_parallelism(cfg.parallelism, cfg.training, data_size=3) == 1
 
 
 def test_memory_plan_terms():
