@@ -3,6 +3,7 @@
     mop-train layout --world 64 --seq 8 --expert 64 --vocab 8   # print the MoP rank layout
     mop-train zoo                                               # the named models and their sizes
     mop-train train --nproc-per-node 8 configs/x.toml --training.steps 100   # check, then torchrun
+    mop-train plan --world 64 --gpu-memory 141GiB --host-memory 2TiB configs/x.toml   # will it fit?
 
 `train` checks the configuration in this process first (a bad key or value: one line, exit 2,
 before any rank starts), then runs torchrun's launcher in-process on this node and exits with the
@@ -66,6 +67,22 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from mop_train.config import load_job_config, parse_bytes
+    from mop_train.models import zoo
+    from mop_train.train.plan_cli import plan_job
+
+    from torchtitan.tools.logging import logger
+
+    logger.setLevel("ERROR")
+    cfg = load_job_config(["--job.config_file", args.config, *args.overrides], model_flavors=zoo.names())
+    text, fits = plan_job(cfg, world=args.world, ranks_per_node=args.ranks_per_node or min(args.world, 8),
+                          gpu_bytes=parse_bytes(args.gpu_memory, key="--gpu-memory") if args.gpu_memory else None,
+                          host_bytes=parse_bytes(args.host_memory, key="--host-memory") if args.host_memory else None)
+    print(text)
+    return 0 if fits else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mop-train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="the job's TOML file (--job.config_file)")
     train.add_argument("overrides", nargs=argparse.REMAINDER, help="torchtitan-style flags: --section.key value")
     train.set_defaults(func=_train)
+    plan = sub.add_parser("plan", help="print a job's per-rank device and host memory plan; exit 1 if it does not fit")
+    plan.add_argument("--world", type=int, required=True, help="W: total ranks")
+    plan.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing a host (default min(W, 8))")
+    plan.add_argument("--gpu-memory", default=None, help="device bytes per rank, e.g. 141GiB")
+    plan.add_argument("--host-memory", default=None, help="host bytes per node, e.g. 2TiB (also sizes SCO's \"auto\")")
+    plan.add_argument("config", help="the job's TOML file (--job.config_file)")
+    plan.add_argument("overrides", nargs=argparse.REMAINDER, help="torchtitan-style flags: --section.key value")
+    plan.set_defaults(func=_plan)
     return parser
 
 

@@ -297,8 +297,10 @@ def device_plan(cfg, layout, parts: ModelParts) -> list[tuple[str, int, str]]:
     """This rank's device memory, term by term (mop_train.train.plan), before the optimizer exists."""
     checkpointed, sco = parts.checkpointed, parts.sco
     args, counts = zoo.get_model_args(cfg.model.flavor), zoo.param_counts(cfg.model.flavor)
-    # DTensor parameters report their global (unsharded) numel.
-    blocks = [sum(p.numel() for p in b.parameters()) for b in parts.module.model.layers.values()]
+    # What FSDP2 gathers per block: the expert shards are kept out of it.
+    experts = {id(p) for p in parts.expert_params}
+    blocks = [sum(p.numel() for p in b.parameters() if id(p) not in experts)
+              for b in parts.module.model.layers.values()]
     t, D = cfg.training, layout.plan.seq_degree
     kept = kept_attention_bytes(args, t.local_batch_size, t.seq_len, D, parts.precision.activation_bytes)
     return memory_plan(MemoryPlanInputs(
@@ -308,7 +310,8 @@ def device_plan(cfg, layout, parts: ModelParts) -> list[tuple[str, int, str]]:
         act_bytes=parts.precision.activation_bytes,
         loss_chunk=cfg.mop.data.loss_chunk_tokens, optimizer_on_device=cfg.optimizer.name != OFFLOAD_ADAMW,
         sco_host_budget=sco.host_budget_bytes if sco is not None else 0,
-        kept_attention_per_layer=kept if cfg.mop.attention.keep else 0))
+        kept_attention_per_layer=kept if cfg.mop.attention.keep else 0,
+        local_params=sum(local(p).numel() for p in parts.module.parameters())))
 
 
 def describe_run(cfg, layout, parts: ModelParts, seed: int, device, host_terms, plan) -> str:

@@ -55,19 +55,23 @@ class MemoryPlanInputs:
     """D: each rank holds seq_len / D positions of its group's sequences."""
     kept_attention_per_layer: int = 0
     """Bytes one checkpointed layer keeps of its attention (0: keep off)."""
+    local_params: int | None = None
+    """This rank's parameters: dense / W + routed experts / E_p + the projection / P when it is
+    vocab-sharded. None: P / W (everything FSDP-sharded over W)."""
 
 
 def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
     """Per-rank device bytes, term by term: [(name, bytes, formula)]."""
     P, W, tokens = x.total_params, x.world_size, x.local_batch * x.seq_len // x.seq_degree
+    mine = x.local_params if x.local_params is not None else P // W
     plain_layers = x.n_layers - x.checkpointed_layers
     boundary = tokens * x.hidden * x.act_bytes
     offloaded = min(x.checkpointed_layers, x.sco_host_budget // boundary) if boundary else 0
     return [
-        ("parameters", 4 * P // W, "fp32 shard: 4 * P / W"),
-        ("gradients", 4 * P // W, "fp32 shard: 4 * P / W"),
-        ("optimizer", 8 * P // W if x.optimizer_on_device else 0,
-         "AdamW moments: 8 * P / W" if x.optimizer_on_device else "moments in host memory"),
+        ("parameters", 4 * mine, f"fp32 shards: 4 B x {mine:,} local params"),
+        ("gradients", 4 * mine, f"fp32 shards: 4 B x {mine:,} local params"),
+        ("optimizer", 8 * mine if x.optimizer_on_device else 0,
+         "AdamW moments: 8 B x local params" if x.optimizer_on_device else "moments in host memory"),
         ("gathered", 2 * x.largest_block_params * x.act_bytes, "2 blocks unsharded (prefetch)"),
         ("boundaries", (x.checkpointed_layers - offloaded) * boundary,
          f"{x.checkpointed_layers} checkpointed block inputs of B*S/D*H, {offloaded} offloaded by SCO"),

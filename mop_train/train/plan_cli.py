@@ -1,0 +1,99 @@
+"""`mop-train plan`: the per-rank device and host memory plan of a job, before anything launches.
+
+    mop-train plan --world 64 --ranks-per-node 8 --gpu-memory 141GiB --host-memory 2TiB \
+        configs/mop_667b.toml --training.seq_len 1048576
+
+Builds the model on the meta device (no process group, no GPU), applies the job's layout on paper
+(D, E_p, P against W), and prints the same plan `mop_train.train` prints at launch, term by term:
+this rank's share of the weights (dense / W, routed experts / E_p, the projection / P), its gradients
+and optimizer state, checkpoint boundaries less SCO's host budget, kept attention, one block's
+activations, the loss chunk; then the pinned host memory of the node's ranks. Exits 1 with the
+numbers when either does not fit. An estimate: operator working sets are rough terms (see
+mop_train.train.plan), not the operators' own bounds yet.
+"""
+
+from __future__ import annotations
+
+from mop_train.train.plan import GIB, MemoryPlanInputs, format_plan, host_memory_plan, memory_plan
+
+
+def local_param_count(model, layout_plan, *, dispatch: str) -> int:
+    """This rank's parameters under the layout: FSDP2 shards the dense weights over W, the routed
+    experts are sharded over E_p (unless dispatch = "local"), the output projection over P (P > 1)."""
+    W, Ep, P = layout_plan.world_size, layout_plan.expert_degree, layout_plan.vocab_degree
+    routed = sum(p.numel() for moe in model.moe_layers() for p in moe.experts.parameters())
+    projection = model.output.weight.numel()
+    total = sum(p.numel() for p in model.parameters())
+    dense = total - (routed if dispatch != "local" else 0) - (projection if P > 1 else 0)
+    return (-(-dense // W) + (-(-routed // Ep) if dispatch != "local" else 0)
+            + (-(-projection // P) if P > 1 else 0))
+
+
+def fsdp_block_params(block, *, sharded_experts: bool) -> int:
+    """Parameters FSDP2 all-gathers for one block: all of them, less the routed experts when they are
+    sharded over the expert group instead (kept out of FSDP2)."""
+    routed = {id(p) for m in block.modules() if hasattr(m, "experts") and hasattr(m, "dispatch")
+              for p in m.experts.parameters()} if sharded_experts else set()
+    return sum(p.numel() for p in block.parameters() if id(p) not in routed)
+
+
+def plan_job(cfg, *, world: int, ranks_per_node: int, gpu_bytes: int | None, host_bytes: int | None) -> tuple[str, bool]:
+    """(the printed plan, whether it fits) for `cfg` on `world` ranks."""
+    import torch
+
+    from mop_train.layout import plan_layout
+    from mop_train.models import zoo
+    from mop_train.models.keep_attention import kept_attention_bytes
+    from mop_train.models.model import MoETransformer
+    from mop_train.ops.sco import resolve_host_budget
+    from mop_train.parallel.precision import MixedPrecision
+    from mop_train.train.optim import OFFLOAD_ADAMW, parse_device_fraction
+    from mop_train.train.parallelize import _checkpointed_layer_ids, check_layout_fits, check_titan_parallelism
+
+    lay, t = cfg.mop.layout, cfg.training
+    layout = plan_layout(world, lay.seq_degree, lay.expert_degree, lay.vocab_degree)
+    args = zoo.get_model_args(cfg.model.flavor)
+    check_layout_fits(layout, t, args)
+    micro = check_titan_parallelism(cfg.parallelism, t, data_size=world // lay.seq_degree)
+    with torch.device("meta"):
+        model = MoETransformer(args)
+    blocks = [fsdp_block_params(b, sharded_experts=cfg.mop.moe.dispatch != "local") for b in model.layers.values()]
+    checkpointed = len(_checkpointed_layer_ids(cfg.activation_checkpoint, args.n_layers))
+    precision = MixedPrecision.from_training(t)
+    offload = cfg.optimizer.name == OFFLOAD_ADAMW
+    host_share = host_bytes // ranks_per_node if host_bytes is not None else None
+    sco_budget = 0 if cfg.mop.sco.host_budget.strip() == "0" else resolve_host_budget(
+        cfg.mop.sco.host_budget, ranks_per_node, available_bytes=host_bytes)
+    mine = local_param_count(model, layout, dispatch=cfg.mop.moe.dispatch)
+    kept = kept_attention_bytes(args, t.local_batch_size, t.seq_len, lay.seq_degree, precision.activation_bytes)
+    device_terms = memory_plan(MemoryPlanInputs(
+        total_params=sum(p.numel() for p in model.parameters()), largest_block_params=max(blocks),
+        world_size=world, local_batch=t.local_batch_size, seq_len=t.seq_len, seq_degree=lay.seq_degree,
+        hidden=args.dim, vocab=args.vocab_size, top_k=args.top_k, n_layers=args.n_layers,
+        checkpointed_layers=checkpointed, act_bytes=precision.activation_bytes,
+        loss_chunk=cfg.mop.data.loss_chunk_tokens, optimizer_on_device=not offload,
+        sco_host_budget=sco_budget, kept_attention_per_layer=kept if cfg.mop.attention.keep else 0,
+        local_params=mine))
+    share = parse_device_fraction(cfg.mop.offload_adamw.device_fraction)
+    host_terms = host_memory_plan(mine, offload_optimizer=offload, host_fraction=cfg.mop.offload_adamw.host_fraction,
+                                  device_fraction=0.0 if share == "auto" else share, sco_host_budget=sco_budget)
+    device_total, host_total = sum(b for _, b, _ in device_terms), sum(b for _, b, _ in host_terms)
+    lines = [layout.describe().splitlines()[0],
+             f"model {cfg.model.flavor}: {sum(p.numel() for p in model.parameters()):,} parameters, "
+             f"{mine:,} on each rank; B={t.local_batch_size} x S={t.seq_len} per sequence group, "
+             f"{micro} micro-batch(es) per step, {precision.param_dtype} compute",
+             format_plan(device_terms), format_plan(host_terms, title="per-rank pinned host memory")]
+    fits = True
+    if gpu_bytes is not None:
+        ok = device_total <= gpu_bytes
+        fits &= ok
+        lines.append(f"device: {device_total / GIB:.1f} GiB of {gpu_bytes / GIB:.1f} GiB per rank: "
+                     + ("fits" if ok else "DOES NOT FIT"))
+    if host_bytes is not None:
+        need = host_total * ranks_per_node
+        ok = need <= host_bytes
+        fits &= ok
+        lines.append(f"host: {ranks_per_node} ranks x {host_total / GIB:.1f} GiB = {need / GIB:.1f} GiB of "
+                     f"{host_bytes / GIB:.1f} GiB per node: " + ("fits" if ok else "DOES NOT FIT"))
+    del host_share
+    return "\n".join(lines), fits
