@@ -10,7 +10,6 @@ Ring-DTP's peak above inputs <= 0.15x the standard's at P=2. A part that did not
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import statistics

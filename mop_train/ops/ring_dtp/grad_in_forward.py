@@ -92,7 +92,7 @@ def _global_lse(ring: Ring, held, c: int, device):
 def _gradient_round(ring: Ring, held, lse, w, lo, own_dx, dw, opts) -> None:
     """Step 3: g in place of the stored logits; dX accumulators round the ring into own_dx; dW_r += g^T X."""
     h = w.shape[1]
-    works, acc = [], None
+    works, acc, incoming = [], None, None   # incoming: the next owner's dX accumulator, from rank-1
     for step, (owner, chunk_x, chunk_t, z, _) in enumerate(held):
         m = chunk_x.shape[0]
         scale = (chunk_t != opts.ignore_index).float() * _owner_scale(opts, owner)  # [c_owner]; 0 if ignored
