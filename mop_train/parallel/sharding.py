@@ -73,16 +73,13 @@ def _mesh_key(p: torch.Tensor):
     return id(p.device_mesh) if isinstance(p, DTensor) else None
 
 
-def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """Global gradient norm over parameters that live on different meshes (FSDP's and the MoP
-    groups'), then scale every gradient by min(1, max_norm / norm). Returns the norm (a plain tensor).
-
-    Plain (non-DTensor) parameters are treated as replicated on every rank.
-    """
-    params = [p for p in params if p.grad is not None]
+    groups'), as a plain tensor. Plain (non-DTensor) parameters are treated as replicated on every rank."""
     by_mesh: dict = {}
     for p in params:
-        by_mesh.setdefault(_mesh_key(p), []).append(p.grad)
+        if p.grad is not None:
+            by_mesh.setdefault(_mesh_key(p), []).append(p.grad)
     norms = []
     for grads in by_mesh.values():
         n = torch.nn.utils.get_total_norm(grads, norm_type)
@@ -90,10 +87,22 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: 
     if not norms:
         return torch.tensor(0.0)
     stacked = torch.stack([n.float() for n in norms])
-    total = stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
-    if max_norm > 0:
-        # Same rule as torch.nn.utils.clip_grad_norm_.
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in params:
+    return stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+
+
+def clip_grads_with_norm_(params: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale every gradient by min(1, max_norm / total_norm), torch.nn.utils' rule; max_norm <= 0 disables."""
+    if max_norm <= 0:
+        return
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
             local(p.grad).mul_(coef.to(local(p.grad).device, local(p.grad).dtype))
+
+
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """`total_grad_norm`, then `clip_grads_with_norm_`; returns the norm (before clipping)."""
+    params = list(params)
+    total = total_grad_norm(params, norm_type)
+    clip_grads_with_norm_(params, max_norm, total)
     return total

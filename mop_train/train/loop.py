@@ -37,7 +37,7 @@ from mop_train.models import zoo
 from mop_train.models.document_mask import document_ids
 from mop_train.ops.offload_adamw import forward_units
 from mop_train.parallel.apply import dispatch_metrics
-from mop_train.parallel.sharding import clip_grad_norm_, local, reduce_replica_grads
+from mop_train.parallel.sharding import clip_grads_with_norm_, local, reduce_replica_grads, total_grad_norm
 from mop_train.train.build import ModelParts, build_model, describe_run, device_plan, host_plan
 from mop_train.train.checkpoint import TrainState, build_checkpointer
 from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir
@@ -148,7 +148,7 @@ def train_step(parts: ModelParts, layout, batches: list, optimizers, lr_schedule
     if guards.fault is not None and guards.fault.fires(step, rank, "nan_grad"):
         guards.fault.poison_grad(list(module.named_parameters()))
     guards.phase = "the gradient-norm all-reduce and the non-finite check"
-    grad_norm = clip_grad_norm_(params, 0.0)                           # the global norm, not clipped yet
+    grad_norm = total_grad_norm(params)                                # the global norm, not clipped yet
     verdict = guards.nonfinite.check(loss, grad_norm, stop_requested=guards.stop.requested)
     guards.nonfinite.after(verdict, step=step, named_params=list(module.named_parameters()))
     lr = lr_schedulers.schedulers[0].get_last_lr()[0]
@@ -168,16 +168,6 @@ def train_step(parts: ModelParts, layout, batches: list, optimizers, lr_schedule
         model.update_router_biases(bias_rate, reduce_fn=dist.all_reduce)
     return {"loss_sum": loss_sum, "n_tokens": n_tokens, "grad_norm": grad_norm, "lr": lr,
             "optimizer_span": optimizer_span, "dispatch": dispatch_metrics(model), "verdict": verdict}
-
-
-def clip_grads_with_norm_(params: list, max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scale every gradient by min(1, max_norm / total_norm) (torch.nn.utils' rule; 0 disables)."""
-    if max_norm <= 0:
-        return
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for p in params:
-        if p.grad is not None:
-            local(p.grad).mul_(coef.to(local(p.grad).device, local(p.grad).dtype))
 
 
 def document_eos_id(cfg, tokenizer) -> int | None:
