@@ -51,17 +51,6 @@ IMPOSSIBLE_VALUES = [
 ]
 
 
-@pytest.mark.parametrize("text, needles", BAD_KEYS_OR_TYPES + IMPOSSIBLE_VALUES)
-def test_bad_input_names_key_value_file_and_fix(tmp_path, text, needles):
-    path = _write(tmp_path, text)
-    with pytest.raises(ValueError) as info:
-        load_job_config(["--job.config_file", path])
-    msg = str(info.value)
-    assert path in msg
-    for needle in needles:
-        assert needle in msg, f"{needle!r} missing from: {msg}"
-
-
 def test_missing_and_malformed_file(tmp_path):
     with pytest.raises(ValueError, match="config file not found: .*nope.toml"):
         load_job_config(["--job.config_file", str(tmp_path / "nope.toml")])
@@ -97,8 +86,8 @@ UNHONOURED = [
 ]
 
 
-@pytest.mark.parametrize("text, needles", UNHONOURED)
-def test_keys_the_loop_does_not_implement_are_refused(tmp_path, text, needles):
+@pytest.mark.parametrize("text, needles", BAD_KEYS_OR_TYPES + IMPOSSIBLE_VALUES + UNHONOURED)
+def test_bad_input_names_key_value_file_and_fix(tmp_path, text, needles):
     path = _write(tmp_path, text)
     with pytest.raises(ValueError) as info:
         load_job_config(["--job.config_file", path])

@@ -228,9 +228,11 @@ def _train(model, opt, steps, start=0, rank=0):
         opt.step()
 
 
-def test_resume_through_dcp_and_torchtitan_container(tmp_path):
+def dcp_resume_matches_straight_run(tmp_path, kwargs: dict, resumed_kwargs: dict):
+    """5 straight steps against 3 steps, a DCP save through torchtitan's OptimizersContainer, a load
+    into a fresh model and optimizer built with `resumed_kwargs`, and 2 more steps: the same run.
+    Returns the straight run's (model, container)."""
     from torchtitan.components.optimizer import OptimizersContainer
-    kwargs = dict(**HP, bucket_params=4, slots=2)
     full = _Tiny(0)
     full_opt = OptimizersContainer([full], OffloadStreamAdamW, kwargs)
     _train(full, full_opt, 5)
@@ -241,13 +243,19 @@ def test_resume_through_dcp_and_torchtitan_container(tmp_path):
     dcp.save({"model": get_model_state_dict(first), "optimizer": first_opt}, checkpoint_id=str(tmp_path))
 
     resumed = _Tiny(1)
-    resumed_opt = OptimizersContainer([resumed], OffloadStreamAdamW, dict(kwargs, slots=3))
+    resumed_opt = OptimizersContainer([resumed], OffloadStreamAdamW, resumed_kwargs)
     target = {"model": get_model_state_dict(resumed), "optimizer": resumed_opt}
     dcp.load(target, checkpoint_id=str(tmp_path))
     set_model_state_dict(resumed, target["model"])
     _train(resumed, resumed_opt, 5, start=3)
     _assert_same_run(list(full.parameters()), full_opt.optimizers[0],
                      list(resumed.parameters()), resumed_opt.optimizers[0])
+    return full, full_opt
+
+
+def test_resume_through_dcp_and_torchtitan_container(tmp_path):
+    kwargs = dict(**HP, bucket_params=4, slots=2)
+    full, full_opt = dcp_resume_matches_straight_run(tmp_path, kwargs, dict(kwargs, slots=3))
     flat = get_optimizer_state_dict(full, full_opt.optimizers[0],
                                     options=StateDictOptions(flatten_optimizer_state_dict=True))
     assert {"state.a.weight.master", "state.a.weight.exp_avg", "state.c.bias.step"} <= set(flat)

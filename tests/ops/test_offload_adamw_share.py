@@ -21,7 +21,7 @@ from mop_train.train.optim import parse_device_fraction, resolve_device_fraction
 from tests.dist_utils import run_distributed
 from tests.ops.test_offload_adamw import (
     ATOL, HP, RTOL, SHAPES, _assert_same_run, _assert_state_close, _grads, _groups, _lambda, _params, _run, _Tiny,
-    _train)
+    _train, dcp_resume_matches_straight_run)
 from tests.utils import assert_bitwise_equal, assert_close, fresh_seed
 
 NUMELS = [torch.Size(s).numel() for s in SHAPES]
@@ -110,23 +110,8 @@ def test_resume_across_splits_is_exact(monkeypatch, tmp_path):
 
 
 def test_device_share_resumes_through_dcp(tmp_path):
-    from torchtitan.components.optimizer import OptimizersContainer
     kwargs = dict(**HP, bucket_params=4, slots=2, device_fraction=0.4)
-    full = _Tiny(0)
-    full_opt = OptimizersContainer([full], OffloadStreamAdamW, kwargs)
-    _train(full, full_opt, 5)
-    first = _Tiny(0)
-    first_opt = OptimizersContainer([first], OffloadStreamAdamW, kwargs)
-    _train(first, first_opt, 3)
-    dcp.save({"model": get_model_state_dict(first), "optimizer": first_opt}, checkpoint_id=str(tmp_path))
-    resumed = _Tiny(1)
-    resumed_opt = OptimizersContainer([resumed], OffloadStreamAdamW, dict(kwargs, device_fraction=0.8))
-    target = {"model": get_model_state_dict(resumed), "optimizer": resumed_opt}
-    dcp.load(target, checkpoint_id=str(tmp_path))
-    set_model_state_dict(resumed, target["model"])
-    _train(resumed, resumed_opt, 5, start=3)
-    _assert_same_run(list(full.parameters()), full_opt.optimizers[0],
-                     list(resumed.parameters()), resumed_opt.optimizers[0])
+    dcp_resume_matches_straight_run(tmp_path, kwargs, dict(kwargs, device_fraction=0.8))
 
 
 def _fsdp2_share_worker(rank, world_size, path):
