@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.checkpoint import CheckpointManager
 
 from mop_train.train import integrity
+from mop_train.train.optim import wait_for_weights
 from mop_train.train.reliability import CheckpointError, state_is_finite, tensors_of
 
 
@@ -234,9 +235,7 @@ class Checkpointer:
         m = self.manager
         if not (m._should_save(step, last_step) or (resumable and m.enable and not m.load_only)):
             return False
-        for opt in self.optimizers:  # an overlapped OffloadStreamAdamW step may still be writing weights
-            if hasattr(opt, "wait_for_weights"):
-                opt.wait_for_weights()
+        wait_for_weights(self.optimizers)
         if not state_is_finite(self._state_tensors(), self.device):
             raise CheckpointError(f"step {step}: the model or optimizer state holds NaN/inf; not saving it "
                                   f"(the newest checkpoint in {self.folder} is the last finite state)")

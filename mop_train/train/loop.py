@@ -38,7 +38,7 @@ from mop_train.models.document_mask import document_ids
 from mop_train.ops.offload_adamw import forward_units
 from mop_train.parallel.apply import dispatch_metrics
 from mop_train.parallel.sharding import clip_grads_with_norm_, local, reduce_replica_grads, total_grad_norm
-from mop_train.train.build import ModelParts, build_model, describe_run, device_plan, host_plan
+from mop_train.train.build import ModelParts, build_model, describe_run, run_plans
 from mop_train.train.checkpoint import TrainState, build_checkpointer
 from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir
 from mop_train.train.loss import IGNORE_INDEX
@@ -233,11 +233,10 @@ def _train(cfg, device: torch.device, stop: StopFlag) -> None:
     parts = build_model(cfg, layout, device)
     module, model = parts.module, parts.model
     from mop_train.ops.sco.budget import available_host_bytes
-    host_terms = host_plan(cfg, parts)
+    plan_terms, host_terms = run_plans(cfg, layout, parts)
     check_host_memory(host_terms, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                       available_bytes=available_host_bytes())
     dist.barrier()  # every rank has read the free host memory before any rank pins its share
-    plan_terms = device_plan(cfg, layout, parts)
     free_bytes, device_share = free_device_bytes(plan_terms, device), None
     if cfg.optimizer.name == OFFLOAD_ADAMW:
         shards = [local(p) for p in module.parameters() if p.requires_grad]
@@ -352,17 +351,9 @@ def run_steps(cfg, parts: ModelParts, layout, dataloader, optimizers, lr_schedul
             values.update({f"moe_{k}": v for k, v in out["dispatch"].items()})
             metrics.log(step, values)
             window_start, window_tokens = time.perf_counter(), 0
-        if verdict.stop_requested or last:
-            wait_for_weights(optimizers)   # an overlapped step may still be writing the weights
         if verdict.stop_requested:
             stop_cleanly(cfg, checkpointer, step)
         checkpointer.save(step, last_step=last)
-
-
-def wait_for_weights(optimizers) -> None:
-    for opt in optimizers:
-        if hasattr(opt, "wait_for_weights"):
-            opt.wait_for_weights()
 
 
 def exposed_optimizer_seconds(optimizers) -> float | None:

@@ -121,6 +121,15 @@ def _offload_adamw_cls():
     return OffloadStreamAdamW
 
 
+def wait_for_weights(optimizers) -> None:
+    """Make the current stream wait for the weights of every optimizer's last step: an overlapped
+    OffloadStreamAdamW step may still be writing them. Call it before anything but the next
+    forward reads the weights (a checkpoint save, a finiteness check)."""
+    for opt in optimizers:
+        if hasattr(opt, "wait_for_weights"):
+            opt.wait_for_weights()
+
+
 def build_optimizers(model_parts: list[nn.Module], optimizer, offload_adamw, *,
                      world_size: int, device_fraction: float | None = None) -> OptimizersContainer:
     """Args:

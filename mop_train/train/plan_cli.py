@@ -14,7 +14,7 @@ mop_train.train.plan), not the operators' own bounds yet.
 
 from __future__ import annotations
 
-from mop_train.train.plan import GIB, MemoryPlanInputs, format_plan, host_memory_plan, memory_plan
+from mop_train.train.plan import GIB, format_plan
 
 
 def local_param_count(model, layout_plan, *, dispatch: str) -> int:
@@ -29,25 +29,16 @@ def local_param_count(model, layout_plan, *, dispatch: str) -> int:
             + (-(-projection // P) if P > 1 else 0))
 
 
-def fsdp_block_params(block, *, sharded_experts: bool) -> int:
-    """Parameters FSDP2 all-gathers for one block: all of them, less the routed experts when they are
-    sharded over the expert group instead (kept out of FSDP2)."""
-    routed = {id(p) for m in block.modules() if hasattr(m, "experts") and hasattr(m, "dispatch")
-              for p in m.experts.parameters()} if sharded_experts else set()
-    return sum(p.numel() for p in block.parameters() if id(p) not in routed)
-
-
 def plan_job(cfg, *, world: int, ranks_per_node: int, gpu_bytes: int | None, host_bytes: int | None) -> tuple[str, bool]:
     """(the printed plan, whether it fits) for `cfg` on `world` ranks."""
     import torch
 
     from mop_train.layout import plan_layout
     from mop_train.models import zoo
-    from mop_train.models.keep_attention import kept_attention_bytes
     from mop_train.models.model import MoETransformer
     from mop_train.ops.sco import resolve_host_budget
     from mop_train.parallel.precision import MixedPrecision
-    from mop_train.train.optim import OFFLOAD_ADAMW, parse_device_fraction
+    from mop_train.train.build import fsdp_block_params, memory_plans
     from mop_train.train.parallelize import _checkpointed_layer_ids, check_layout_fits, check_titan_parallelism
 
     lay, t = cfg.mop.layout, cfg.training
@@ -57,26 +48,17 @@ def plan_job(cfg, *, world: int, ranks_per_node: int, gpu_bytes: int | None, hos
     micro = check_titan_parallelism(cfg.parallelism, t, data_size=world // lay.seq_degree)
     with torch.device("meta"):
         model = MoETransformer(args)
-    blocks = [fsdp_block_params(b, sharded_experts=cfg.mop.moe.dispatch != "local") for b in model.layers.values()]
-    checkpointed = len(_checkpointed_layer_ids(cfg.activation_checkpoint, args.n_layers))
+    routed = {id(p) for moe in model.moe_layers() for p in moe.experts.parameters()}
+    kept_out = routed if cfg.mop.moe.dispatch != "local" else set()   # expert shards stay out of FSDP2
     precision = MixedPrecision.from_training(t)
-    offload = cfg.optimizer.name == OFFLOAD_ADAMW
-    host_share = host_bytes // ranks_per_node if host_bytes is not None else None
     sco_budget = 0 if cfg.mop.sco.host_budget.strip() == "0" else resolve_host_budget(
         cfg.mop.sco.host_budget, ranks_per_node, available_bytes=host_bytes)
     mine = local_param_count(model, layout, dispatch=cfg.mop.moe.dispatch)
-    kept = kept_attention_bytes(args, t.local_batch_size, t.seq_len, lay.seq_degree, precision.activation_bytes)
-    device_terms = memory_plan(MemoryPlanInputs(
-        total_params=sum(p.numel() for p in model.parameters()), largest_block_params=max(blocks),
-        world_size=world, local_batch=t.local_batch_size, seq_len=t.seq_len, seq_degree=lay.seq_degree,
-        hidden=args.dim, vocab=args.vocab_size, top_k=args.top_k, n_layers=args.n_layers,
-        checkpointed_layers=checkpointed, act_bytes=precision.activation_bytes,
-        loss_chunk=cfg.mop.data.loss_chunk_tokens, optimizer_on_device=not offload,
-        sco_host_budget=sco_budget, kept_attention_per_layer=kept if cfg.mop.attention.keep else 0,
-        local_params=mine))
-    share = parse_device_fraction(cfg.mop.offload_adamw.device_fraction)
-    host_terms = host_memory_plan(mine, offload_optimizer=offload, host_fraction=cfg.mop.offload_adamw.host_fraction,
-                                  device_fraction=0.0 if share == "auto" else share, sco_host_budget=sco_budget)
+    device_terms, host_terms = memory_plans(
+        cfg, world=world, total_params=sum(p.numel() for p in model.parameters()),
+        largest_block_params=max(fsdp_block_params(b, kept_out) for b in model.layers.values()),
+        checkpointed_layers=len(_checkpointed_layer_ids(cfg.activation_checkpoint, args.n_layers)),
+        local_params=mine, sco_host_budget=sco_budget, precision=precision)
     device_total, host_total = sum(b for _, b, _ in device_terms), sum(b for _, b, _ in host_terms)
     lines = [layout.describe().splitlines()[0],
              f"model {cfg.model.flavor}: {sum(p.numel() for p in model.parameters()):,} parameters, "
@@ -95,5 +77,4 @@ def plan_job(cfg, *, world: int, ranks_per_node: int, gpu_bytes: int | None, hos
         fits &= ok
         lines.append(f"host: {ranks_per_node} ranks x {host_total / GIB:.1f} GiB = {need / GIB:.1f} GiB of "
                      f"{host_bytes / GIB:.1f} GiB per node: " + ("fits" if ok else "DOES NOT FIT"))
-    del host_share
     return "\n".join(lines), fits
