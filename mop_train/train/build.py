@@ -1,7 +1,7 @@
 """A run's parts, built from its configuration, and the plans that describe them at launch.
 
     parts = build_model(cfg, layout, device)     # zoo model -> MoP layout -> checkpointing -> FSDP2 -> init
-    device_terms, host_terms = run_plans(cfg, layout, parts)
+    device_terms, host_terms = run_plans(cfg, layout, parts)   # mop_train.train.job_plan
     print(describe_run(cfg, layout, parts, seed, device, host_terms, device_terms))
 
 The model is built on meta, the layout applied (Ulysses cores, expert shards over E_p, the
@@ -23,15 +23,14 @@ import torch
 
 from mop_train.config import parse_bytes
 from mop_train.models import zoo
-from mop_train.models.keep_attention import keep_attention, kept_attention_bytes
+from mop_train.models.keep_attention import keep_attention
 from mop_train.models.model import MoETransformer
 from mop_train.parallel.apply import apply_expert_parallel, apply_sequence_parallel, apply_vocab_parallel
 from mop_train.parallel.precision import MixedPrecision
 from mop_train.parallel.sharding import local
 from mop_train.train.loss import IGNORE_INDEX, LanguageModelLoss, chunked_cross_entropy_sum
-from mop_train.train.optim import OFFLOAD_ADAMW, parse_device_fraction
 from mop_train.train.parallelize import apply_activation_checkpointing, apply_fsdp
-from mop_train.train.plan import MemoryPlanInputs, format_plan, host_memory_plan, memory_plan
+from mop_train.train.plan import format_plan
 
 
 HOST_INIT_MAX_PARAMS = 2_000_000_000
@@ -117,47 +116,6 @@ def build_sco(sco_cfg, device: torch.device):
                          f"available ({err}); set it to \"0\"") from None
     budget = resolve_host_budget(sco_cfg.host_budget, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return SelectiveCheckpointOffload(budget, device=device)
-
-
-def fsdp_block_params(block, kept_out: set[int]) -> int:
-    """Parameters FSDP2 all-gathers for one block: all of them but those kept out of it (by id)."""
-    return sum(p.numel() for p in block.parameters() if id(p) not in kept_out)
-
-
-def memory_plans(cfg, *, world: int, total_params: int, largest_block_params: int, checkpointed_layers: int,
-                 local_params: int, sco_host_budget: int, precision: MixedPrecision):
-    """(device terms, host terms) of one rank (mop_train.train.plan) before the optimizer exists; the
-    host terms count OffloadStreamAdamW's state of the local shards not kept on the device (all of
-    them while device_fraction = "auto" is unresolved: an upper bound) and SCO's budget. Shared by
-    the launch (the built parts) and `mop-train plan` (a meta model)."""
-    args, t, D = zoo.get_model_args(cfg.model.flavor), cfg.training, cfg.mop.layout.seq_degree
-    offload = cfg.optimizer.name == OFFLOAD_ADAMW
-    kept = kept_attention_bytes(args, t.local_batch_size, t.seq_len, D, precision.activation_bytes)
-    device_terms = memory_plan(MemoryPlanInputs(
-        total_params=total_params, largest_block_params=largest_block_params, world_size=world,
-        local_batch=t.local_batch_size, seq_len=t.seq_len, seq_degree=D, hidden=args.dim,
-        vocab=args.vocab_size, top_k=args.top_k, n_layers=args.n_layers, checkpointed_layers=checkpointed_layers,
-        act_bytes=precision.activation_bytes, loss_chunk=cfg.mop.data.loss_chunk_tokens,
-        optimizer_on_device=not offload, sco_host_budget=sco_host_budget,
-        kept_attention_per_layer=kept if cfg.mop.attention.keep else 0, local_params=local_params))
-    device_share = parse_device_fraction(cfg.mop.offload_adamw.device_fraction)
-    host_terms = host_memory_plan(local_params, offload_optimizer=offload,
-                                  host_fraction=cfg.mop.offload_adamw.host_fraction,
-                                  device_fraction=0.0 if device_share == "auto" else device_share,
-                                  sco_host_budget=sco_host_budget)
-    return device_terms, host_terms
-
-
-def run_plans(cfg, layout, parts: ModelParts):
-    """`memory_plans` of the built parts: their local shards, what FSDP2 gathers per block (the
-    expert shards are kept out of it), SCO's resolved budget."""
-    experts = {id(p) for p in parts.expert_params}
-    return memory_plans(
-        cfg, world=layout.plan.world_size, total_params=zoo.param_counts(cfg.model.flavor)["total"],
-        largest_block_params=max(fsdp_block_params(b, experts) for b in parts.module.model.layers.values()),
-        checkpointed_layers=len(parts.checkpointed),
-        local_params=sum(local(p).numel() for p in parts.module.parameters()),
-        sco_host_budget=parts.sco.host_budget_bytes if parts.sco is not None else 0, precision=parts.precision)
 
 
 def describe_run(cfg, layout, parts: ModelParts, seed: int, device, host_terms, plan) -> str:

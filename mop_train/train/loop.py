@@ -38,7 +38,8 @@ from mop_train.models.document_mask import document_ids
 from mop_train.ops.offload_adamw import forward_units
 from mop_train.parallel.apply import dispatch_metrics
 from mop_train.parallel.sharding import clip_grads_with_norm_, local, reduce_replica_grads, total_grad_norm
-from mop_train.train.build import ModelParts, build_model, describe_run, run_plans
+from mop_train.train.build import ModelParts, build_model, describe_run
+from mop_train.train.job_plan import run_plans
 from mop_train.train.checkpoint import TrainState, build_checkpointer
 from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir
 from mop_train.train.loss import IGNORE_INDEX

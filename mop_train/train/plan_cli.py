@@ -38,7 +38,7 @@ def plan_job(cfg, *, world: int, ranks_per_node: int, gpu_bytes: int | None, hos
     from mop_train.models.model import MoETransformer
     from mop_train.ops.sco import resolve_host_budget
     from mop_train.parallel.precision import MixedPrecision
-    from mop_train.train.build import fsdp_block_params, memory_plans
+    from mop_train.train.job_plan import fsdp_block_params, memory_plans
     from mop_train.train.parallelize import _checkpointed_layer_ids, check_layout_fits, check_titan_parallelism
 
     lay, t = cfg.mop.layout, cfg.training
