@@ -14,6 +14,9 @@ mop_train.train.plan), not the operators' own bounds yet.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from mop_train.layout import LayoutPlan
 from mop_train.train.plan import GIB, format_plan
 
 
@@ -29,8 +32,31 @@ def local_param_count(model, layout_plan, *, dispatch: str) -> int:
             + (-(-projection // P) if P > 1 else 0))
 
 
-def plan_job(cfg, *, world: int, ranks_per_node: int, gpu_bytes: int | None, host_bytes: int | None) -> tuple[str, bool]:
-    """(the printed plan, whether it fits) for `cfg` on `world` ranks."""
+@dataclass(frozen=True)
+class JobPlan:
+    """One rank's plan for a job on `world` ranks: device and host terms (name, bytes, formula)."""
+    layout: LayoutPlan
+    total_params: int
+    local_params: int
+    micro_batches: int
+    compute_dtype: str
+    ranks_per_node: int
+    device_terms: list[tuple[str, int, str]]
+    host_terms: list[tuple[str, int, str]]
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(b for _, b, _ in self.device_terms)
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        return sum(b for _, b, _ in self.host_terms) * self.ranks_per_node
+
+
+def plan_for_config(cfg, *, world: int, ranks_per_node: int, host_bytes: int | None = None) -> JobPlan:
+    """The job's plan on paper: a meta model under the layout, no process group, no GPU. Raises
+    ValueError (with the fix) when the layout or batch do not fit the model. `host_bytes` (per
+    node) sizes SCO's "auto" budget."""
     import torch
 
     from mop_train.layout import plan_layout
@@ -54,27 +80,35 @@ def plan_job(cfg, *, world: int, ranks_per_node: int, gpu_bytes: int | None, hos
     sco_budget = 0 if cfg.mop.sco.host_budget.strip() == "0" else resolve_host_budget(
         cfg.mop.sco.host_budget, ranks_per_node, available_bytes=host_bytes)
     mine = local_param_count(model, layout, dispatch=cfg.mop.moe.dispatch)
+    total = sum(p.numel() for p in model.parameters())
     device_terms, host_terms = memory_plans(
-        cfg, world=world, total_params=sum(p.numel() for p in model.parameters()),
+        cfg, world=world, total_params=total,
         largest_block_params=max(fsdp_block_params(b, kept_out) for b in model.layers.values()),
         checkpointed_layers=len(_checkpointed_layer_ids(cfg.activation_checkpoint, args.n_layers)),
         local_params=mine, sco_host_budget=sco_budget, precision=precision)
-    device_total, host_total = sum(b for _, b, _ in device_terms), sum(b for _, b, _ in host_terms)
-    lines = [layout.describe().splitlines()[0],
-             f"model {cfg.model.flavor}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-             f"{mine:,} on each rank; B={t.local_batch_size} x S={t.seq_len} per sequence group, "
-             f"{micro} micro-batch(es) per step, {precision.param_dtype} compute",
-             format_plan(device_terms), format_plan(host_terms, title="per-rank pinned host memory")]
+    return JobPlan(layout, total, mine, micro, str(precision.param_dtype).removeprefix("torch."),
+                   ranks_per_node, device_terms, host_terms)
+
+
+def plan_job(cfg, *, world: int, ranks_per_node: int, gpu_bytes: int | None, host_bytes: int | None) -> tuple[str, bool]:
+    """(the printed plan, whether it fits) for `cfg` on `world` ranks."""
+    plan = plan_for_config(cfg, world=world, ranks_per_node=ranks_per_node, host_bytes=host_bytes)
+    t = cfg.training
+    lines = [plan.layout.describe().splitlines()[0],
+             f"model {cfg.model.flavor}: {plan.total_params:,} parameters, "
+             f"{plan.local_params:,} on each rank; B={t.local_batch_size} x S={t.seq_len} per sequence group, "
+             f"{plan.micro_batches} micro-batch(es) per step, {plan.compute_dtype} compute",
+             format_plan(plan.device_terms), format_plan(plan.host_terms, title="per-rank pinned host memory")]
     fits = True
     if gpu_bytes is not None:
-        ok = device_total <= gpu_bytes
+        ok = plan.device_bytes <= gpu_bytes
         fits &= ok
-        lines.append(f"device: {device_total / GIB:.1f} GiB of {gpu_bytes / GIB:.1f} GiB per rank: "
+        lines.append(f"device: {plan.device_bytes / GIB:.1f} GiB of {gpu_bytes / GIB:.1f} GiB per rank: "
                      + ("fits" if ok else "DOES NOT FIT"))
     if host_bytes is not None:
-        need = host_total * ranks_per_node
+        need = plan.host_bytes_per_node
         ok = need <= host_bytes
         fits &= ok
-        lines.append(f"host: {ranks_per_node} ranks x {host_total / GIB:.1f} GiB = {need / GIB:.1f} GiB of "
+        lines.append(f"host: {ranks_per_node} ranks x {need / ranks_per_node / GIB:.1f} GiB = {need / GIB:.1f} GiB of "
                      f"{host_bytes / GIB:.1f} GiB per node: " + ("fits" if ok else "DOES NOT FIT"))
     return "\n".join(lines), fits
