@@ -169,7 +169,7 @@ def test_titan_trainer_runs_two_steps_on_cuda(tmp_path):
     cmd = titan_command(1, str(tmp_path), TitanSetting(), flavor="debug", seq_len=256, local_batch=2, steps=2,
                         timeout_s=300)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": REPO})
+                          env={**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = read_titan_metrics(str(tmp_path))
     assert got["steps"] == 2 and got["tokens_per_s"] > 0

@@ -152,7 +152,7 @@ def test_batch_sweep_records_points_and_stops_at_the_first_failure(tmp_path):
            os.path.join(REPO, "configs", "debug_cpu.toml"), "--nproc", "1", "--steps", "2",
            "--seq-len", "32", "--batches", "4", "2", "8", "--root", str(tmp_path), "--out", str(out),
            "--point-timeout", "240", "--", "--training.global_batch_size", "2", "--metrics.no-enable-tensorboard"]
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     points = json.loads(out.read_text())["points"]

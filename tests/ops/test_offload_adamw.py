@@ -174,8 +174,8 @@ def _assert_same_run(params_a, opt_a, params_b, opt_b):
         assert_bitwise_equal(a.detach(), b.detach(), name=f"param {i}")
     sa, sb = opt_a.state_dict(), opt_b.state_dict()
     for key in sa["state"]:
-        for name in ("exp_avg", "exp_avg_sq", "master"):
-            assert_bitwise_equal(sa["state"][key][name], sb["state"][key][name], name=f"{key} {name}")
+        for name in ("exp_avg", "exp_avg_sq", "master"):  # the device share's state lives on the device
+            assert_bitwise_equal(sa["state"][key][name].cpu(), sb["state"][key][name].cpu(), name=f"{key} {name}")
         assert float(sa["state"][key]["step"]) == float(sb["state"][key]["step"])
 
 

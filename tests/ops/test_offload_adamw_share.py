@@ -268,7 +268,10 @@ def test_cuda_device_share_memory(dtype):
     n_dev = round(0.5 * n)
     assert opt.device_state_bytes == (8 if dtype == torch.float32 else 12) * n_dev
     held = torch.cuda.memory_allocated() - before
-    assert held <= opt.staging_bytes + opt.device_state_bytes + 512 * (slots + 3)  # block rounding
+    # Alone this is exact to 512-byte rounding (240 B over, H200 2026-11-30); after the rest of the
+    # GPU suite, 190 KB more were live that the optimizer does not hold (allocator state of earlier
+    # tests). 1 MiB of slack still fails on any extra staging slot or state copy (>= 1.8 MB here).
+    assert held <= opt.staging_bytes + opt.device_state_bytes + (1 << 20)
     torch.cuda.reset_peak_memory_stats()
     for _ in range(2):
         opt.step()
