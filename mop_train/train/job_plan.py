@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mop_train.config import parse_bytes
 from mop_train.models import zoo
-from mop_train.models.keep_attention import kept_attention_bytes
+from mop_train.ops.ring_dtp.memory import ring_dtp_peak_bytes
 from mop_train.parallel.precision import MixedPrecision
 from mop_train.parallel.sharding import local
 from mop_train.train.optim import OFFLOAD_ADAMW, parse_device_fraction
-from mop_train.train.plan import MemoryPlanInputs, host_memory_plan, memory_plan
+from mop_train.train.plan import MemoryPlanInputs, OperatorPlan, compute_dtype, host_memory_plan, memory_plan
 
 if TYPE_CHECKING:
     from mop_train.train.build import ModelParts
@@ -27,37 +28,87 @@ def fsdp_block_params(block, kept_out: set[int]) -> int:
     return sum(p.numel() for p in block.parameters() if id(p) not in kept_out)
 
 
-def memory_plans(cfg, *, world: int, total_params: int, largest_block_params: int, checkpointed_layers: int,
-                 local_params: int, sco_host_budget: int, precision: MixedPrecision):
-    """(device terms, host terms) of one rank (mop_train.train.plan) before the optimizer exists; the
-    host terms count OffloadStreamAdamW's state of the local shards not kept on the device (all of
-    them while device_fraction = "auto" is unresolved: an upper bound) and SCO's budget. Shared by
-    the launch (the built parts) and `mop-train plan` (a meta model)."""
-    args, t, D = zoo.get_model_args(cfg.model.flavor), cfg.training, cfg.mop.layout.seq_degree
+def root_unit_params(model) -> list:
+    """The parameters outside every block: embeddings, final norm, the output projection."""
+    in_blocks = {id(p) for block in model.layers.values() for p in block.parameters()}
+    return [p for p in model.parameters() if id(p) not in in_blocks]
+
+
+def fsdp_root_params(model, kept_out: set[int]) -> int:
+    """Parameters of FSDP2's root unit: those outside every block and not kept out of FSDP2."""
+    return sum(p.numel() for p in root_unit_params(model) if id(p) not in kept_out)
+
+
+def ring_dtp_plan_schedule(cfg, *, tokens: int, hidden: int, vocab: int, vocab_degree: int, act_bytes: int) -> str:
+    """The schedule Ring-DTP will run: "auto" takes grad_in_forward exactly when that schedule's bound
+    fits [mop.ring_dtp] memory_budget (as the operator decides at run time, here for N = B*S/D)."""
+    rd = cfg.mop.ring_dtp
+    if rd.schedule != "auto":
+        return rd.schedule
+    if rd.memory_budget.strip() == "0" or rd.mode == "move_weights":
+        return "recompute"
+    budget = parse_bytes(rd.memory_budget, key="mop.ring_dtp.memory_budget")
+    bound = ring_dtp_peak_bytes(tokens, hidden, vocab, vocab_degree, dtype=compute_dtype(act_bytes),
+                                block_size=rd.block_size, schedule="grad_in_forward",
+                                token_chunk=rd.token_chunk or None)
+    return "grad_in_forward" if bound <= budget else "recompute"
+
+
+def operator_plan(cfg, *, layout_plan, act_bytes: int, sco_host_budget: int, device_fraction: float) -> OperatorPlan:
+    """The operators' settings as the plan needs them, from the job's [mop.*] sections."""
+    args, t, m, rd = zoo.get_model_args(cfg.model.flavor), cfg.training, cfg.mop.moe, cfg.mop.ring_dtp
+    ring = layout_plan.vocab_degree > 1 or rd.enable
+    tokens = t.local_batch_size * t.seq_len // layout_plan.seq_degree
     offload = cfg.optimizer.name == OFFLOAD_ADAMW
-    kept = kept_attention_bytes(args, t.local_batch_size, t.seq_len, D, precision.activation_bytes)
+    return OperatorPlan(
+        dispatch=m.dispatch, token_budget=m.token_budget, max_chunks=m.max_chunks, llep_alpha=m.alpha,
+        ring_dtp=ring, ring_dtp_mode=rd.mode, ring_dtp_block_size=rd.block_size,
+        ring_dtp_token_chunk=rd.token_chunk or None,
+        ring_dtp_schedule=ring_dtp_plan_schedule(cfg, tokens=tokens, hidden=args.dim, vocab=args.vocab_size,
+                                                 vocab_degree=layout_plan.vocab_degree, act_bytes=act_bytes)
+        if ring else "recompute",
+        loss_chunk=cfg.mop.data.loss_chunk_tokens, sco_host_budget=sco_host_budget,
+        offload_optimizer=offload, offload_bucket_params=cfg.mop.offload_adamw.bucket_params,
+        offload_slots=cfg.mop.offload_adamw.slots, offload_host_share=cfg.mop.offload_adamw.host_fraction > 0,
+        offload_device_fraction=device_fraction if offload else 0.0, keep_attention=cfg.mop.attention.keep)
+
+
+def memory_plans(cfg, *, layout_plan, total_params: int, largest_block_params: int, root_params: int,
+                 first_grad_params: int, checkpointed_layers: int, local_params: int, sco_host_budget: int, precision: MixedPrecision,
+                 device_fraction: float | None = None):
+    """(device terms, host terms) of one rank (mop_train.train.plan). OffloadStreamAdamW's share kept on
+    the device is `device_fraction` when known (the launch resolves "auto" first); otherwise the
+    configured number, and for an unresolved "auto" 0 on the device and all of it in the host terms
+    (an upper bound there). Shared by the launch (the built parts) and `mop-train plan` (a meta model)."""
+    args, t = zoo.get_model_args(cfg.model.flavor), cfg.training
+    if device_fraction is None:
+        configured = parse_device_fraction(cfg.mop.offload_adamw.device_fraction)
+        device_fraction = 0.0 if configured == "auto" else configured
+    act = precision.activation_bytes
     device_terms = memory_plan(MemoryPlanInputs(
-        total_params=total_params, largest_block_params=largest_block_params, world_size=world,
-        local_batch=t.local_batch_size, seq_len=t.seq_len, seq_degree=D, hidden=args.dim,
-        vocab=args.vocab_size, top_k=args.top_k, n_layers=args.n_layers, checkpointed_layers=checkpointed_layers,
-        act_bytes=precision.activation_bytes, loss_chunk=cfg.mop.data.loss_chunk_tokens,
-        optimizer_on_device=not offload, sco_host_budget=sco_host_budget,
-        kept_attention_per_layer=kept if cfg.mop.attention.keep else 0, local_params=local_params))
-    device_share = parse_device_fraction(cfg.mop.offload_adamw.device_fraction)
-    host_terms = host_memory_plan(local_params, offload_optimizer=offload,
+        model=args, world_size=layout_plan.world_size, local_batch=t.local_batch_size, seq_len=t.seq_len,
+        total_params=total_params, largest_block_params=largest_block_params, root_params=root_params,
+        first_grad_params=first_grad_params, checkpointed_layers=checkpointed_layers, local_params=local_params, seq_degree=layout_plan.seq_degree,
+        expert_degree=layout_plan.expert_degree, vocab_degree=layout_plan.vocab_degree, act_bytes=act,
+        ops=operator_plan(cfg, layout_plan=layout_plan, act_bytes=act, sco_host_budget=sco_host_budget,
+                          device_fraction=device_fraction)))
+    host_terms = host_memory_plan(local_params, offload_optimizer=cfg.optimizer.name == OFFLOAD_ADAMW,
                                   host_fraction=cfg.mop.offload_adamw.host_fraction,
-                                  device_fraction=0.0 if device_share == "auto" else device_share,
-                                  sco_host_budget=sco_host_budget)
+                                  device_fraction=device_fraction, sco_host_budget=sco_host_budget)
     return device_terms, host_terms
 
 
-def run_plans(cfg, layout, parts: ModelParts):
-    """`memory_plans` of the built parts: their local shards, what FSDP2 gathers per block (the
-    expert shards are kept out of it), SCO's resolved budget."""
-    experts = {id(p) for p in parts.expert_params}
+def run_plans(cfg, layout, parts: ModelParts, device_fraction: float | None = None):
+    """`memory_plans` of the built parts: their local shards, what FSDP2 gathers per block and for the
+    root (the expert and vocab shards are kept out of it), SCO's resolved budget."""
+    kept_out = {id(p) for p in parts.expert_params + parts.vocab_params}
+    model = parts.module.model
     return memory_plans(
-        cfg, world=layout.plan.world_size, total_params=zoo.param_counts(cfg.model.flavor)["total"],
-        largest_block_params=max(fsdp_block_params(b, experts) for b in parts.module.model.layers.values()),
+        cfg, layout_plan=layout.plan, total_params=zoo.param_counts(cfg.model.flavor)["total"],
+        largest_block_params=max(fsdp_block_params(b, kept_out) for b in model.layers.values()),
+        root_params=fsdp_root_params(model, kept_out),
+        first_grad_params=sum(local(p).numel() for p in root_unit_params(model)),
         checkpointed_layers=len(parts.checkpointed),
         local_params=sum(local(p).numel() for p in parts.module.parameters()),
-        sco_host_budget=parts.sco.host_budget_bytes if parts.sco is not None else 0, precision=parts.precision)
+        sco_host_budget=parts.sco.host_budget_bytes if parts.sco is not None else 0, precision=parts.precision,
+        device_fraction=device_fraction)

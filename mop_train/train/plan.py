@@ -1,86 +1,208 @@
 """Pre-launch memory plan: a term-by-term estimate of one rank's device memory, and the host
 memory the offloading operators will pin, checked against what the node has before they allocate.
 
-    terms = memory_plan(MemoryPlanInputs(...))
+    terms = memory_plan(MemoryPlanInputs(model=args, world_size=8, ..., ops=OperatorPlan(...)))
     print(format_plan(terms))
     host = host_memory_plan(local_params, offload_optimizer=True, host_fraction=0.4, sco_host_budget=b)
     check_host_memory(host, local_ranks=8, available_bytes=available_host_bytes())
 
-Each term is (name, bytes, how it was computed). The estimate is simple on purpose, one line
-per live set, so that each operator can replace its own line with its bound:
-  parameters   FSDP shard of the fp32 master weights              4 * P / W
-  gradients    FSDP shard of the fp32 gradients                   4 * P / W
-  optimizer    AdamW's two fp32 moments (0 on device when offloaded)  8 * P / W
-  gathered     one block's weights unsharded in the compute dtype, x2 for prefetch
-  boundaries   retained checkpoint inputs: L_ckpt * B * S/D * H * act bytes, minus what SCO's
-               host budget takes (whole boundaries, greedy in forward order)
+Each term is (name, bytes, how it was computed); where an operator is on, its line is the operator's
+own bound function, so the plan changes when the operator does:
+  parameters   this rank's fp32 shards                                   4 * local params
+  gradients    their fp32 gradients                                      4 * local params
+  optimizer    AdamW's moments on the device (8 B / param), or OffloadStreamAdamW's staging
+               (`staging_bytes_bound`) plus its device share (`device_bytes_per_element`)
+  gathered     FSDP2: two blocks unsharded in the compute dtype (prefetch) and the root unit
+               (embeddings, projection unless vocab-sharded), which stays unsharded all step
+  boundaries   checkpointed block inputs B*S/D*H, less what SCO offloads (`retained_boundary_bytes`)
   kept attn    attention outputs and log-sum-exps kept across the recompute ([mop.attention] keep)
-  block        one block's recomputed activations (rough: 16 * B * S/D * H act bytes + routed copies)
-  logits       one chunk of the loss: chunk * V * 4 bytes, x3 (logits, softmax, grad)
+  block        one block in backward: what attention and the FFN save (mop_train.models.memory),
+               the routed experts' share (`routed_activation_bytes` of the dispatch schedule), the
+               gradients alive beside them; blocks that are not checkpointed keep theirs all step
+  head         the final norm's saved input and output and the fp32 gradient of the hidden states
+  loss         chunked cross-entropy: one chunk's logits, softmax and grad (3 * chunk * V fp32); or
+               Ring-DTP's bound (`ring_dtp_peak_bytes`)
 
-Legend: P parameters, W ranks, D sequence degree, L blocks, B local batch, S sequence, H hidden,
-V vocab, k top-k. A rank holds B * S/D token positions (Ulysses splits every sequence over D).
+Legend: W ranks, D sequence degree, E_p expert degree, P vocab degree, L blocks, B local batch,
+S sequence, H hidden, V vocab, k top-k. A rank holds B * S/D token positions.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
+
+from mop_train.models.args import MoEModelArgs
+from mop_train.models.keep_attention import kept_attention_bytes
+from mop_train.models.memory import (attention_saved_bytes, block_gradient_bytes, dense_ffn_gradient_bytes,
+                                     ffn_saved_bytes)
+from mop_train.ops.moe_dispatch.memory import routed_activation_bytes
+from mop_train.ops.offload_adamw.buckets import staging_bytes_bound
+from mop_train.ops.offload_adamw.device_share import device_bytes_per_element
+from mop_train.ops.ring_dtp.memory import ring_dtp_peak_bytes
+from mop_train.ops.sco.budget import retained_boundary_bytes
 
 GIB = 2**30
 
 
 @dataclass(frozen=True)
+class OperatorPlan:
+    """The operator settings the plan needs (from [mop.*]; defaults are the operators' own)."""
+    dispatch: str = "local"
+    token_budget: int = 4096
+    max_chunks: int = 10
+    llep_alpha: float = 1.0
+    ring_dtp: bool = False
+    ring_dtp_mode: str = "auto"
+    ring_dtp_schedule: str = "recompute"
+    """Resolved: "auto" plans as "recompute" unless its budget admits grad_in_forward."""
+    ring_dtp_block_size: int = 8192
+    ring_dtp_token_chunk: int | None = None
+    loss_chunk: int = 1024
+    sco_host_budget: int = 0
+    """SCO host bytes per rank for checkpoint boundaries (0: SCO off)."""
+    offload_optimizer: bool = False
+    offload_bucket_params: int = 25_000_000
+    offload_slots: int = 3
+    offload_host_share: bool = False
+    offload_device_fraction: float = 0.0
+    keep_attention: bool = False
+
+
+@dataclass(frozen=True)
 class MemoryPlanInputs:
-    total_params: int
-    """P: every parameter of the model."""
-    largest_block_params: int
-    """Parameters of the largest decoder block (what FSDP gathers at once)."""
+    model: MoEModelArgs
     world_size: int
     local_batch: int
     seq_len: int
-    hidden: int
-    vocab: int
-    top_k: int
-    n_layers: int
+    total_params: int
+    """P: every parameter of the model."""
+    largest_block_params: int
+    """Parameters FSDP2 gathers for the largest decoder block (those kept out of it excluded)."""
+    root_params: int
+    """Parameters of FSDP2's root unit (embeddings, final norm, the projection unless P > 1)."""
     checkpointed_layers: int
     """Blocks under activation checkpointing (their inputs are the retained boundaries)."""
-    act_bytes: int = 4
-    """Bytes per activation / compute-dtype weight element (2 for bf16, 4 for fp32)."""
-    loss_chunk: int = 1024
-    optimizer_on_device: bool = True
-    """False when OffloadStreamAdamW keeps the moments in host memory."""
-    sco_host_budget: int = 0
-    """SCO host bytes per rank for checkpoint boundaries (0: SCO off)."""
+    first_grad_params: int
+    """This rank's parameters whose gradients exist when the first block runs backward: the root
+    unit's shard and the projection's (the loss's backward made them)."""
+    local_params: int
+    """This rank's parameters: dense / W + routed experts / E_p + the projection / P when sharded."""
     seq_degree: int = 1
-    """D: each rank holds seq_len / D positions of its group's sequences."""
-    kept_attention_per_layer: int = 0
-    """Bytes one checkpointed layer keeps of its attention (0: keep off)."""
-    local_params: int | None = None
-    """This rank's parameters: dense / W + routed experts / E_p + the projection / P when it is
-    vocab-sharded. None: P / W (everything FSDP-sharded over W)."""
+    expert_degree: int = 1
+    vocab_degree: int = 1
+    act_bytes: int = 2
+    """Bytes per activation / compute-dtype weight element (2 for bf16, 4 for fp32)."""
+    ops: OperatorPlan = field(default_factory=OperatorPlan)
+
+
+def compute_dtype(act_bytes: int) -> torch.dtype:
+    return torch.bfloat16 if act_bytes == 2 else torch.float32
+
+
+def _optimizer_term(x: MemoryPlanInputs) -> tuple[int, str]:
+    o, mine = x.ops, x.local_params
+    if not o.offload_optimizer:
+        return 8 * mine, "AdamW moments: 8 B x local params"
+    staging = staging_bytes_bound(o.offload_bucket_params, o.offload_slots, o.offload_host_share)
+    on_device = round(o.offload_device_fraction * mine)
+    # Working weights are FSDP2's fp32 shards: their own masters, so 8 B per element kept here.
+    share = on_device * device_bytes_per_element(fp32_weights=True)
+    return staging + share, (f"OffloadStreamAdamW: staging {o.offload_slots} x {o.offload_bucket_params:,} x 12 B "
+                             f"+ grad buffer, device share {o.offload_device_fraction:g} x 8 B")
+
+
+def _block_term(x: MemoryPlanInputs, tokens: int) -> tuple[int, int, str]:
+    """(peak bytes of one checkpointed block in backward, bytes a non-checkpointed block saves, how)."""
+    a, o, act = x.model, x.ops, x.act_bytes
+    attention = attention_saved_bytes(a, tokens, act)
+    ffn = ffn_saved_bytes(a, tokens, act, moe=True)
+    expert_degree = x.expert_degree if o.dispatch != "local" else 1
+    routed, routed_grads, how = routed_activation_bytes(
+        o.dispatch, tokens=tokens, hidden=a.dim, inter=a.moe_inter_dim, top_k=a.top_k, group_size=expert_degree,
+        local_experts=a.num_experts // expert_degree, act_bytes=act, token_budget=o.token_budget,
+        max_chunks=o.max_chunks, llep_alpha=o.llep_alpha)
+    incoming = 2 * tokens * a.dim * act                               # the block's output and residual grads
+    attention_phase = attention + block_gradient_bytes(a, tokens, act)
+    saved = attention + ffn + routed
+    # The FFN runs backward first, with everything the block saved alive; attention's own backward
+    # comes after the FFN's tensors are freed. Dense-FFN blocks (the first n_dense_layers) compete.
+    peak = max(saved + routed_grads, attention_phase) + incoming
+    kind = "MoE"
+    if a.n_dense_layers:
+        dense = attention + ffn_saved_bytes(a, tokens, act, moe=False)
+        dense_peak = max(dense + dense_ffn_gradient_bytes(a, tokens, act), attention_phase) + incoming
+        if dense_peak > peak:
+            peak, kind = dense_peak, "dense-FFN"
+            how = f"dense FFN {ffn_saved_bytes(a, tokens, act, moe=False) / GIB:.2f} GiB saved + 2F in backward"
+            return peak, saved, (f"{kind} block: attention {attention / GIB:.2f} GiB + {how}, "
+                                 f"grads in {incoming / GIB:.2f} GiB")
+    return peak, saved, (f"{kind} block: attention {attention / GIB:.2f} + FFN {ffn / GIB:.2f} + routed "
+                         f"{routed / GIB:.2f} saved, {routed_grads / GIB:.2f} in backward ({how}), grads in "
+                         f"{incoming / GIB:.2f} GiB")
+
+
+def _loss_term(x: MemoryPlanInputs, tokens: int) -> tuple[int, str]:
+    a, o = x.model, x.ops
+    if not o.ring_dtp:
+        return 3 * min(o.loss_chunk, tokens) * a.vocab_size * 4, "one loss chunk: 3 * chunk * V fp32"
+    bound = ring_dtp_peak_bytes(tokens, a.dim, a.vocab_size, x.vocab_degree, dtype=compute_dtype(x.act_bytes),
+                                mode=o.ring_dtp_mode, block_size=o.ring_dtp_block_size,
+                                schedule=o.ring_dtp_schedule, token_chunk=o.ring_dtp_token_chunk)
+    return bound, f"Ring-DTP bound ({o.ring_dtp_schedule}, P={x.vocab_degree})"
+
+
+PHASES = ("loss", "first block backward", "last block backward")
 
 
 def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
-    """Per-rank device bytes, term by term: [(name, bytes, formula)]."""
-    P, W, tokens = x.total_params, x.world_size, x.local_batch * x.seq_len // x.seq_degree
-    mine = x.local_params if x.local_params is not None else P // W
-    plain_layers = x.n_layers - x.checkpointed_layers
-    boundary = tokens * x.hidden * x.act_bytes
-    offloaded = min(x.checkpointed_layers, x.sco_host_budget // boundary) if boundary else 0
+    """Per-rank device bytes at the step's peak, term by term: [(name, bytes, formula)].
+
+    Three moments compete for the peak: the loss (every boundary retained, the loss's working set),
+    the first block's backward (still every boundary, only the root unit's gradients) and the last
+    block's (all gradients, one boundary). Gradients are allocated by backward and freed by
+    zero_grad, so they and the boundaries trade places through backward; the plan is the largest
+    of the three, and its `gradients` line says which one it is.
+    """
+    a, o, act, mine = x.model, x.ops, x.act_bytes, x.local_params
+    tokens = x.local_batch * x.seq_len // x.seq_degree
+    boundary = tokens * a.dim * act
+    L_ckpt = x.checkpointed_layers
+    retained = retained_boundary_bytes([boundary] * L_ckpt, o.sco_host_budget)
+    offloaded = L_ckpt - (retained // boundary if boundary else 0)
+    in_flight = min(offloaded, 2) * boundary                          # SCO's fetched + prefetched boundary
+    kept_layer = kept_attention_bytes(a, 1, tokens, 1, act) if o.keep_attention else 0
+    block_peak, block_saved, block_how = _block_term(x, tokens)
+    plain_blocks = (a.n_layers - L_ckpt) * block_saved                # not checkpointed: saved all step
+    loss, loss_how = _loss_term(x, tokens)
+    optimizer, optimizer_how = _optimizer_term(x)
+    head = tokens * a.dim * (2 * act + 4)
+    early = dict(boundaries=retained + in_flight, kept=L_ckpt * kept_layer, grads=4 * x.first_grad_params)
+    candidates = {
+        "loss": {**early, "block": plain_blocks, "head": head, "loss": loss},
+        "first block backward": {**early, "block": plain_blocks + block_peak, "head": 0, "loss": 0},
+        "last block backward": dict(boundaries=boundary if L_ckpt else 0, kept=kept_layer if L_ckpt else 0,
+                                    grads=4 * mine, block=block_peak, head=0, loss=0),
+    }
+    phase = max(PHASES, key=lambda name: sum(candidates[name].values()))
+    at = candidates[phase]
     return [
         ("parameters", 4 * mine, f"fp32 shards: 4 B x {mine:,} local params"),
-        ("gradients", 4 * mine, f"fp32 shards: 4 B x {mine:,} local params"),
-        ("optimizer", 8 * mine if x.optimizer_on_device else 0,
-         "AdamW moments: 8 B x local params" if x.optimizer_on_device else "moments in host memory"),
-        ("gathered", 2 * x.largest_block_params * x.act_bytes, "2 blocks unsharded (prefetch)"),
-        ("boundaries", (x.checkpointed_layers - offloaded) * boundary,
-         f"{x.checkpointed_layers} checkpointed block inputs of B*S/D*H, {offloaded} offloaded by SCO"),
-        ("kept attn", x.checkpointed_layers * x.kept_attention_per_layer,
-         f"{x.checkpointed_layers} layers x B*S/D*heads*(d_v*act+4)" if x.kept_attention_per_layer
+        ("gradients", at["grads"], f"fp32, at the peak ({phase}): "
+         + ("every local param" if at["grads"] == 4 * mine else "the root unit's and the projection's")),
+        ("optimizer", optimizer, optimizer_how),
+        ("gathered", (2 * x.largest_block_params + x.root_params) * act,
+         f"2 blocks unsharded (prefetch) + the root unit's {x.root_params:,} params"),
+        ("boundaries", at["boundaries"], "the first block's input, B*S/D*H" if phase == "last block backward"
+         else f"{L_ckpt} checkpointed block inputs of B*S/D*H" + (
+             f", {offloaded} offloaded by SCO (2 in flight in backward)" if o.sco_host_budget else "")),
+        ("kept attn", at["kept"], "B*S/D*heads*(d_v*act+4) per kept layer" if kept_layer
          else "attention replayed in the recompute"),
-        ("block", (max(plain_layers, 1) * 16 + 2 * x.top_k) * tokens * x.hidden * x.act_bytes,
-         f"{max(plain_layers, 1)} block(s) of live activations, ~16 B*S/D*H + 2k routed copies"),
-        ("logits", 3 * min(x.loss_chunk, tokens) * x.vocab * 4, "one loss chunk: 3 * chunk * V fp32"),
+        ("block", at["block"], (f"{a.n_layers - L_ckpt} block(s) not checkpointed, saved all step; " if plain_blocks
+                                else "") + ("none in backward yet" if phase == "loss" else f"one in backward: {block_how}")),
+        ("head", at["head"], "final norm input and output, fp32 grad of the hidden states"),
+        ("loss", at["loss"], loss_how),
     ]
 
 

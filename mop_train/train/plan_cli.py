@@ -53,6 +53,16 @@ class JobPlan:
         return sum(b for _, b, _ in self.host_terms) * self.ranks_per_node
 
 
+def local_root_params(model, layout_plan) -> int:
+    """This rank's share of the parameters outside the blocks: FSDP2 shards them over W, except the
+    projection, which is sharded over P when P > 1."""
+    from mop_train.train.job_plan import root_unit_params
+
+    projection = model.output.weight.numel() if layout_plan.vocab_degree > 1 else 0
+    rest = sum(p.numel() for p in root_unit_params(model)) - projection
+    return -(-rest // layout_plan.world_size) + -(-projection // layout_plan.vocab_degree)
+
+
 def plan_for_config(cfg, *, world: int, ranks_per_node: int, host_bytes: int | None = None) -> JobPlan:
     """The job's plan on paper: a meta model under the layout, no process group, no GPU. Raises
     ValueError (with the fix) when the layout or batch do not fit the model. `host_bytes` (per
@@ -64,7 +74,7 @@ def plan_for_config(cfg, *, world: int, ranks_per_node: int, host_bytes: int | N
     from mop_train.models.model import MoETransformer
     from mop_train.ops.sco import resolve_host_budget
     from mop_train.parallel.precision import MixedPrecision
-    from mop_train.train.job_plan import fsdp_block_params, memory_plans
+    from mop_train.train.job_plan import fsdp_block_params, fsdp_root_params, memory_plans
     from mop_train.train.parallelize import _checkpointed_layer_ids, check_layout_fits, check_titan_parallelism
 
     lay, t = cfg.mop.layout, cfg.training
@@ -81,9 +91,13 @@ def plan_for_config(cfg, *, world: int, ranks_per_node: int, host_bytes: int | N
         cfg.mop.sco.host_budget, ranks_per_node, available_bytes=host_bytes)
     mine = local_param_count(model, layout, dispatch=cfg.mop.moe.dispatch)
     total = sum(p.numel() for p in model.parameters())
+    if layout.vocab_degree > 1:
+        kept_out |= {id(model.output.weight)}                         # the projection's shard too
     device_terms, host_terms = memory_plans(
-        cfg, world=world, total_params=total,
+        cfg, layout_plan=layout, total_params=total,
         largest_block_params=max(fsdp_block_params(b, kept_out) for b in model.layers.values()),
+        root_params=fsdp_root_params(model, kept_out),
+        first_grad_params=local_root_params(model, layout),
         checkpointed_layers=len(_checkpointed_layer_ids(cfg.activation_checkpoint, args.n_layers)),
         local_params=mine, sco_host_budget=sco_budget, precision=precision)
     return JobPlan(layout, total, mine, micro, str(precision.param_dtype).removeprefix("torch."),

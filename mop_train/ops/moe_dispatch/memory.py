@@ -1,0 +1,51 @@
+"""Device bytes the routed experts hold for backward, per dispatch schedule, for the planner.
+
+A route is one (token, expert) pair; a rank's experts receive R routes. What is alive while the
+layer runs backward:
+  - "local", "ep", "llep": every received route's rows x_r [R, H], h1, h3, silu(h1), their product
+    [R, I], the expert output [R, H] (saved by the weighting) and the weighted output (saved by the
+    combine's index_add), so (3H + 4I) per route, plus the combine's gradient per route (H) while
+    the weighting runs backward.
+    R is N*k under balanced routing ("ep" can receive up to E_p * N * k routes when one rank's
+    experts are hot; "llep" caps a receiver at alpha x the mean, the `llep_alpha` factor here).
+  - "pipelined_llep": each chunk saves only its received rows (PipelinedLLEP recomputes the [R', I]
+    activations in its backward, chunked_experts.ChunkExperts), so N*k*H over the layer; the
+    backward recomputes one chunk at a time, whose receiver bound is `max_received_bound`
+    (E_p * k * c_eff), with (2H + 4I) of recomputed activations and gradients per route there.
+  - The grouped weight-gradient GEMM on CUDA makes one weight-sized temporary per chunk (E_l I H).
+
+Legend: N tokens of this rank, k top-k, H hidden, I expert width, E_p expert-group size,
+E_l experts on this rank, c_eff tokens per chunk = ceil(N / K), K = min(ceil(N / c), K_max).
+"""
+
+from __future__ import annotations
+
+from mop_train.ops.moe_dispatch.pipelined_llep import max_received_bound, num_chunks
+
+SCHEDULES = ("local", "ep", "llep", "pipelined_llep")
+
+
+def routed_activation_bytes(dispatch: str, *, tokens: int, hidden: int, inter: int, top_k: int,
+                            group_size: int, local_experts: int, act_bytes: int, token_budget: int = 4096,
+                            max_chunks: int = 10, llep_alpha: float = 1.0) -> tuple[int, int, str]:
+    """(saved, transient, how): the bytes one MoE layer's routed experts save for backward on this
+    rank, the most they add while their backward runs, and the formula."""
+    if dispatch not in SCHEDULES:
+        raise ValueError(f"dispatch={dispatch!r} is not one of {SCHEDULES}")
+    H, I, k = hidden, inter, top_k
+    if dispatch != "pipelined_llep":
+        routes = tokens * k if dispatch != "llep" else int(tokens * k * max(llep_alpha, 1.0))
+        # The combine's gradient gathered per route: H per route while the weighting runs backward.
+        saved, transient = routes * (3 * H + 4 * I), routes * H
+        return (saved * act_bytes, transient * act_bytes,
+                f"{dispatch}: {routes:,} routes x (3H + 4I) saved, H in backward"
+                + (" (balanced routing; up to E_p x with hot experts)" if dispatch == "ep" else ""))
+    K, c_eff = num_chunks(max(tokens, 1), token_budget, max_chunks)
+    chunk_routes = min(max_received_bound(group_size, k, c_eff), group_size * tokens * k)
+    saved = tokens * k * H                         # every chunk's received rows
+    # One chunk in backward: its recomputed h1, h3, a, their grads and silu'(h1) (7I), the rows'
+    # and output's grads (2H); one weight-sized temporary of the grouped dW (CUDA).
+    transient = chunk_routes * (2 * H + 7 * I) + local_experts * I * H
+    return (saved * act_bytes, transient * act_bytes,
+            f"pipelined_llep: N*k*H rows over K={K} chunks, one chunk of {chunk_routes:,} routes "
+            f"(E_p*k*c_eff, c_eff={c_eff:,}) recomputed in backward + a dW temporary")

@@ -1,0 +1,141 @@
+"""The memory plan is assembled from the model's and the operators' own byte counts, and those
+counts follow what the modules really save for backward (measured here with saved-tensor hooks)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from mop_train.models import zoo
+from mop_train.models.attention import rope_cos_sin, rope_inv_freq
+from mop_train.models.memory import attention_saved_bytes, ffn_saved_bytes
+from mop_train.models.model import TransformerBlock
+from mop_train.ops.moe_dispatch.memory import routed_activation_bytes
+from mop_train.ops.moe_dispatch.pipelined_llep import max_received_bound
+from mop_train.ops.offload_adamw.buckets import staging_bytes_bound
+from mop_train.ops.ring_dtp.memory import ring_dtp_peak_bytes
+from mop_train.ops.sco.budget import retained_boundary_bytes
+from mop_train.train.plan import MemoryPlanInputs, OperatorPlan, memory_plan
+from tests.utils import fresh_seed
+
+
+def _saved_bytes(block, x, rope) -> tuple[int, int]:
+    """(bytes of the distinct storages the block saves for backward, of which [.., N, N] attention
+    probabilities): parameters and the block input excluded (the boundary is planned on its own)."""
+    skip = {p.untyped_storage().data_ptr() for p in block.parameters()} | {x.untyped_storage().data_ptr()}
+    seen, n = {}, x.shape[1]
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            probs = t.dim() == 4 and tuple(t.shape[-2:]) == (n, n)
+            seen[storage.data_ptr()] = (storage.nbytes(), probs or seen.get(storage.data_ptr(), (0, False))[1])
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, rope)
+    return sum(b for b, _ in seen.values()), sum(b for b, probs in seen.values() if probs)
+
+
+@pytest.mark.parametrize("flavor,q_lora", [("debug", 0), ("debug", 24), ("gpt-oss-20b-shape", 0)])
+def test_saved_bytes_follow_the_modules(flavor, q_lora):
+    args = zoo.get_model_args(flavor)
+    if flavor == "gpt-oss-20b-shape":   # the GQA family at a CPU-sized width
+        args = dataclasses.replace(args, dim=96, n_heads=4, n_kv_heads=2, head_dim=16, num_experts=8, top_k=2,
+                                   moe_inter_dim=48, dense_ffn_dim=128, n_dense_layers=1, n_layers=2)
+    args = dataclasses.replace(args, q_lora_rank=q_lora) if args.attention == "mla" else args
+    torch.manual_seed(fresh_seed(11))
+    n = 384
+    rope = rope_cos_sin(torch.arange(n), rope_inv_freq(args.rope_dim, args.rope_theta))
+    for layer in (0, args.n_dense_layers):
+        block = TransformerBlock(layer, args)
+        block.init_weights()
+        x = torch.randn(1, n, args.dim, requires_grad=True)
+        total, probs = _saved_bytes(block, x, rope)
+        moe = layer >= args.n_dense_layers
+        planned = attention_saved_bytes(args, n, 4) + ffn_saved_bytes(args, n, 4, moe=moe)
+        if moe:
+            planned += routed_activation_bytes("local", tokens=n, hidden=args.dim, inter=args.moe_inter_dim,
+                                               top_k=args.top_k, group_size=1, local_experts=args.num_experts,
+                                               act_bytes=4)[0]
+        # Two CPU-only extras: the math attention's [N, N] probabilities (MLA's unequal head widths; CUDA's
+        # kernels save an output and a log-sum-exp, planned) and the composite RMSNorm's normalized input
+        # (one H per norm; CUDA's fused kernel keeps only the input and rstd). The rest is one graph.
+        norms = (2 + (args.attention == "mla") + (args.attention == "mla" and args.q_lora_rank > 0)) * n * args.dim * 4
+        measured = total - probs
+        assert 0.9 * (measured - norms) <= planned <= 1.1 * measured, (layer, planned, measured, norms)
+
+
+def _inputs(**changes) -> MemoryPlanInputs:
+    args = zoo.get_model_args("small")
+    base = dict(model=args, world_size=2, local_batch=1, seq_len=65536, total_params=3_290_190_336,
+                largest_block_params=10_000_000, root_params=300_000_000, checkpointed_layers=args.n_layers,
+                first_grad_params=310_000_000, local_params=1_600_000_000, seq_degree=2, expert_degree=2,
+                vocab_degree=2, act_bytes=2, ops=OperatorPlan())
+    ops = changes.pop("ops", {})
+    base.update(changes)
+    base["ops"] = dataclasses.replace(OperatorPlan(), **ops)
+    return MemoryPlanInputs(**base)
+
+
+def _terms(x: MemoryPlanInputs) -> dict:
+    return {name: (b, how) for name, b, how in memory_plan(x)}
+
+
+def test_each_operator_line_is_the_operators_bound():
+    x = _inputs(ops=dict(offload_optimizer=True, offload_bucket_params=1_000_000, offload_slots=3,
+                         offload_device_fraction=0.25, ring_dtp=True, sco_host_budget=3 * 2**30,
+                         dispatch="pipelined_llep", token_budget=2048, max_chunks=64))
+    terms = _terms(x)
+    assert terms["optimizer"][0] == staging_bytes_bound(1_000_000, 3) + round(0.25 * x.local_params) * 8
+    tokens = x.seq_len // x.seq_degree
+    boundary = tokens * x.model.dim * 2
+    # Small tokens count here: the early phases hold every retained boundary plus SCO's two in flight.
+    small = _inputs(seq_len=4096, ops=dict(sco_host_budget=4096 * x.model.dim, ring_dtp=True))
+    t = _terms(small)
+    b = 2048 * small.model.dim * 2
+    if "last" not in t["gradients"][1]:
+        assert t["boundaries"][0] == retained_boundary_bytes([b] * 12, 4096 * x.model.dim) + 2 * b
+    # Ring-DTP's line in the loss phase is its own bound.
+    loss_phase = _inputs(seq_len=2048, local_params=10_000, first_grad_params=10_000,
+                         ops=dict(ring_dtp=True))
+    lt = _terms(loss_phase)
+    assert "loss" in lt["gradients"][1]
+    assert lt["loss"][0] == ring_dtp_peak_bytes(1024, loss_phase.model.dim, loss_phase.model.vocab_size, 2,
+                                                dtype=torch.bfloat16)
+    assert boundary > 0
+
+
+def test_pipelined_llep_bounds_the_chunk_where_ep_grows_with_tokens():
+    args = zoo.get_model_args("small")
+    common = dict(hidden=args.dim, inter=args.moe_inter_dim, top_k=args.top_k, group_size=4, local_experts=16,
+                  act_bytes=2, token_budget=4096, max_chunks=1000)
+    _, small_chunk, _ = routed_activation_bytes("pipelined_llep", tokens=40_000, **common)
+    _, large_chunk, _ = routed_activation_bytes("pipelined_llep", tokens=400_000, **common)
+    bound = (max_received_bound(4, args.top_k, 4096) * (2 * args.dim + 7 * args.moe_inter_dim)
+             + 16 * args.moe_inter_dim * args.dim) * 2
+    # One chunk's routes (E_p * k * c_eff, c_eff <= c), not N's: ten times the tokens, the same bound.
+    assert 0.9 * bound <= small_chunk <= bound and 0.9 * bound <= large_chunk <= bound
+    _, ep_small, _ = routed_activation_bytes("ep", tokens=40_000, **common)
+    _, ep_large, _ = routed_activation_bytes("ep", tokens=400_000, **common)
+    assert ep_large == 10 * ep_small
+    with pytest.raises(ValueError, match="dispatch"):
+        routed_activation_bytes("alltoall", tokens=1, **common)
+
+
+def test_the_plan_is_the_largest_of_three_moments():
+    # Tiny tokens, huge vocabulary: the loss's chunk dominates; many tokens: boundaries and blocks.
+    loss = _terms(_inputs(seq_len=2048, local_params=1000, first_grad_params=1000,
+                          ops=dict(loss_chunk=1024)))
+    assert "at the peak (loss)" in loss["gradients"][1] and loss["loss"][0] == 3 * 1024 * 200_000 * 4
+    long = _terms(_inputs(seq_len=1 << 21, local_params=1000, first_grad_params=1000))
+    assert "first block backward" in long["gradients"][1] and long["loss"][0] == 0
+    assert long["boundaries"][0] == 12 * (1 << 20) * 1536 * 2
+    weights = _terms(_inputs(seq_len=2048))
+    assert "last block backward" in weights["gradients"][1] and weights["gradients"][0] == 4 * 1_600_000_000
+    # Ulysses: a rank holds S/D positions, so activation terms halve from D=1 to D=2.
+    d1 = _terms(_inputs(seq_len=1 << 20, seq_degree=1, local_params=1000, first_grad_params=1000))
+    d2 = _terms(_inputs(seq_len=1 << 20, seq_degree=2, local_params=1000, first_grad_params=1000))
+    assert d2["boundaries"][0] * 2 == d1["boundaries"][0] and d2["block"][0] * 2 == d1["block"][0]
+    kept = _terms(_inputs(seq_len=1 << 20, local_params=1000, first_grad_params=1000, ops=dict(keep_attention=True)))
+    assert kept["kept attn"][0] == 12 * (1 << 19) * 16 * (128 * 2 + 4)
