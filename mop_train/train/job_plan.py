@@ -62,6 +62,7 @@ def operator_plan(cfg, *, layout_plan, act_bytes: int, sco_host_budget: int, dev
     offload = cfg.optimizer.name == OFFLOAD_ADAMW
     return OperatorPlan(
         dispatch=m.dispatch, token_budget=m.token_budget, max_chunks=m.max_chunks, llep_alpha=m.alpha,
+        imbalance_threshold=m.imbalance_threshold, min_tokens_per_gemm=m.min_tokens_per_gemm,
         ring_dtp=ring, ring_dtp_mode=rd.mode, ring_dtp_block_size=rd.block_size,
         ring_dtp_token_chunk=rd.token_chunk or None,
         ring_dtp_schedule=ring_dtp_plan_schedule(cfg, tokens=tokens, hidden=args.dim, vocab=args.vocab_size,

@@ -53,6 +53,8 @@ class OperatorPlan:
     token_budget: int = 4096
     max_chunks: int = 10
     llep_alpha: float = 1.0
+    imbalance_threshold: float = 1.3
+    min_tokens_per_gemm: int = 1024
     ring_dtp: bool = False
     ring_dtp_mode: str = "auto"
     ring_dtp_schedule: str = "recompute"
@@ -122,7 +124,8 @@ def _block_term(x: MemoryPlanInputs, tokens: int) -> tuple[int, int, str]:
     routed, routed_grads, how = routed_activation_bytes(
         o.dispatch, tokens=tokens, hidden=a.dim, inter=a.moe_inter_dim, top_k=a.top_k, group_size=expert_degree,
         local_experts=a.num_experts // expert_degree, act_bytes=act, token_budget=o.token_budget,
-        max_chunks=o.max_chunks, llep_alpha=o.llep_alpha)
+        max_chunks=o.max_chunks, llep_alpha=o.llep_alpha, imbalance_threshold=o.imbalance_threshold,
+        min_tokens_per_gemm=o.min_tokens_per_gemm)
     incoming = 2 * tokens * a.dim * act                               # the block's output and residual grads
     attention_phase = attention + block_gradient_bytes(a, tokens, act)
     saved = attention + ffn + routed

@@ -7,11 +7,13 @@ layer runs backward:
     combine's index_add), so (3H + 4I) per route, plus the combine's gradient per route (H) while
     the weighting runs backward.
     R is N*k under balanced routing ("ep" can receive up to E_p * N * k routes when one rank's
-    experts are hot; "llep" caps a receiver at alpha x the mean, the `llep_alpha` factor here).
+    experts are hot; "llep" holds a receiver to max(alpha, imbalance_threshold) x the mean).
   - "pipelined_llep": each chunk saves only its received rows (PipelinedLLEP recomputes the [R', I]
     activations in its backward, chunked_experts.ChunkExperts), so N*k*H over the layer; the
-    backward recomputes one chunk at a time, whose receiver bound is `max_received_bound`
-    (E_p * k * c_eff), with (2H + 4I) of recomputed activations and gradients per route there.
+    backward recomputes one chunk at a time: the token budget guarantees a destination at most
+    `max_received_bound` (E_p * k * c_eff) routes of it, and LLEP's relocation holds it to
+    max(alpha, threshold) x the mean k * c_eff (+ one GEMM's minimum), the figure planned here, with
+    (2H + 7I) of recomputed activations and gradients per route.
   - The grouped weight-gradient GEMM on CUDA makes one weight-sized temporary per chunk (E_l I H).
 
 Legend: N tokens of this rank, k top-k, H hidden, I expert width, E_p expert-group size,
@@ -27,25 +29,32 @@ SCHEDULES = ("local", "ep", "llep", "pipelined_llep")
 
 def routed_activation_bytes(dispatch: str, *, tokens: int, hidden: int, inter: int, top_k: int,
                             group_size: int, local_experts: int, act_bytes: int, token_budget: int = 4096,
-                            max_chunks: int = 10, llep_alpha: float = 1.0) -> tuple[int, int, str]:
+                            max_chunks: int = 10, llep_alpha: float = 1.0, imbalance_threshold: float = 1.3,
+                            min_tokens_per_gemm: int = 1024) -> tuple[int, int, str]:
     """(saved, transient, how): the bytes one MoE layer's routed experts save for backward on this
     rank, the most they add while their backward runs, and the formula."""
+    balance = max(llep_alpha, imbalance_threshold)     # LLEP relocates above threshold x the mean
     if dispatch not in SCHEDULES:
         raise ValueError(f"dispatch={dispatch!r} is not one of {SCHEDULES}")
     H, I, k = hidden, inter, top_k
     if dispatch != "pipelined_llep":
-        routes = tokens * k if dispatch != "llep" else int(tokens * k * max(llep_alpha, 1.0))
+        routes = tokens * k if dispatch != "llep" else min(group_size, balance) * tokens * k
+        routes = int(routes) + (min_tokens_per_gemm if dispatch == "llep" else 0)
         # The combine's gradient gathered per route: H per route while the weighting runs backward.
         saved, transient = routes * (3 * H + 4 * I), routes * H
         return (saved * act_bytes, transient * act_bytes,
                 f"{dispatch}: {routes:,} routes x (3H + 4I) saved, H in backward"
                 + (" (balanced routing; up to E_p x with hot experts)" if dispatch == "ep" else ""))
     K, c_eff = num_chunks(max(tokens, 1), token_budget, max_chunks)
-    chunk_routes = min(max_received_bound(group_size, k, c_eff), group_size * tokens * k)
+    # The budget guarantees E_p * k * c_eff; LLEP's plan then holds a destination to max(alpha,
+    # threshold) x the mean k * c_eff (one GEMM's worth of helper rows over it at most).
+    guaranteed = max_received_bound(group_size, k, c_eff)
+    chunk_routes = min(guaranteed, int(balance * k * c_eff) + min_tokens_per_gemm)
     saved = tokens * k * H                         # every chunk's received rows
     # One chunk in backward: its recomputed h1, h3, a, their grads and silu'(h1) (7I), the rows'
     # and output's grads (2H); one weight-sized temporary of the grouped dW (CUDA).
     transient = chunk_routes * (2 * H + 7 * I) + local_experts * I * H
     return (saved * act_bytes, transient * act_bytes,
             f"pipelined_llep: N*k*H rows over K={K} chunks, one chunk of {chunk_routes:,} routes "
-            f"(E_p*k*c_eff, c_eff={c_eff:,}) recomputed in backward + a dW temporary")
+            f"(LLEP-balanced; the budget alone guarantees E_p*k*c_eff = {guaranteed:,}, c_eff={c_eff:,}) "
+            f"recomputed in backward + a dW temporary")
