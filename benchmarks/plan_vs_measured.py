@@ -40,13 +40,13 @@ LAYOUTS = {1: [], 2: ["--mop.layout.expert_degree", "2", "--mop.layout.vocab_deg
 are sharded; a point's own dispatch wins)."""
 
 
-def planned_gib(overrides: list[str], world: int, host_bytes: int) -> dict:
+def planned_gib(overrides: list[str], world: int, host_bytes: int, config: str = CONFIG) -> dict:
     from mop_train.config import load_job_config
     from mop_train.models import zoo
     from mop_train.train.plan import GIB
     from mop_train.train.plan_cli import plan_for_config
 
-    cfg = load_job_config(["--job.config_file", os.path.join(ROOT, CONFIG), *overrides], model_flavors=zoo.names())
+    cfg = load_job_config(["--job.config_file", os.path.join(ROOT, config), *overrides], model_flavors=zoo.names())
     plan = plan_for_config(cfg, world=world, ranks_per_node=world, host_bytes=host_bytes)
     return {"device_gib": plan.device_bytes / GIB,
             "terms_gib": {name: b / GIB for name, b, _ in plan.device_terms}}
