@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mop_train.ops.routing_profiles import PROFILES, routing_profile
+from tests.utils import fresh_seed
 
 
 def test_balanced():
@@ -34,11 +35,34 @@ def test_floor_of_hot_tokens():
     assert (idx[:18] < 16).all() and (idx[18] >= 16).all()
 
 
-def test_all_profiles_listed():
-    assert PROFILES == ("balanced", "30/16", "50/16", "80/16", "95/16", "30/4", "50/4")
-    for name in PROFILES:
-        idx, _ = routing_profile(name, 10, 32, 4)
-        assert int(idx.max()) < 32
+@pytest.mark.parametrize("name", PROFILES)
+def test_each_profile_is_what_its_name_says(name):
+    """Over random sizes: "r/h" sends exactly the first floor(r% N) tokens to the h hot experts
+    (each to min(k, h) distinct ones), every other token to min(k, E - h) distinct cold experts;
+    "balanced" gives each token k distinct experts (k <= E) and every expert a load within k of
+    every other's. Weights are 1/k, summing to one per token."""
+    gen = torch.Generator().manual_seed(fresh_seed(sum(map(ord, name))))
+    pct, hot = (None, 0) if name == "balanced" else (int(part) for part in name.split("/"))
+    for _ in range(20):
+        N = int(torch.randint(1, 300, (1,), generator=gen))
+        E = int(torch.randint(hot + 1, hot + 80, (1,), generator=gen))
+        k = int(torch.randint(1, min(E, 9) + 1, (1,), generator=gen))
+        idx, w = routing_profile(name, N, E, k)
+        tag = f"{name} N={N} E={E} k={k}"
+        assert idx.shape == (N, k) and w.shape == (N, k), tag
+        assert 0 <= int(idx.min()) and int(idx.max()) < E, tag
+        assert torch.allclose(w.sum(1), torch.ones(N)), tag
+        distinct = [len(set(row)) for row in idx.tolist()]
+        if name == "balanced":
+            assert distinct == [k] * N, tag
+            load = torch.bincount(idx.reshape(-1), minlength=E)
+            assert int(load.max() - load.min()) <= k, tag
+            continue
+        is_hot = (idx < hot).all(1)                                  # [N]
+        num_hot = int(is_hot.sum())
+        assert num_hot == pct * N // 100, tag                        # the name's r, floored
+        assert is_hot[:num_hot].all() and not (idx[num_hot:] < hot).any(), tag   # hot first, cold never hot
+        assert distinct == [min(k, hot)] * num_hot + [min(k, E - hot)] * (N - num_hot), tag
 
 
 @pytest.mark.parametrize("name", ["hot", "30/64", "120/4", "30/0"])
