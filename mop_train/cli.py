@@ -68,9 +68,10 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from mop_train.config import load_job_config, parse_bytes
+    from mop_train.config import load_job_config
     from mop_train.models import zoo
     from mop_train.train.plan_cli import plan_job
+    from mop_train.units import parse_bytes
 
     from torchtitan.tools.logging import logger
 

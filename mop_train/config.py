@@ -25,6 +25,8 @@ except ModuleNotFoundError:  # Python 3.10
 from torchtitan.config import ConfigManager
 from torchtitan.config import JobConfig as TitanJobConfig
 
+from mop_train.units import parse_bytes, parse_device_fraction
+
 
 @dataclass
 class Layout:
@@ -183,28 +185,6 @@ CUSTOM_CONFIG_MODULE = __name__
 # ---------------------------------------------------------------------------------------------
 # Loading and checking
 # ---------------------------------------------------------------------------------------------
-
-_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str | int, *, key: str = "value") -> int:
-    """'24GiB' -> 25769803776, '512MB' -> 512e6, '0' -> 0. Raises ValueError naming `key`."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise ValueError(f"{key} = {text} must be >= 0")
-        return text
-    s = str(text).strip().lower().replace(" ", "")
-    num = s.rstrip("kmgtib")
-    unit = s[len(num):]
-    try:
-        value = float(num)
-    except ValueError:
-        value = -1.0
-    if unit not in _BYTE_UNITS or value < 0:
-        raise ValueError(f"{key} = {text!r} is not a byte size; write e.g. \"0\", \"512MiB\" or \"24GiB\"")
-    return int(value * _BYTE_UNITS[unit])
-
 
 def merged_config_class() -> type:
     """torchtitan's JobConfig with our `mop` section merged in (what `parse_args` returns)."""
@@ -422,7 +402,6 @@ def validate(cfg, *, source: str = "config") -> None:
              f"{source}: mop.offload_adamw.host_fraction = {mop.offload_adamw.host_fraction} only applies to "
              f"optimizer.name = 'OffloadStreamAdamW', but optimizer.name = {cfg.optimizer.name!r}; set one or "
              "drop the other")
-    from mop_train.train.optim import parse_device_fraction
     try:
         device_share = parse_device_fraction(mop.offload_adamw.device_fraction)
     except ValueError as err:

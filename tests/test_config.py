@@ -2,7 +2,8 @@
 
 import pytest
 
-from mop_train.config import load_job_config, parse_bytes
+from mop_train.config import load_job_config
+from mop_train.units import parse_bytes
 
 
 def _write(tmp_path, text, name="job.toml"):

@@ -21,7 +21,7 @@ from functools import partial
 
 import torch
 
-from mop_train.config import parse_bytes
+from mop_train.units import parse_bytes
 from mop_train.models import zoo
 from mop_train.models.keep_attention import keep_attention
 from mop_train.models.model import MoETransformer

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mop_train.config import parse_bytes
 from mop_train.models import zoo
 from mop_train.ops.ring_dtp.memory import ring_dtp_peak_bytes
 from mop_train.parallel.precision import MixedPrecision
 from mop_train.parallel.sharding import local
-from mop_train.train.optim import OFFLOAD_ADAMW, parse_device_fraction
+from mop_train.train.optim import OFFLOAD_ADAMW
 from mop_train.train.plan import MemoryPlanInputs, OperatorPlan, compute_dtype, host_memory_plan, memory_plan
+from mop_train.units import parse_bytes, parse_device_fraction
 
 if TYPE_CHECKING:
     from mop_train.train.build import ModelParts

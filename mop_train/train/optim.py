@@ -30,25 +30,13 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer import build_optimizers as titan_build_optimizers
 from torchtitan.distributed import ParallelDims
 
+from mop_train.units import parse_device_fraction
+
 OFFLOAD_ADAMW = "OffloadStreamAdamW"
 TITAN_OPTIMIZERS = ("AdamW", "Adam")
 
-__all__ = ["build_optimizers", "build_lr_schedulers", "resolve_device_fraction", "parse_device_fraction",
-           "free_device_bytes", "describe_offload", "OFFLOAD_ADAMW"]
-
-
-def parse_device_fraction(value) -> float | str:
-    """`[mop.offload_adamw] device_fraction`: "auto" or a number in [0, 1] (a string or a number)."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    try:
-        share = float(value)
-    except (TypeError, ValueError):
-        share = -1.0
-    if isinstance(value, bool) or not 0.0 <= share <= 1.0:
-        raise ValueError(f"mop.offload_adamw.device_fraction = {value!r} must be \"auto\" or a number in "
-                         "[0, 1] (the share of the optimizer state kept on the device; 0 streams everything)")
-    return share
+__all__ = ["build_optimizers", "build_lr_schedulers", "resolve_device_fraction", "free_device_bytes",
+           "describe_offload", "OFFLOAD_ADAMW"]
 
 
 def free_device_bytes(plan_terms: list[tuple[str, int, str]], device) -> int:

@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from mop_train.ops.offload_adamw import (
     AUTO_MARGIN_BYTES, OffloadStreamAdamW, fit_device_fraction, host_update, reference_adamw, staging_bytes_bound)
-from mop_train.train.optim import parse_device_fraction, resolve_device_fraction
+from mop_train.train.optim import resolve_device_fraction
+from mop_train.units import parse_device_fraction
 from tests.dist_utils import run_distributed
 from tests.ops.test_offload_adamw import (
     ATOL, HP, RTOL, SHAPES, _assert_same_run, _assert_state_close, _grads, _groups, _lambda, _params, _run, _Tiny,

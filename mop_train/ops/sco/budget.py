@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mop_train.config import parse_bytes
+from mop_train.units import parse_bytes
 
 AUTO_HOST_FRACTION = 0.5
 """Share of currently available host RAM that host_budget = "auto" gives to SCO on a node.
