@@ -207,3 +207,25 @@ def test_zipf_eight_ranks_every_copy_carries_routes():
             sizes[(e, g)] = sizes.get((e, g), 0) + t - s
     assert plan.transfers and all(sizes[tr] > 0 for tr in plan.transfers)
     assert set(sizes) == set(plan.transfers)
+
+
+def test_helper_chunk_of_exactly_m_is_taken():
+    """A helper whose spare capacity is exactly m takes a chunk of exactly m (the rule is chunk >= m),
+    on random loads built so the least-loaded helper has spare m and more than m routes remain."""
+    gen = torch.Generator().manual_seed(fresh_seed(19))
+    cases = 0
+    while cases < 30:
+        P = int(torch.randint(3, 7, (1,), generator=gen))
+        m = int(torch.randint(2, 30, (1,), generator=gen))
+        others = torch.randint(0, 50, (P - 1,), generator=gen).tolist()   # experts 1..P-1, one per rank
+        helper = 1 + min(range(P - 1), key=lambda g: (others[g], g))      # least eff, lowest rank on ties
+        cap = others[helper - 1] + m
+        hot = P * cap - sum(others) + int(torch.randint(0, P, (1,), generator=gen))   # floor(total / P) = cap
+        if hot - cap <= m or hot <= max(others) or hot * P < 1.3 * (hot + sum(others)):
+            continue                                                       # not the case under test
+        C = torch.tensor([[hot] + others] + [[0] * P] * (P - 1))          # [P, E = P]
+        plan = llep_plan(C, min_tokens_per_gemm=m)
+        assert (0, 0, 0, cap) in plan.ranges, (C.tolist(), m, plan.ranges)   # the owner's prefix
+        assert (0, helper, cap, cap + m) in plan.ranges, (C.tolist(), m, plan.ranges)
+        assert list(plan.ranges) == rules_plan(C, 1.0, m, 1.3), (C.tolist(), m)
+        cases += 1

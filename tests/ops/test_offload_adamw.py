@@ -140,6 +140,48 @@ def test_matches_fp32_adamw_given_the_same_gradients(dtype, host_fraction, monke
     assert opt.host_buffer_bytes == 4 * on_host
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split", [dict(), dict(host_fraction=0.5), dict(device_fraction=0.4)],
+                         ids=["streamed", "host-share", "device-share"])
+def test_values_set_after_construction_are_the_start(dtype, split, monkeypatch):
+    """Weights written after the optimizer is built (copy_ into the parameter, or a new .data; e.g.
+    init_weights after building) are where AdamW starts: each parameter's master is its working
+    weight at its first update. Parameter 5, first updated at step 2, is rewritten once more after
+    step 0. Judged against torch.optim.AdamW started from the final values."""
+    monkeypatch.setattr(host_update, "CHUNK", 6)
+    seed = fresh_seed(71 + (dtype == torch.bfloat16))
+    ours_p = _params(seed, dtype)
+    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2, **split)
+    fresh = _params(seed + 1, dtype)
+
+    def rewrite(i):
+        with torch.no_grad():
+            if i % 2:
+                ours_p[i].data = fresh[i].detach().clone()
+            else:
+                ours_p[i].copy_(fresh[i])
+
+    for i in range(len(SHAPES)):
+        rewrite(i)
+    ref_p = [nn.Parameter(p.detach().float().clone()) for p in ours_p]
+    ref = reference_adamw(_groups(ref_p), **HP)
+    for step in range(4):
+        for p, q, g in zip(ours_p, ref_p, _grads(step, SHAPES, dtype, seed)):
+            p.grad = g
+            q.grad = None if g is None else g.float()
+        opt.step()
+        ref.step()
+        if step == 0:
+            fresh = _params(seed + 2, dtype)
+            rewrite(5)
+            with torch.no_grad():
+                ref_p[5].copy_(ours_p[5].float())
+    ours = opt.state_dict()
+    for i, (p, q) in enumerate(zip(ours_p, ref_p)):
+        assert_close(ours["state"][i]["master"], q, rtol=RTOL, atol=ATOL, name=f"master {i}")
+        assert_bitwise_equal(p.detach(), ours["state"][i]["master"].to(dtype), name=f"weight {i}")
+
+
 def test_host_fraction_resume_is_exact(monkeypatch):
     monkeypatch.setattr(host_update, "CHUNK", 5)
     seed, kwargs = 61, dict(**HP, bucket_params=6, slots=2, host_fraction=0.5)

@@ -281,6 +281,26 @@ def test_errors_name_the_argument():
         ring_dtp_cross_entropy(x, w.to(torch.int32), t, vocab_size=10)
 
 
+def test_targets_outside_the_vocabulary_are_rejected_at_the_edges():
+    """[0, V) and ignore_index are accepted, V and -1 are not (unless one of them is ignore_index),
+    on random V and N, whatever the impl (the check precedes the dispatch)."""
+    gen = torch.Generator().manual_seed(fresh_seed(41))
+    for _ in range(4):
+        V, N = int(torch.randint(2, 40, (1,), generator=gen)), int(torch.randint(2, 9, (1,), generator=gen))
+        x, w = torch.randn(N, 4, generator=gen), torch.randn(V, 4, generator=gen)
+        good = torch.randint(0, V, (N,), generator=gen)
+        good[0], good[1] = V - 1, 0
+        for impl in ("torch", "reference"):
+            ring_dtp_cross_entropy(x, w, good, vocab_size=V, impl=impl)
+            for bad in (V, V + 1, -1):
+                t = good.clone()
+                t[int(torch.randint(0, N, (1,), generator=gen))] = bad
+                with pytest.raises(ValueError, match=f"target {bad} is outside"):
+                    ring_dtp_cross_entropy(x, w, t, vocab_size=V, impl=impl)
+                loss = ring_dtp_cross_entropy(x, w, t, vocab_size=V, impl=impl, ignore_index=bad, reduction="none")
+                assert loss[t == bad].eq(0).all() and loss[t != bad].gt(0).all()
+
+
 _INTERPRETED = """
 import sys, torch
 sys.path.insert(0, {root!r})

@@ -220,6 +220,102 @@ def test_reuse_retain_graph_and_changing_sizes():
     _assert_all_equal(results[1], results[0], "retain_graph")
 
 
+def _forward(mods, x, pos, scales):
+    h = x
+    for mod, s in zip(mods, scales):
+        h = mod(h, pos, scale=s)
+    return h
+
+
+def _grads(mods, x, scales):
+    return [x.grad.clone(), *(s.grad.clone() for s in scales), *(p.grad.clone() for m in mods for p in m.parameters())]
+
+
+@pytest.mark.parametrize("explicit_begin", [True, False])
+def test_retained_graph_keeps_its_host_bytes_across_steps(explicit_begin):
+    """Graph A is retained (backward(retain_graph=True)) while steps B and C run forward and backward;
+    A's offloaded boundaries must survive them: A's second backward is bitwise plain checkpointing's,
+    and B and C offload only into the budget A leaves (the bump pointer restarts once A is freed)."""
+    widths, n = [16, 16, 16, 16], 8
+    size = boundary_bytes(n, 16, torch.float32)
+    layers = _widths_stack(widths, seed=21)
+    ref = [checkpointed(copy.deepcopy(m)) for m in layers]
+    sco = SelectiveCheckpointOffload(4 * size)
+    ours = [sco.wrap(copy.deepcopy(m)) for m in layers]
+    inputs = [_inputs(n, widths, seed=50 + i) for i in range(4)]           # steps A, B, C, D
+    ups = [torch.randn(n, 16, generator=torch.Generator().manual_seed(fresh_seed(60 + i))) for i in range(4)]
+    results = []
+    for mods in (ref, ours):
+        for m in mods:
+            m.zero_grad(set_to_none=True)
+        got = []
+        (xa, pos_a, sa) = inputs[0]
+        for t in [xa, *sa]:
+            t.grad = None
+        ha = _forward(mods, xa, pos_a, sa)
+        seen = [sco.offloaded_layers]
+        ha.backward(ups[0], retain_graph=True)
+        got.append(_grads(mods, xa, sa))
+        for (x, pos, sc), up in zip(inputs[1:3], ups[1:3]):                # B and C, A still retained
+            if explicit_begin and mods is ours:
+                sco.begin_step()
+            for m in mods:
+                m.zero_grad(set_to_none=True)
+            for t in [x, *sc]:
+                t.grad = None
+            _forward(mods, x, pos, sc).backward(up)
+            seen.append(sco.offloaded_layers)
+            got.append(_grads(mods, x, sc))
+        for m in mods:
+            m.zero_grad(set_to_none=True)
+        for t in [xa, *sa]:
+            t.grad = None
+        ha.backward(2 * ups[0])                                            # A again, from its host bytes
+        got.append(_grads(mods, xa, sa))
+        del ha
+        x, pos, sc = inputs[3]
+        _forward(mods, x, pos, sc).backward(ups[3])                        # D: A is gone, budget whole
+        seen.append(sco.offloaded_layers)
+        results.append(got)
+    offloaded = seen                                                       # SCO's records (the last run)
+    for i, (a, b) in enumerate(zip(results[1], results[0])):
+        _assert_all_equal(a, b, f"retained graph, backward {i} (A, B, C, A again)")
+    assert offloaded == [[0, 1, 2], [0], [], [0, 1, 2]]                   # A, B, C, D
+    assert sco.pinned_bytes == 4 * size
+
+
+def test_previous_boundary_is_prefetched_one_layer_ahead():
+    """Backward reads each offloaded boundary from the host once, and call l-1's boundary is read
+    before call l's recompute starts (prefetched one layer ahead); only the last call's own boundary
+    is read on demand. Checked on the host arena's reads, with a budget that keeps some boundaries
+    on the device (a kept boundary still prefetches the one before it)."""
+    widths, n = [12, 20, 8, 16, 24, 24], 6
+    sizes = [boundary_bytes(n, w, torch.float32) for w in widths[:-1]]
+    layers = _widths_stack(widths, seed=22)
+    for budget in (sum(sizes), sizes[0] + sizes[2] + 1, sizes[0] + sizes[1] + sizes[3] + sizes[4]):
+        sco = SelectiveCheckpointOffload(budget)
+        ours = [sco.wrap(copy.deepcopy(m)) for m in layers]
+        chosen = select_offloaded(sizes, budget)
+        offsets = {sum(sizes[j] for j in chosen[:i]): layer for i, layer in enumerate(chosen)}
+        events = []
+        for i, m in enumerate(ours):
+            m._checkpoint_wrapped_module.register_forward_pre_hook(lambda *_, i=i: events.append(("recompute", i)))
+        x, pos, scales = _inputs(n, widths, seed=23)
+        h = _forward(ours, x, pos, scales)
+        assert sco.offloaded_layers == chosen
+        events.clear()                                                      # the forward's own calls
+        read_into = sco._arena.read_into
+        sco._arena.read_into = lambda offset, dst: (events.append(("read", offsets[offset])),
+                                                    read_into(offset, dst))[1]
+        h.backward(torch.randn(h.shape, generator=torch.Generator().manual_seed(fresh_seed(24))))
+        reads = [i for kind, i in events if kind == "read"]
+        assert sorted(reads) == chosen, (budget, events)                   # each once, no on-demand re-read
+        for j in chosen:
+            if j + 1 < len(ours):
+                assert events.index(("read", j)) < events.index(("recompute", j + 1)), (budget, j, events)
+            assert events.index(("read", j)) < events.index(("recompute", j)), (budget, j, events)
+
+
 def test_boundary_must_be_first_positional_tensor():
     sco = SelectiveCheckpointOffload(1 << 20)
     layer = sco.wrap(ToyLayer(4, 4))
