@@ -41,7 +41,8 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mop_train.ops.moe_dispatch import DispatchStats, moe_experts_forward  # noqa: E402
+from mop_train.ops.moe_dispatch import (DispatchStats, LLEPOptions, PipelinedLLEPOptions,  # noqa: E402
+                                        dispatch_options, moe_experts_forward)
 from mop_train.ops.routing_profiles import PROFILES, routing_profile  # noqa: E402
 from mop_train.train.metrics import DeviceSpan  # noqa: E402
 
@@ -58,12 +59,13 @@ def parse_args(argv=None):
     p.add_argument("--experts", type=int, nargs="+", default=[384],
                    help="expert counts (all ranks together), one table block each")
     p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--token-budget", type=int, default=4096, help="PipelinedLLEP c")
-    p.add_argument("--max-chunks", type=int, default=10, help="PipelinedLLEP K_max")
-    p.add_argument("--membership", default="strided", choices=["strided", "contiguous"])
-    p.add_argument("--alpha", type=float, default=1.0)
-    p.add_argument("--min-tokens-per-gemm", type=int, default=1024)
-    p.add_argument("--imbalance-threshold", type=float, default=1.3)
+    # The schedules' settings, named as their options' fields (dispatch_options reads them from args).
+    p.add_argument("--token-budget", type=int, default=PipelinedLLEPOptions.token_budget, help="PipelinedLLEP c")
+    p.add_argument("--max-chunks", type=int, default=PipelinedLLEPOptions.max_chunks, help="PipelinedLLEP K_max")
+    p.add_argument("--membership", default=PipelinedLLEPOptions.membership, choices=["strided", "contiguous"])
+    p.add_argument("--alpha", type=float, default=LLEPOptions.alpha)
+    p.add_argument("--min-tokens-per-gemm", type=int, default=LLEPOptions.min_tokens_per_gemm)
+    p.add_argument("--imbalance-threshold", type=float, default=LLEPOptions.imbalance_threshold)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--iters", type=int, default=2, help="timed passes per repeat")
     p.add_argument("--no-backward", action="store_true", help="forward passes only")
@@ -80,17 +82,6 @@ def parse_args(argv=None):
         args.tokens, args.hidden, args.inter, args.experts, args.top_k = [48, 20], 16, 16, [32], 4
         args.token_budget, args.min_tokens_per_gemm, args.repeats, args.iters = 8, 4, 2, 1
     return args
-
-
-def schedule_options(mode, args, stats=None):
-    opts = {} if stats is None else {"stats": stats}
-    if mode in ("llep", "pipelined_llep"):
-        opts.update(alpha=args.alpha, min_tokens_per_gemm=args.min_tokens_per_gemm,
-                     imbalance_threshold=args.imbalance_threshold)
-    if mode == "pipelined_llep":
-        opts.update(token_budget=args.token_budget, max_chunks=args.max_chunks,
-                    membership=args.membership)
-    return opts
 
 
 def measure(run_pass, device, group, args):
@@ -157,10 +148,10 @@ def bench_row(mode, profile, n, experts, weights, group, device, dtype, args):
     idx, wts = routing_profile(profile, n, experts, args.top_k, device=device)
     wts.requires_grad_(True)
     grad = torch.randn(n, args.hidden, device=device, dtype=dtype, generator=gen)
+    options = dispatch_options(mode, args)                        # None for "local"
 
     def layer(x_, wts_, *ws):
-        return moe_experts_forward(x_, idx, wts_, *ws, dispatch=mode, group=group,
-                                   **schedule_options(mode, args))
+        return moe_experts_forward(x_, idx, wts_, *ws, options, group=group)
 
     def forward():
         return layer(x, wts, *weights)
@@ -182,8 +173,7 @@ def bench_row(mode, profile, n, experts, weights, group, device, dtype, args):
         clear_grads()
 
     stats = DispatchStats()                                       # one untimed pass for the counters
-    moe_experts_forward(x, idx, wts, *weights, dispatch=mode, group=group,
-                        **schedule_options(mode, args, stats))
+    moe_experts_forward(x, idx, wts, *weights, options, group=group, stats=stats if options is not None else None)
     resident = torch.cuda.memory_allocated(device) / GiB if device.type == "cuda" else None
     row = dict(mode=mode, profile=profile, tokens_per_rank=n, experts=experts, K=stats.num_chunks,
                resident_gib=resident, relocated_routes=stats.relocated_routes,

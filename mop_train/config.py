@@ -25,6 +25,7 @@ except ModuleNotFoundError:  # Python 3.10
 from torchtitan.config import ConfigManager
 from torchtitan.config import JobConfig as TitanJobConfig
 
+from mop_train.ops.moe_dispatch.options import LLEPOptions, PipelinedLLEPOptions, dispatch_options
 from mop_train.units import parse_bytes, parse_device_fraction
 
 
@@ -42,25 +43,28 @@ class Layout:
 
 @dataclass
 class MoE:
+    """The expert dispatch: the schedule's settings have their defaults and checks in
+    mop_train.ops.moe_dispatch.options (one frozen dataclass per schedule)."""
+
     dispatch: Literal["local", "ep", "llep", "pipelined_llep"] = "local"
     """Expert dispatch schedule. "local" needs expert_degree = 1."""
 
-    token_budget: int = 4096
+    token_budget: int = PipelinedLLEPOptions.token_budget
     """PipelinedLLEP c: per-source token budget per chunk (K = min(ceil(N / c), max_chunks))."""
 
-    max_chunks: int = 10
+    max_chunks: int = PipelinedLLEPOptions.max_chunks
     """PipelinedLLEP K_max: ceiling on the chunk count."""
 
-    membership: Literal["strided", "contiguous"] = "strided"
+    membership: Literal["strided", "contiguous"] = PipelinedLLEPOptions.membership
     """PipelinedLLEP chunk membership: strided (positions i, i+K, ...) or contiguous blocks."""
 
-    alpha: float = 1.0
+    alpha: float = LLEPOptions.alpha
     """LLEP capacity factor: each rank's capacity is floor(alpha * total_routes / E_p)."""
 
-    min_tokens_per_gemm: int = 1024
+    min_tokens_per_gemm: int = LLEPOptions.min_tokens_per_gemm
     """LLEP m: smallest chunk handed to a helper rank (except a final remainder)."""
 
-    imbalance_threshold: float = 1.3
+    imbalance_threshold: float = LLEPOptions.imbalance_threshold
     """LLEP lambda: relocate only when max-over-mean rank load reaches this."""
 
     bias_update_rate: float = 1e-3
@@ -379,13 +383,10 @@ def validate(cfg, *, source: str = "config") -> None:
     for name in ("seq_degree", "expert_degree", "vocab_degree"):
         v = getattr(lay, name)
         _require(v >= 1, f"{source}: mop.layout.{name} = {v} must be >= 1 (1 turns that split off)")
-    _require(moe.token_budget >= 1, f"{source}: mop.moe.token_budget = {moe.token_budget} must be >= 1 tokens")
-    _require(moe.max_chunks >= 1, f"{source}: mop.moe.max_chunks = {moe.max_chunks} must be >= 1")
-    _require(moe.alpha > 0, f"{source}: mop.moe.alpha = {moe.alpha} must be > 0 (1.0 is the paper's)")
-    _require(moe.min_tokens_per_gemm >= 1, f"{source}: mop.moe.min_tokens_per_gemm = {moe.min_tokens_per_gemm} must be >= 1")
-    _require(moe.imbalance_threshold >= 1.0,
-             f"{source}: mop.moe.imbalance_threshold = {moe.imbalance_threshold} must be >= 1.0 "
-             "(max/mean load is never below 1; 1.0 always relocates)")
+    try:  # PipelinedLLEP's options hold every dispatch setting: each is checked whichever schedule runs
+        dispatch_options("pipelined_llep", moe)
+    except ValueError as err:
+        raise ValueError(f"{source}: mop.moe.{err}") from None
     _require(moe.bias_update_rate >= 0, f"{source}: mop.moe.bias_update_rate = {moe.bias_update_rate} must be >= 0")
     _require(mop.data.loss_chunk_tokens >= 1,
              f"{source}: mop.data.loss_chunk_tokens = {mop.data.loss_chunk_tokens} must be >= 1")

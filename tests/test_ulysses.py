@@ -2,12 +2,17 @@
 on CPU at 2, 3, 4 ranks, NCCL on 2 GPUs (marked gpu). fp32 within 1e-5; bf16 no worse against the
 fp32 truth than PyTorch's own bf16 attention over the full sequence (tests.utils rule)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mop_train.parallel.ulysses import UlyssesAttention, check_heads_divisible
+from mop_train.layout import plan_layout
+from mop_train.models import zoo
+from mop_train.parallel.parallelize import check_layout_fits
+from mop_train.parallel.ulysses import UlyssesAttention
 from tests.dist_utils import backend_params, run_distributed, worker_device
 from tests.utils import assert_close, assert_no_worse_than_torch, fresh_seed
 
@@ -68,5 +73,10 @@ def test_ulysses_equals_full_attention(backend, world_size):
 
 
 def test_head_count_not_divisible_is_a_config_error():
-    with pytest.raises(ValueError, match=r"key/value heads \(2\) must be divisible by mop.layout.seq_degree \(4\)"):
-        check_heads_divisible(8, 2, 4)
+    gqa = zoo.get_model_args("gpt-oss-20b-shape")                    # 64 query heads, 8 key/value heads
+    training = SimpleNamespace(seq_len=128)
+    with pytest.raises(ValueError, match=r"key/value heads \(8\) must be divisible by mop.layout.seq_degree \(16\)"):
+        check_layout_fits(plan_layout(16, 16, 1, 1), training, gqa)
+    with pytest.raises(ValueError, match=r"valid seq_degree values: \[1, 2, 4, 8\]"):
+        check_layout_fits(plan_layout(16, 16, 1, 1), training, gqa)
+    check_layout_fits(plan_layout(16, 8, 1, 1), training, gqa)

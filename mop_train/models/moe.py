@@ -3,16 +3,16 @@
 The MoE flattens [B, S, H] to x [N, H], routes it (`router`, or a forced routing set by a test or
 benchmark), and hands (x, indices, weights, w1, w2, w3) to the expert-dispatch seam
 `mop_train.ops.moe_dispatch.moe_experts_forward`; the always-on shared expert is added after.
-How routes reach experts (`dispatch`, `dispatch_group`, `dispatch_options`) is set from outside by
-the parallelization code, which may also swap `experts.w*` for this rank's shard: the model itself
-never communicates. Expert weights use torchtitan's layout w1/w3 [E, I, H], w2 [E, H, I].
+How routes reach experts (`dispatch`: None for every expert here, or an `ExpertDispatch` binding a
+schedule's options, the expert group and its stats) is set from outside by the parallelization
+code, which also swaps `experts.w*` for this rank's shard: the model itself never communicates. Expert weights use torchtitan's layout w1/w3 [E, I, H], w2 [E, H, I].
 
 Legend: B batch, S sequence, N = B*S tokens, H hidden, E experts, I expert width, k top-k.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from mop_train.models.args import MoEModelArgs
 from mop_train.models.router import TopKRouter
-from mop_train.ops.moe_dispatch import moe_experts_forward
+from mop_train.ops.moe_dispatch import ExpertDispatch, moe_experts_forward
 
 
 def _trunc_normal(weight: torch.Tensor, std: float) -> None:
@@ -65,17 +65,19 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
-    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, *,
-                dispatch: str = "local", group=None, options: dict[str, Any] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                dispatch: ExpertDispatch | None = None) -> torch.Tensor:
         """x [N, H], indices/weights [N, k] -> [N, H] = sum_j weights[:, j] * expert_{indices[:, j]}(x).
 
-        Expert-parallel code may make w* DTensors sharded over the expert group (kept out of FSDP):
-        the seam gets this rank's shard, cast to the activation dtype (FSDP's mixed precision does
-        not cast weights it does not manage).
+        `dispatch`: None runs every expert here ("local"); an ExpertDispatch runs its schedule over
+        its expert group. Expert-parallel code makes w* DTensors sharded over the expert group (kept
+        out of FSDP): the seam gets this rank's shard, cast to the activation dtype (FSDP's mixed
+        precision does not cast weights it does not manage).
         """
         w1, w2, w3 = (_local_weight(w, x.dtype) for w in (self.w1, self.w2, self.w3))
-        return moe_experts_forward(x, indices, weights, w1, w2, w3,
-                                   dispatch=dispatch, group=group, **(options or {}))
+        if dispatch is None:
+            return moe_experts_forward(x, indices, weights, w1, w2, w3)
+        return dispatch(x, indices, weights, w1, w2, w3)
 
     def init_weights(self, init_std: float) -> None:
         _trunc_normal(self.w1, 0.02)
@@ -95,7 +97,8 @@ class MoE(nn.Module):
     """Routed experts (+ optional shared expert) on [B, S, H] -> [B, S, H].
 
     Plain attributes set from outside:
-        dispatch, dispatch_group, dispatch_options: passed to `moe_experts_forward`.
+        dispatch: None (every expert on this rank) or the ExpertDispatch the experts run through;
+            its `stats` hold the figures of the last forward.
         forced_routing: None, a pair (indices [N, k] int64, weights [N, k]) or a callable
             x [N, H] -> such a pair; replaces the router (whose gate then gets no gradient).
     After a forward with aux_loss_coef > 0, `last_aux_loss` holds this layer's auxiliary loss.
@@ -109,9 +112,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args.dim, args.moe_inter_dim, args.num_experts)
         self.shared_expert = (FeedForward(args.dim, args.n_shared_experts * args.moe_inter_dim)
                               if args.n_shared_experts > 0 else None)
-        self.dispatch: str = "local"
-        self.dispatch_group = None
-        self.dispatch_options: dict[str, Any] = {}
+        self.dispatch: ExpertDispatch | None = None
         self.forced_routing: Routing | Callable[[torch.Tensor], Routing] | None = None
         self.last_aux_loss: torch.Tensor | None = None
 
@@ -145,8 +146,7 @@ class MoE(nn.Module):
         if first_pass:
             self.last_aux_loss = aux
             self.router.record_load(indices)
-        y = self.experts(x, indices, weights, dispatch=self.dispatch, group=self.dispatch_group,
-                         options=self.dispatch_options)               # [N, H]
+        y = self.experts(x, indices, weights, self.dispatch)         # [N, H]
         if self.shared_expert is not None:
             y = y + self.shared_expert(x)
         return y.reshape(B, S, H)

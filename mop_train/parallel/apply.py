@@ -1,8 +1,10 @@
-"""Apply the MoP layout to a single-device MoE model: Ulysses attention in the sequence group,
-expert weights sharded over the expert group, the output projection over the vocab group.
+"""The steps that shard a single-device MoE model by the MoP groups: Ulysses attention in the
+sequence group, expert weights over the expert group (with the dispatch schedule bound to each MoE
+layer), the output projection over the vocab group. `mop_train.parallel.parallelize` runs them in
+order, with activation checkpointing and FSDP2.
 
     apply_sequence_parallel(model, layout.seq_group)
-    expert_params = apply_expert_parallel(model, layout.expert_mesh, layout.expert_group, cfg.mop.moe)
+    expert_params = apply_expert_parallel(model, layout.expert_mesh, layout.expert_group, dispatch)
     vocab_params = apply_vocab_parallel(model, layout.vocab_mesh)
 
 All three run on a meta or a materialised model (slicing a materialised model keeps its values,
@@ -18,23 +20,9 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from mop_train.layout import divisors
-from mop_train.ops.moe_dispatch import DispatchStats
+from mop_train.ops.moe_dispatch import DispatchOptions, ExpertDispatch
 from mop_train.parallel.sharding import shard_rows
-from mop_train.parallel.ulysses import UlyssesAttention, check_heads_divisible
-
-_LLEP_KEYS = ("alpha", "min_tokens_per_gemm", "imbalance_threshold")
-_PIPELINED_KEYS = _LLEP_KEYS + ("token_budget", "max_chunks", "membership")
-
-
-def check_model_fits_layout(args, seq_degree: int, expert_degree: int) -> None:
-    """Pre-launch checks of head and expert counts against the degrees (ValueError with the fix)."""
-    kv_heads = args.n_kv_heads if args.attention == "gqa" else args.n_heads
-    if seq_degree > 1:
-        check_heads_divisible(args.n_heads, kv_heads, seq_degree)
-    if args.num_experts % expert_degree:
-        raise ValueError(f"expert_degree ({expert_degree}) must divide num_experts ({args.num_experts}); "
-                         f"set [mop.layout] expert_degree to one of {divisors(args.num_experts)}")
+from mop_train.parallel.ulysses import UlyssesAttention
 
 
 def moe_blocks(model: nn.Module):
@@ -52,19 +40,15 @@ def apply_sequence_parallel(model: nn.Module, seq_group) -> None:
             module.sdpa = UlyssesAttention(core, seq_group)
 
 
-def dispatch_options(moe_cfg) -> dict:
-    """The `[mop.moe]` options the chosen schedule takes."""
-    keys = {"local": (), "ep": (), "llep": _LLEP_KEYS, "pipelined_llep": _PIPELINED_KEYS}[moe_cfg.dispatch]
-    return {k: getattr(moe_cfg, k) for k in keys}
+def apply_expert_parallel(model: nn.Module, expert_mesh, expert_group,
+                          dispatch: DispatchOptions | None) -> list[nn.Parameter]:
+    """Shard each MoE layer's w1/w2/w3 over the expert group and bind it an ExpertDispatch (the
+    schedule's options, the group, and stats of its own).
 
-
-def apply_expert_parallel(model: nn.Module, expert_mesh, expert_group, moe_cfg) -> list[nn.Parameter]:
-    """Shard each MoE layer's w1/w2/w3 over the expert group and set its dispatch schedule.
-
-    Returns the sharded parameters (to keep out of FSDP). With dispatch "local" nothing changes:
-    the experts stay dense weights under FSDP.
+    Returns the sharded parameters (to keep out of FSDP). With `dispatch` None ("local") nothing
+    changes: the experts stay dense weights under FSDP.
     """
-    if moe_cfg.dispatch == "local":
+    if dispatch is None:
         return []
     sharded = []
     for moe in moe_blocks(model):
@@ -72,9 +56,7 @@ def apply_expert_parallel(model: nn.Module, expert_mesh, expert_group, moe_cfg) 
             param = shard_rows(getattr(moe.experts, name), expert_mesh)
             setattr(moe.experts, name, param)
             sharded.append(param)
-        moe.dispatch = moe_cfg.dispatch
-        moe.dispatch_group = expert_group
-        moe.dispatch_options = {**dispatch_options(moe_cfg), "stats": DispatchStats()}
+        moe.dispatch = ExpertDispatch(dispatch, expert_group)
     return sharded
 
 
@@ -89,7 +71,7 @@ def dispatch_metrics(model: nn.Module) -> dict:
     (owner -> helper, each carrying routes) and their bytes, the largest chunk count K and the
     largest routes any destination received in one chunk (read here: one small device-to-host
     copy per layer, at logging time rather than in the layer)."""
-    stats = [m.dispatch_options["stats"] for m in moe_blocks(model) if "stats" in m.dispatch_options]
+    stats = [m.dispatch.stats for m in moe_blocks(model) if m.dispatch is not None]
     if not stats:
         return {}
     return {"relocated_routes": sum(s.relocated_routes for s in stats),

@@ -18,8 +18,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from mop_train.layout import divisors
-
 
 class _EvenAllToAll(torch.autograd.Function):
     """all_to_all_single with equal splits along dim 0. Its adjoint is the same exchange: the
@@ -39,14 +37,6 @@ class _EvenAllToAll(torch.autograd.Function):
         out = torch.empty_like(grad)
         dist.all_to_all_single(out, grad, group=ctx.group)
         return out, None
-
-
-def check_heads_divisible(n_heads: int, n_kv_heads: int, seq_degree: int) -> None:
-    """Raise ValueError when a head count cannot be split over the sequence group."""
-    for name, count in (("attention heads", n_heads), ("key/value heads", n_kv_heads)):
-        if count % seq_degree:
-            raise ValueError(f"{name} ({count}) must be divisible by mop.layout.seq_degree ({seq_degree}) "
-                             f"for Ulysses attention; valid seq_degree values: {divisors(count)}")
 
 
 def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
@@ -86,7 +76,9 @@ class UlyssesAttention(nn.Module):
         if self.group is None or dist.get_world_size(self.group) == 1:
             return self.inner(q, k, v, *extra)
         D = dist.get_world_size(self.group)
-        check_heads_divisible(q.shape[2], k.shape[2], D)
+        if q.shape[2] % D or k.shape[2] % D:  # a job's head counts are checked at config time (check_layout_fits)
+            raise ValueError(f"UlyssesAttention: q's {q.shape[2]} and k's {k.shape[2]} heads must split over "
+                             f"the {D} ranks of the sequence group")
         out = self.inner(_seq_to_heads(q, self.group), _seq_to_heads(k, self.group),
                          _seq_to_heads(v, self.group), *extra)                   # [B, S, h/D, d_v]
         return _heads_to_seq(out, self.group)

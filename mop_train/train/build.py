@@ -1,14 +1,16 @@
-"""A run's parts, built from its configuration, and the plans that describe them at launch.
+"""A run's parts, built from its configuration in the launch order, and what rank 0 prints about them.
 
-    parts = build_model(cfg, layout, device)     # zoo model -> MoP layout -> checkpointing -> FSDP2 -> init
-    device_terms, host_terms = run_plans(cfg, layout, parts)   # mop_train.train.job_plan
-    print(describe_run(cfg, layout, parts, seed, device, host_terms, device_terms))
+    run = build_run(cfg, device)    # layout -> checks -> seed -> data -> model -> plans -> optimizer -> resume
+    run_steps(cfg, run, ...)        # mop_train.train.loop
 
-The model is built on meta, the layout applied (Ulysses cores, expert shards over E_p, the
-projection over P), blocks wrapped for activation checkpointing (SCO's wrapper when it has a host
-budget), the loss chosen (chunked cross-entropy or Ring-DTP), FSDP2 applied under one
-mixed-precision policy, then the weights initialised (whole for small models, so every layout
-starts from the same weights; shard by shard for large ones).
+Every check of the job against the layout and the model runs before anything is built
+(mop_train.parallel.parallelize). The model is built on meta; a small one is materialised and
+initialised whole (same RNG stream on every rank, so the shards are slices of the same weights
+whatever the layout); the loss is chosen (chunked cross-entropy or Ring-DTP); `parallelize` applies
+Ulysses cores, kept attention, expert and vocab shards, checkpointing (SCO's wrapper when it has a
+host budget) and FSDP2; a large model is then initialised shard by shard. The memory plans
+(mop_train.train.job_plan) are checked against the host, OffloadStreamAdamW's device share is
+resolved from them, and the checkpointer resumes the run when the dump folder holds a checkpoint.
 
 Legend: W ranks, D sequence degree, E_p expert degree, P vocab degree, B local batch, S sequence.
 """
@@ -16,26 +18,52 @@ Legend: W ranks, D sequence degree, E_p expert degree, P vocab degree, B local b
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
-from mop_train.units import parse_bytes
+from mop_train.layout import RankLayout, plan_layout
 from mop_train.models import zoo
-from mop_train.models.keep_attention import keep_attention
+from mop_train.models.args import MoEModelArgs
 from mop_train.models.model import MoETransformer
-from mop_train.parallel.apply import apply_expert_parallel, apply_sequence_parallel, apply_vocab_parallel
+from mop_train.ops.offload_adamw import forward_units
+from mop_train.parallel.parallelize import (ParallelizeOptions, check_layout_fits, check_titan_parallelism,
+                                            parallelize)
 from mop_train.parallel.precision import MixedPrecision
 from mop_train.parallel.sharding import local
+from mop_train.train.checkpoint import TrainState, build_checkpointer
+from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir
+from mop_train.train.job_plan import run_plans
 from mop_train.train.loss import IGNORE_INDEX, LanguageModelLoss, chunked_cross_entropy_sum
-from mop_train.train.parallelize import apply_activation_checkpointing, apply_fsdp
-from mop_train.train.plan import format_plan
+from mop_train.train.optim import (OFFLOAD_ADAMW, build_lr_schedulers, build_optimizers, describe_offload,
+                                   free_device_bytes, resolve_device_fraction)
+from mop_train.train.plan import check_host_memory, format_plan
+from mop_train.units import parse_bytes
 
 
 HOST_INIT_MAX_PARAMS = 2_000_000_000
 """Models up to this size are initialised whole (on the host, then sharded), so every layout
 starts from the same weights; larger ones are initialised shard by shard on the device."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model a run trains, resolved once per launch: its args and parameter counts (one meta build)."""
+
+    flavor: str
+    args: MoEModelArgs
+    total_params: int
+    active_params: int                 # what one token touches (zoo.param_counts)
+
+    @classmethod
+    def resolve(cls, flavor: str) -> ModelSpec:
+        args = zoo.get_model_args(flavor)
+        counts = zoo.param_counts(args)
+        return cls(flavor, args, counts["total"], counts["active"])
 
 
 @dataclass
@@ -73,36 +101,28 @@ def build_loss_fn(cfg, layout, vocab_size: int):
     return ring_loss
 
 
-def build_model(cfg, layout, device: torch.device) -> ModelParts:
-    """Zoo model -> MoP layout (Ulysses, expert and vocab shards) -> checkpointing -> FSDP2 -> init.
+def build_model(cfg, layout, device: torch.device, spec: ModelSpec, options: ParallelizeOptions) -> ModelParts:
+    """Zoo model -> loss -> `parallelize` (MoP layout, checkpointing, FSDP2) -> init.
 
     Small models are materialised and initialised whole first (same RNG stream on every rank), so
     the shards are slices of the same weights whatever the layout; large ones stay on meta until
     FSDP has sharded them and are initialised shard by shard.
     """
-    args = zoo.get_model_args(cfg.model.flavor)
-    whole = zoo.param_counts(cfg.model.flavor)["total"] <= HOST_INIT_MAX_PARAMS
+    whole = spec.total_params <= HOST_INIT_MAX_PARAMS
     with torch.device("meta"):
-        model = MoETransformer(args)
+        model = MoETransformer(spec.args)
     if whole:
         model.to_empty(device="cpu")
         model.init_weights(buffer_device="cpu")
         model.to(device)
-    apply_sequence_parallel(model, layout.seq_group)
-    keep_attention(model, cfg.mop.attention.keep)
-    expert_params = apply_expert_parallel(model, layout.expert_mesh, layout.expert_group, cfg.mop.moe)
-    vocab_params = apply_vocab_parallel(model, layout.vocab_mesh) if layout.vocab_size > 1 else []
+    module = LanguageModelLoss(model, loss_fn=build_loss_fn(cfg, layout, spec.args.vocab_size))
     sco = build_sco(cfg.mop.sco, device)
-    checkpointed = apply_activation_checkpointing(model, cfg.activation_checkpoint, sco)
-    module = LanguageModelLoss(model, loss_fn=build_loss_fn(cfg, layout, args.vocab_size))
-    precision = MixedPrecision.from_training(cfg.training)
-    apply_fsdp(module, model, layout.mesh, param_dtype=precision.param_dtype,
-               reduce_dtype=precision.reduce_dtype, ignored_params=set(expert_params + vocab_params))
+    shards = parallelize(module, layout, options, sco=sco)
     if not whole:
         module.to_empty(device=device)
         model.init_weights(buffer_device=device)
-    return ModelParts(module, model, sco, checkpointed, expert_params, vocab_params,
-                      "whole" if whole else "per-shard", precision)
+    return ModelParts(module, model, sco, shards.checkpointed, shards.expert_params, shards.vocab_params,
+                      "whole" if whole else "per-shard", options.precision)
 
 
 def build_sco(sco_cfg, device: torch.device):
@@ -118,22 +138,156 @@ def build_sco(sco_cfg, device: torch.device):
     return SelectiveCheckpointOffload(budget, device=device)
 
 
-def describe_run(cfg, layout, parts: ModelParts, seed: int, device, host_terms, plan) -> str:
-    checkpointed = parts.checkpointed
-    args, counts = zoo.get_model_args(cfg.model.flavor), zoo.param_counts(cfg.model.flavor)
-    t = cfg.training
-    micro_batches = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * layout.data_size)
-    return "\n".join([
-        f"model {cfg.model.flavor}: {counts['total']:,} parameters ({counts['active']:,} active per token), "
+def seed_everything(seed: int | None, device: torch.device) -> int:
+    """Same seed on every rank (rank 0 draws one when none is given); returns it."""
+    if seed is None:
+        drawn = torch.randint(0, 2**31 - 1, (1,), device=device)
+        dist.broadcast(drawn, src=0)
+        seed = int(drawn.item())
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    return seed
+
+
+def document_eos_id(cfg, tokenizer) -> int | None:
+    """The EOS id that splits packed documents when [mop.data] document_mask is on, else None."""
+    if not cfg.mop.data.document_mask:
+        return None
+    if tokenizer.eos_id is None:
+        raise ValueError(f"mop.data.document_mask = true but the tokenizer at model.hf_assets_path = "
+                         f"{cfg.model.hf_assets_path!r} has no EOS token to split documents at; give it an "
+                         f"eos_token (tokenizer_config.json) or set mop.data.document_mask = false")
+    return tokenizer.eos_id
+
+
+@dataclass
+class Run:
+    """Everything the steps of a run need, built by `build_run`."""
+
+    layout: RankLayout
+    spec: ModelSpec
+    seed: int
+    micro_batches: int                 # per optimizer step (gradient accumulation)
+    dataloader: object
+    eos_id: int | None                 # splits packed documents ([mop.data] document_mask), or None
+    parts: ModelParts
+    optimizers: object                 # torchtitan's OptimizersContainer
+    lr_schedulers: object              # torchtitan's LRSchedulersContainer
+    schedule_steps: int                # the LR schedule's length: past it, the final LR is held
+    train_state: TrainState
+    checkpointer: object               # mop_train.train.checkpoint.Checkpointer
+
+
+def build_run(cfg, device: torch.device) -> Run:
+    """Build a run's parts in the launch order (module docstring), resume it from the dump folder's
+    checkpoint when there is one, and print its description on rank 0."""
+    lay = cfg.mop.layout
+    layout = RankLayout.build(plan_layout(dist.get_world_size(), lay.seq_degree, lay.expert_degree,
+                                          lay.vocab_degree), device_type=device.type)
+    spec = ModelSpec.resolve(cfg.model.flavor)
+    check_layout_fits(layout.plan, cfg.training, spec.args)
+    micro_batches = check_titan_parallelism(cfg.parallelism, cfg.training, data_size=layout.data_size)
+    parallel = ParallelizeOptions.from_config(cfg, spec.args)
+    if cfg.debug.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=cfg.debug.deterministic_warn_only)
+    seed = seed_everything(cfg.debug.seed, device)
+    dataloader, eos_id = _build_data(cfg, layout, spec)
+    parts = build_model(cfg, layout, device, spec, parallel)
+    plan_terms, host_terms = _check_plans(cfg, layout, parts)
+    free_bytes = free_device_bytes(plan_terms, device)
+    optimizers = build_optimizers([parts.module], cfg.optimizer, cfg.mop.offload_adamw,
+                                  world_size=dist.get_world_size(),
+                                  device_fraction=_offload_device_share(cfg, parts, free_bytes))
+    if cfg.mop.offload_adamw.overlap:
+        for opt in optimizers:
+            if hasattr(opt, "wait_in_forward"):
+                opt.wait_in_forward(forward_units(parts.module))
+    schedule_steps = cfg.lr_scheduler.total_steps or cfg.training.steps
+    lr_schedulers = build_lr_schedulers(optimizers, cfg.lr_scheduler, min(cfg.training.steps, schedule_steps))
+    train_state = TrainState(dist.get_rank())
+    checkpointer = build_checkpointer(cfg.checkpoint, cfg.job.dump_folder, model=parts.model,
+                                      optimizers=optimizers, lr_schedulers=lr_schedulers,
+                                      dataloader=dataloader, train_state=train_state,
+                                      reliability=cfg.mop.reliability, device=device)
+    checkpointer.load(step=cfg.checkpoint.load_step)
+    if train_state.step == 0:  # fresh start or a model-only load: offloaded masters follow the weights
+        for opt in optimizers:
+            if hasattr(opt, "reset_masters_from_params"):
+                opt.reset_masters_from_params()
+    run = Run(layout, spec, seed, micro_batches, dataloader, eos_id, parts, optimizers, lr_schedulers,
+              schedule_steps, train_state, checkpointer)
+    if dist.get_rank() == 0:
+        print(describe_run(cfg, run, device, host_terms, plan_terms,
+                           free_device_bytes=free_bytes if device.type == "cuda" else None), flush=True)
+    return run
+
+
+def _build_data(cfg, layout, spec: ModelSpec):
+    """(dataloader, eos_id): this rank's sequence group's slice of the data, and the EOS id that
+    splits packed documents (None without [mop.data] document_mask)."""
+    cache_dir = cfg.mop.data.cache_dir or default_cache_dir()
+    tokenizer = build_tokenizer(cfg.model.hf_assets_path, cache_dir=cache_dir)
+    vocab = spec.args.vocab_size
+    if tokenizer.get_vocab_size() > vocab:
+        raise ValueError(f"the tokenizer at model.hf_assets_path = {cfg.model.hf_assets_path!r} has "
+                         f"{tokenizer.get_vocab_size()} tokens but model {cfg.model.flavor!r} has vocab_size "
+                         f"{vocab}; use a model with a larger vocabulary or a smaller tokenizer")
+    dataloader = build_dataloader(cfg.training, tokenizer, layout.data_rank, layout.data_size,
+                                  cache_dir=cache_dir, text_column=cfg.mop.data.text_column)
+    return dataloader, document_eos_id(cfg, tokenizer)
+
+
+def _check_plans(cfg, layout, parts: ModelParts):
+    """The per-rank device and pinned host plans; stops the launch when the host's ranks do not fit."""
+    from mop_train.ops.sco.budget import available_host_bytes
+
+    plan_terms, host_terms = run_plans(cfg, layout, parts)
+    check_host_memory(host_terms, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                      available_bytes=available_host_bytes())
+    dist.barrier()  # every rank has read the free host memory before any rank pins its share
+    return plan_terms, host_terms
+
+
+def _offload_device_share(cfg, parts: ModelParts, free_bytes: int) -> float | None:
+    """OffloadStreamAdamW's device_fraction, "auto" resolved from the device bytes the plan leaves
+    free; None for another optimizer."""
+    if cfg.optimizer.name != OFFLOAD_ADAMW:
+        return None
+    shards = [local(p) for p in parts.module.parameters() if p.requires_grad]
+    return resolve_device_fraction(cfg.mop.offload_adamw, local_numel=sum(t.numel() for t in shards),
+                                   fp32_weights=all(t.dtype == torch.float32 for t in shards),
+                                   free_device_bytes=free_bytes)
+
+
+def describe_run(cfg, run: Run, device, host_terms, plan_terms, *, free_device_bytes: int | None) -> str:
+    """What rank 0 prints at launch: the model, the layout, the batch and operators, both memory
+    plans, OffloadStreamAdamW's share, and where the run resumes from."""
+    spec, layout, parts, t = run.spec, run.layout, run.parts, cfg.training
+    args, micro_batches = spec.args, run.micro_batches
+    lines = [
+        f"model {spec.flavor}: {spec.total_params:,} parameters ({spec.active_params:,} active per token), "
         f"{args.n_layers} blocks, H={args.dim}, V={args.vocab_size}",
         layout.plan.describe().splitlines()[0],
         f"device {device}, W={layout.plan.world_size}, B={t.local_batch_size}, S={t.seq_len}, "
         f"global batch {micro_batches * t.local_batch_size * layout.data_size} sequences "
         f"({micro_batches} micro-batch{'es' if micro_batches > 1 else ''} per step), "
-        f"steps={t.steps}, seed={seed}, checkpointed blocks {checkpointed}, init {parts.init_mode}, "
+        f"steps={t.steps}, seed={run.seed}, checkpointed blocks {parts.checkpointed}, init {parts.init_mode}, "
         f"dispatch {cfg.mop.moe.dispatch}, loss "
         f"{'ring_dtp' if uses_ring_dtp(cfg, layout) else 'chunked cross-entropy'}"
         + (", document mask on" if cfg.mop.data.document_mask else "")
         + (", attention kept across the recompute" if cfg.mop.attention.keep else ""),
-        format_plan(plan),
-        format_plan(host_terms, title="per-rank pinned host memory")])
+        format_plan(plan_terms),
+        format_plan(host_terms, title="per-rank pinned host memory")]
+    offload_line = describe_offload(run.optimizers, free_device_bytes=free_device_bytes)
+    if offload_line:
+        lines.append(offload_line)
+    if run.checkpointer.note:
+        lines.append(run.checkpointer.note)
+    step = run.train_state.step
+    if step:
+        lines.append(f"resumed from step {step} in {run.checkpointer.folder}")
+    if step >= t.steps:
+        lines.append(f"nothing to train: the checkpoint is at step {step} and training.steps = {t.steps}; "
+                     f"raise --training.steps or use a new --job.dump_folder")
+    return "\n".join(lines)

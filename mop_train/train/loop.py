@@ -11,8 +11,8 @@ or gradient norm is non-finite on any rank updates none of that (mop_train.train
 [mop.data] document_mask, document ids are taken from the full sequences (before the sequence
 split) at the tokenizer's EOS, and attention stays inside each packed document. Checkpoints
 (DCP) save and restore every piece of that state, so a resumed run repeats the same losses.
-Build order: config -> layout -> data -> model (mop_train.train.build: meta, layout, checkpointing,
-FSDP2, init) -> optimizer -> checkpoint (resume) -> steps.
+The run's parts (layout, data, model under the layout, optimizer, schedule, checkpointer) are built
+by mop_train.train.build.build_run; this file is the steps.
 
 Legend: W ranks, B local batch, S sequence length.
 """
@@ -20,34 +20,23 @@ Legend: W ranks, B local batch, S sequence length.
 from __future__ import annotations
 
 import os
-import random
 import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import init_logger, logger
 
 from mop_train.config import load_job_config
-from mop_train.layout import RankLayout, plan_layout
 from mop_train.models import zoo
 from mop_train.models.document_mask import document_ids
-from mop_train.ops.offload_adamw import forward_units
 from mop_train.parallel.apply import dispatch_metrics
-from mop_train.parallel.sharding import clip_grads_with_norm_, local, reduce_replica_grads, total_grad_norm
-from mop_train.train.build import ModelParts, build_model, describe_run
-from mop_train.train.job_plan import run_plans
-from mop_train.train.checkpoint import TrainState, build_checkpointer
-from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir
+from mop_train.parallel.sharding import clip_grads_with_norm_, reduce_replica_grads, total_grad_norm
+from mop_train.train.build import ModelParts, Run, build_run
 from mop_train.train.loss import IGNORE_INDEX
 from mop_train.train.metrics import DeviceSpan, MetricLogger, flops_per_token, peak_tflops
-from mop_train.train.optim import (OFFLOAD_ADAMW, build_lr_schedulers, build_optimizers, describe_offload,
-                                   free_device_bytes, resolve_device_fraction)
-from mop_train.train.parallelize import check_layout_fits, check_titan_parallelism
-from mop_train.train.plan import check_host_memory
 from mop_train.train.reliability import (CollectiveTimeout, DumpFolderLock, DumpFolderLocked, Fault,
                                          NonFiniteGuard, StepVerdict, StopFlag, StopRequested,
                                          exit_with_parent, install_a2a_split_check, is_timeout,
@@ -68,18 +57,6 @@ def init_distributed(timeout_s: float = 300) -> torch.device:
         device = torch.device("cpu")
         dist.init_process_group("gloo", **kwargs)
     return device
-
-
-def seed_everything(seed: int | None, device: torch.device) -> int:
-    """Same seed on every rank (rank 0 draws one when none is given); returns it."""
-    if seed is None:
-        drawn = torch.randint(0, 2**31 - 1, (1,), device=device)
-        dist.broadcast(drawn, src=0)
-        seed = int(drawn.item())
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    return seed
 
 
 def shard_sequence(tokens: torch.Tensor, labels: torch.Tensor, layout):
@@ -171,17 +148,6 @@ def train_step(parts: ModelParts, layout, batches: list, optimizers, lr_schedule
             "optimizer_span": optimizer_span, "dispatch": dispatch_metrics(model), "verdict": verdict}
 
 
-def document_eos_id(cfg, tokenizer) -> int | None:
-    """The EOS id that splits packed documents when [mop.data] document_mask is on, else None."""
-    if not cfg.mop.data.document_mask:
-        return None
-    if tokenizer.eos_id is None:
-        raise ValueError(f"mop.data.document_mask = true but the tokenizer at model.hf_assets_path = "
-                         f"{cfg.model.hf_assets_path!r} has no EOS token to split documents at; give it an "
-                         f"eos_token (tokenizer_config.json) or set mop.data.document_mask = false")
-    return tokenizer.eos_id
-
-
 def lock_dump_folder(cfg) -> DumpFolderLock | None:
     """Rank 0 takes the dump folder's lock; every rank raises DumpFolderLocked when it is held."""
     if not cfg.mop.reliability.lock_dump_folder:
@@ -201,106 +167,41 @@ def lock_dump_folder(cfg) -> DumpFolderLock | None:
 
 
 def train(cfg, device: torch.device, stop: StopFlag) -> None:
+    """Build the run (mop_train.train.build), run its steps, and say where its outputs are."""
     lock = lock_dump_folder(cfg)
     try:
-        _train(cfg, device, stop)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        run = build_run(cfg, device)
+        metrics = MetricLogger(cfg.metrics, cfg.job.dump_folder, rank=rank, device=device,
+                               run_config=cfg.to_dict())
+        args = run.spec.args
+        flops = flops_per_token(run.spec.active_params, args.vocab_size * args.dim, args.n_layers, args.n_heads,
+                                args.qk_head_dim, cfg.training.seq_len)
+        guards = StepGuards(NonFiniteGuard(cfg.mop.reliability, rank=rank, world=world, device=device), stop,
+                            run.schedule_steps, Fault.from_env())
+        try:
+            run_steps(cfg, run, metrics, device=device, flops_per_token=flops, guards=guards)
+        finally:
+            metrics.close()
+            run.checkpointer.close()
+        if rank == 0:
+            print(f"done: metrics in {metrics.jsonl_path}"
+                  + (f", TensorBoard events in {metrics.tb_dir}" if cfg.metrics.enable_tensorboard else "")
+                  + (f", W&B run in {metrics.wandb_dir}" if cfg.metrics.enable_wandb else "")
+                  + (f", checkpoints in {run.checkpointer.folder}" if cfg.checkpoint.enable else ""), flush=True)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(cfg, device: torch.device, stop: StopFlag) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    lay = cfg.mop.layout
-    layout = RankLayout.build(plan_layout(world, lay.seq_degree, lay.expert_degree, lay.vocab_degree),
-                              device_type=device.type)
-    check_layout_fits(layout.plan, cfg.training, zoo.get_model_args(cfg.model.flavor))
-    micro_batches = check_titan_parallelism(cfg.parallelism, cfg.training, data_size=layout.data_size)
-    if cfg.debug.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=cfg.debug.deterministic_warn_only)
-    seed = seed_everything(cfg.debug.seed, device)
-
-    cache_dir = cfg.mop.data.cache_dir or default_cache_dir()
-    tokenizer = build_tokenizer(cfg.model.hf_assets_path, cache_dir=cache_dir)
-    vocab = zoo.get_model_args(cfg.model.flavor).vocab_size
-    if tokenizer.get_vocab_size() > vocab:
-        raise ValueError(f"the tokenizer at model.hf_assets_path = {cfg.model.hf_assets_path!r} has "
-                         f"{tokenizer.get_vocab_size()} tokens but model {cfg.model.flavor!r} has vocab_size "
-                         f"{vocab}; use a model with a larger vocabulary or a smaller tokenizer")
-    dataloader = build_dataloader(cfg.training, tokenizer, layout.data_rank, layout.data_size,
-                                  cache_dir=cache_dir, text_column=cfg.mop.data.text_column)
-    eos_id = document_eos_id(cfg, tokenizer)
-
-    parts = build_model(cfg, layout, device)
-    module, model = parts.module, parts.model
-    from mop_train.ops.sco.budget import available_host_bytes
-    plan_terms, host_terms = run_plans(cfg, layout, parts)
-    check_host_memory(host_terms, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                      available_bytes=available_host_bytes())
-    dist.barrier()  # every rank has read the free host memory before any rank pins its share
-    free_bytes, device_share = free_device_bytes(plan_terms, device), None
-    if cfg.optimizer.name == OFFLOAD_ADAMW:
-        shards = [local(p) for p in module.parameters() if p.requires_grad]
-        device_share = resolve_device_fraction(cfg.mop.offload_adamw, local_numel=sum(t.numel() for t in shards),
-                                               fp32_weights=all(t.dtype == torch.float32 for t in shards),
-                                               free_device_bytes=free_bytes)
-    optimizers = build_optimizers([module], cfg.optimizer, cfg.mop.offload_adamw, world_size=world,
-                                  device_fraction=device_share)
-    if cfg.mop.offload_adamw.overlap:
-        for opt in optimizers:
-            if hasattr(opt, "wait_in_forward"):
-                opt.wait_in_forward(forward_units(module))
-    schedule_steps = cfg.lr_scheduler.total_steps or cfg.training.steps
-    lr_schedulers = build_lr_schedulers(optimizers, cfg.lr_scheduler, min(cfg.training.steps, schedule_steps))
-    train_state = TrainState(rank)
-    checkpointer = build_checkpointer(cfg.checkpoint, cfg.job.dump_folder, model=model,
-                                      optimizers=optimizers, lr_schedulers=lr_schedulers,
-                                      dataloader=dataloader, train_state=train_state,
-                                      reliability=cfg.mop.reliability, device=device)
-    checkpointer.load(step=cfg.checkpoint.load_step)
-    if train_state.step == 0:  # fresh start or a model-only load: offloaded masters follow the weights
-        for opt in optimizers:
-            if hasattr(opt, "reset_masters_from_params"):
-                opt.reset_masters_from_params()
-    if rank == 0:
-        print(describe_run(cfg, layout, parts, seed, device, host_terms, plan_terms), flush=True)
-        offload_line = describe_offload(optimizers, free_device_bytes=free_bytes if device.type == "cuda" else None)
-        if offload_line:
-            print(offload_line, flush=True)
-        if checkpointer.note:
-            print(checkpointer.note, flush=True)
-        if train_state.step:
-            print(f"resumed from step {train_state.step} in {checkpointer.folder}", flush=True)
-        if train_state.step >= cfg.training.steps:
-            print(f"nothing to train: the checkpoint is at step {train_state.step} and training.steps = "
-                  f"{cfg.training.steps}; raise --training.steps or use a new --job.dump_folder", flush=True)
-
-    metrics = MetricLogger(cfg.metrics, cfg.job.dump_folder, rank=rank, device=device,
-                           run_config=cfg.to_dict())
-    counts, args = zoo.param_counts(cfg.model.flavor), model.args
-    flops = flops_per_token(counts["active"], args.vocab_size * args.dim, args.n_layers, args.n_heads,
-                            args.qk_head_dim, cfg.training.seq_len)
-    guards = StepGuards(NonFiniteGuard(cfg.mop.reliability, rank=rank, world=world, device=device), stop,
-                        schedule_steps, Fault.from_env())
-    try:
-        run_steps(cfg, parts, layout, dataloader, optimizers, lr_schedulers, checkpointer, train_state,
-                  metrics, device=device, flops_per_token=flops, eos_id=eos_id, guards=guards,
-                  micro_batches=micro_batches)
-    finally:
-        metrics.close()
-        checkpointer.close()
-    if rank == 0:
-        print(f"done: metrics in {metrics.jsonl_path}"
-              + (f", TensorBoard events in {metrics.tb_dir}" if cfg.metrics.enable_tensorboard else "")
-              + (f", W&B run in {metrics.wandb_dir}" if cfg.metrics.enable_wandb else "")
-              + (f", checkpoints in {checkpointer.folder}" if cfg.checkpoint.enable else ""), flush=True)
-
-
-def run_steps(cfg, parts: ModelParts, layout, dataloader, optimizers, lr_schedulers, checkpointer,
-              train_state, metrics, *, device, flops_per_token: float, guards: StepGuards,
-              eos_id: int | None = None, micro_batches: int = 1) -> None:
-    steps, peak, sco = cfg.training.steps, peak_tflops(device), parts.sco
-    batches = iter(dataloader)
+def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards: StepGuards) -> None:
+    """Steps from the run's position to training.steps: one `train_step` each, metrics at the log
+    interval (and on a skipped step), checkpoints at the checkpointer's interval; a collective that
+    times out names the step's phase, a stop signal saves and stops at the step boundary."""
+    steps, peak, sco = cfg.training.steps, peak_tflops(device), run.parts.sco
+    train_state, checkpointer, optimizers = run.train_state, run.checkpointer, run.optimizers
+    micro_batches = run.micro_batches
+    batches = iter(run.dataloader)
     window_start, window_tokens, timeout_set = time.perf_counter(), 0, False
     while train_state.step < steps:
         train_state.step += 1
@@ -308,10 +209,10 @@ def run_steps(cfg, parts: ModelParts, layout, dataloader, optimizers, lr_schedul
         if sco is not None:
             sco.begin_step()
         try:
-            out = train_step(parts, layout, [next(batches) for _ in range(micro_batches)], optimizers,
-                             lr_schedulers,
+            out = train_step(run.parts, run.layout, [next(batches) for _ in range(micro_batches)], optimizers,
+                             run.lr_schedulers,
                              max_norm=cfg.training.max_norm, bias_rate=cfg.mop.moe.bias_update_rate,
-                             device=device, eos_id=eos_id, guards=guards, step=step)
+                             device=device, eos_id=run.eos_id, guards=guards, step=step)
         except RuntimeError as err:
             if not is_timeout(err):
                 raise

@@ -20,16 +20,21 @@ from mop_train.layout import LayoutPlan
 from mop_train.train.plan import GIB, format_plan
 
 
+def kept_out_of_fsdp(model, layout_plan, *, dispatch: str) -> tuple[list, list]:
+    """(routed expert weights, the output projection) that a MoP group shards instead of FSDP2:
+    the experts over E_p unless dispatch = "local", the projection over P when P > 1."""
+    routed = [p for moe in model.moe_layers() for p in moe.experts.parameters()] if dispatch != "local" else []
+    return routed, [model.output.weight] if layout_plan.vocab_degree > 1 else []
+
+
 def local_param_count(model, layout_plan, *, dispatch: str) -> int:
     """This rank's parameters under the layout: FSDP2 shards the dense weights over W, the routed
     experts are sharded over E_p (unless dispatch = "local"), the output projection over P (P > 1)."""
-    W, Ep, P = layout_plan.world_size, layout_plan.expert_degree, layout_plan.vocab_degree
-    routed = sum(p.numel() for moe in model.moe_layers() for p in moe.experts.parameters())
-    projection = model.output.weight.numel()
-    total = sum(p.numel() for p in model.parameters())
-    dense = total - (routed if dispatch != "local" else 0) - (projection if P > 1 else 0)
-    return (-(-dense // W) + (-(-routed // Ep) if dispatch != "local" else 0)
-            + (-(-projection // P) if P > 1 else 0))
+    routed, projection = (sum(p.numel() for p in ps)
+                          for ps in kept_out_of_fsdp(model, layout_plan, dispatch=dispatch))
+    dense = sum(p.numel() for p in model.parameters()) - routed - projection
+    return (-(-dense // layout_plan.world_size) + -(-routed // layout_plan.expert_degree)
+            + -(-projection // layout_plan.vocab_degree))
 
 
 @dataclass(frozen=True)
@@ -73,9 +78,10 @@ def plan_for_config(cfg, *, world: int, ranks_per_node: int, host_bytes: int | N
     from mop_train.models import zoo
     from mop_train.models.model import MoETransformer
     from mop_train.ops.sco import resolve_host_budget
+    from mop_train.parallel.parallelize import check_layout_fits, check_titan_parallelism
+    from mop_train.parallel.parallelize import checkpointed_layer_ids as _checkpointed_layer_ids
     from mop_train.parallel.precision import MixedPrecision
     from mop_train.train.job_plan import fsdp_block_params, fsdp_root_params, memory_plans
-    from mop_train.train.parallelize import _checkpointed_layer_ids, check_layout_fits, check_titan_parallelism
 
     lay, t = cfg.mop.layout, cfg.training
     layout = plan_layout(world, lay.seq_degree, lay.expert_degree, lay.vocab_degree)
@@ -84,15 +90,13 @@ def plan_for_config(cfg, *, world: int, ranks_per_node: int, host_bytes: int | N
     micro = check_titan_parallelism(cfg.parallelism, t, data_size=world // lay.seq_degree)
     with torch.device("meta"):
         model = MoETransformer(args)
-    routed = {id(p) for moe in model.moe_layers() for p in moe.experts.parameters()}
-    kept_out = routed if cfg.mop.moe.dispatch != "local" else set()   # expert shards stay out of FSDP2
+    routed, projection = kept_out_of_fsdp(model, layout, dispatch=cfg.mop.moe.dispatch)
+    kept_out = {id(p) for p in routed + projection}                   # sharded by a MoP group, not FSDP2
     precision = MixedPrecision.from_training(t)
     sco_budget = 0 if cfg.mop.sco.host_budget.strip() == "0" else resolve_host_budget(
         cfg.mop.sco.host_budget, ranks_per_node, available_bytes=host_bytes)
     mine = local_param_count(model, layout, dispatch=cfg.mop.moe.dispatch)
     total = sum(p.numel() for p in model.parameters())
-    if layout.vocab_degree > 1:
-        kept_out |= {id(model.output.weight)}                         # the projection's shard too
     device_terms, host_terms = memory_plans(
         cfg, layout_plan=layout, total_params=total,
         largest_block_params=max(fsdp_block_params(b, kept_out) for b in model.layers.values()),

@@ -1,4 +1,4 @@
-"""Expert-parallel dispatch schedules against `dispatch="local"` on the full expert weights.
+"""Expert-parallel dispatch schedules against the local schedule (options None) on the full expert weights.
 
 Every rank builds the whole problem (all ranks' tokens and the full weights) from one seed, runs the
 local schedule for each rank as the oracle, then runs the schedule under test on its own tokens and
@@ -11,6 +11,8 @@ error. All cases run inside one spawn per world size: gloo on CPU at 2, 3, 4 ran
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
-from mop_train.ops.moe_dispatch import DispatchStats, max_received_bound, moe_experts_forward
+from mop_train.ops.moe_dispatch import (DispatchStats, EPOptions, LLEPOptions, PipelinedLLEPOptions, dispatch_options,
+                                        max_received_bound, moe_experts_forward)
 from mop_train.ops.moe_dispatch.local import local_experts_forward
 from mop_train.ops.moe_dispatch.reference import reference_experts_forward
 from mop_train.ops.routing_profiles import PROFILES, routing_profile
@@ -82,12 +85,13 @@ def oracle(weights_full, per_rank):
     return results, [grad_of(w) for w in ws]
 
 
-def run_schedule(dispatch, options, x, idx, wts, g, shards, group, outer_checkpoint):
+def run_schedule(options, x, idx, wts, g, shards, group, outer_checkpoint, stats=None):
+    """`options`: None (local) or a schedule's options; `stats`: a DispatchStats it fills."""
     xl, wl = leaf(x), leaf(wts)
     ws = [leaf(w) for w in shards]
 
     def layer(x_, w_, a, b, c):
-        return moe_experts_forward(x_, idx, w_, a, b, c, dispatch=dispatch, group=group, **options)
+        return moe_experts_forward(x_, idx, w_, a, b, c, options, group=group, stats=stats)
 
     if outer_checkpoint:
         y = checkpoint(layer, xl, wl, *ws, use_reentrant=False)
@@ -97,16 +101,16 @@ def run_schedule(dispatch, options, x, idx, wts, g, shards, group, outer_checkpo
     return y.detach(), grad_of(xl), grad_of(wl), [grad_of(w) for w in ws]
 
 
-def check_case(rank, world, dispatch, options, seed, tokens, kind, outer_checkpoint, group=None):
+def check_case(rank, world, options, seed, tokens, kind, outer_checkpoint, group=None):
     """`rank`, `world`: this rank's index in and the size of the expert group (WORLD by default)."""
     weights_full, per_rank = build_case(seed, tokens, kind, world, worker_device())
     expected, full_grads = oracle(weights_full, per_rank)
     M = E // world
     shards = [w[rank * M:(rank + 1) * M] for w in weights_full]
     x, idx, wts, g = per_rank[rank]
-    y, gx, gw, gshards = run_schedule(dispatch, options, x, idx, wts, g, shards,
-                                      group or dist.group.WORLD, outer_checkpoint)
-    tag = f"[{dispatch} {options} {kind} tokens={tokens} ckpt={outer_checkpoint} rank={rank}]"
+    y, gx, gw, gshards = run_schedule(options, x, idx, wts, g, shards, group or dist.group.WORLD,
+                                      outer_checkpoint)
+    tag = f"[{options} {kind} tokens={tokens} ckpt={outer_checkpoint} rank={rank}]"
     ey, egx, egw = expected[rank]
     assert_close_to_scale(y, ey, name=f"y {tag}")
     assert_close_to_scale(gx, egx, name=f"grad x {tag}")
@@ -127,41 +131,74 @@ def ep_cases(world):
 def _ep_worker(rank, world):
     for i, (kind, tokens) in enumerate(ep_cases(world)):
         for ckpt in (False, True):
-            check_case(rank, world, "ep", {}, 100 + i, tokens, kind, ckpt)
+            check_case(rank, world, EPOptions(), 100 + i, tokens, kind, ckpt)
 
 
 def test_single_rank_schedules_are_local():
     """Group None (size 1): ep/llep are local; pipelined_llep still chunks its expert compute."""
     weights_full, per_rank = build_case(7, [9], "50/4", 1)
     x, idx, wts, g = per_rank[0]
-    want = run_schedule("local", {}, x, idx, wts, g, weights_full, None, False)
-    for dispatch, opts in [("ep", {}), ("llep", {}), ("pipelined_llep", dict(token_budget=2)),
-                           ("pipelined_llep", dict(token_budget=4, membership="contiguous"))]:
+    want = run_schedule(None, x, idx, wts, g, weights_full, None, False)
+    for opts in [EPOptions(), LLEPOptions(), PipelinedLLEPOptions(token_budget=2),
+                 PipelinedLLEPOptions(token_budget=4, membership="contiguous")]:
         for ckpt in (False, True):
             stats = DispatchStats()
-            got = run_schedule(dispatch, dict(opts, stats=stats), x, idx, wts, g, weights_full, None, ckpt)
+            got = run_schedule(opts, x, idx, wts, g, weights_full, None, ckpt, stats)
             for a, b, name in zip(got[:3], want[:3], ("y", "grad x", "grad weights")):
-                assert_close_to_scale(a, b, name=f"{dispatch} {opts} {name}")
+                assert_close_to_scale(a, b, name=f"{opts} {name}")
             for a, b in zip(got[3], want[3]):
-                assert_close_to_scale(a, b, name=f"{dispatch} expert grads")
-            assert stats.num_chunks == (-(-9 // opts["token_budget"]) if "token_budget" in opts else 1)
+                assert_close_to_scale(a, b, name=f"{opts} expert grads")
+            chunked = isinstance(opts, PipelinedLLEPOptions)
+            assert stats.num_chunks == (-(-9 // opts.token_budget) if chunked else 1)
     assert_close_to_scale(want[0], reference_experts_forward(x, idx, wts, *weights_full), name="local vs reference")
 
 
-@pytest.mark.parametrize("dispatch,opts", [("ep", dict(alpha=1.0)), ("llep", dict(token_budget=4)),
-                                           ("pipelined_llep", dict(token_budget=0)),
-                                           ("pipelined_llep", dict(membership="blocks")),
-                                           ("llep", dict(alpha=-1.0)), ("nccl", {})])
-def test_bad_options(dispatch, opts):
+@pytest.mark.parametrize("cls,settings,needles", [
+    (PipelinedLLEPOptions, dict(token_budget=0), ["token_budget = 0", ">= 1"]),
+    (PipelinedLLEPOptions, dict(token_budget=2.5), ["token_budget = 2.5", "integer"]),
+    (PipelinedLLEPOptions, dict(max_chunks=0), ["max_chunks = 0", ">= 1"]),
+    (PipelinedLLEPOptions, dict(membership="blocks"), ["membership = 'blocks'", "'strided'", "'contiguous'"]),
+    (PipelinedLLEPOptions, dict(alpha=0.0), ["alpha = 0.0", "> 0"]),       # LLEP's checks run too
+    (LLEPOptions, dict(alpha=-1.0), ["alpha = -1.0", "> 0"]),
+    (LLEPOptions, dict(min_tokens_per_gemm=0), ["min_tokens_per_gemm = 0", ">= 1"]),
+    (LLEPOptions, dict(imbalance_threshold=0.5), ["imbalance_threshold = 0.5", ">= 1.0"]),
+    (LLEPOptions, dict(imbalance_threshold=True), ["imbalance_threshold = True"])])
+def test_bad_options_are_refused_when_built(cls, settings, needles):
+    """Each value is checked once, when the options are built, with the value and what it must be."""
+    with pytest.raises(ValueError) as info:
+        cls(**settings)
+    for needle in needles:
+        assert needle in str(info.value), f"{needle!r} missing from: {info.value}"
+
+
+def test_options_pick_the_schedule_and_reject_anything_else():
     weights_full, per_rank = build_case(7, [4], "random", 1)
     x, idx, wts, _ = per_rank[0]
-    with pytest.raises(ValueError):
-        moe_experts_forward(x, idx, wts, *weights_full, dispatch=dispatch, **opts)
+    with pytest.raises(TypeError):
+        LLEPOptions(token_budget=4)                     # a setting of another schedule
+    with pytest.raises(TypeError):
+        EPOptions(alpha=1.0)
+    with pytest.raises(ValueError, match="'nccl'.*LLEPOptions"):
+        moe_experts_forward(x, idx, wts, *weights_full, "nccl")
+    with pytest.raises(ValueError, match="records no DispatchStats"):
+        moe_experts_forward(x, idx, wts, *weights_full, None, stats=DispatchStats())
+    with pytest.raises(ValueError, match="unknown dispatch 'nccl'"):
+        dispatch_options("nccl", object())
+    settings = SimpleNamespace(alpha=2.0, min_tokens_per_gemm=5, imbalance_threshold=1.5, token_budget=7,
+                               max_chunks=3, membership="contiguous", bias_update_rate=0.1)
+    assert dispatch_options("local", settings) is None
+    assert dispatch_options("ep", settings) == EPOptions()
+    assert dispatch_options("llep", settings) == LLEPOptions(alpha=2.0, min_tokens_per_gemm=5,
+                                                             imbalance_threshold=1.5)
+    assert dispatch_options("pipelined_llep", settings) == PipelinedLLEPOptions(
+        alpha=2.0, min_tokens_per_gemm=5, imbalance_threshold=1.5, token_budget=7, max_chunks=3,
+        membership="contiguous")
 
 
-LLEP_OPTIONS = [dict(min_tokens_per_gemm=2, imbalance_threshold=1.0),   # relocates eagerly
-                dict(min_tokens_per_gemm=1000),                         # helpers only by forced remainder
-                dict(alpha=1.5, min_tokens_per_gemm=3)]
+LLEP_SETTINGS = [dict(min_tokens_per_gemm=2, imbalance_threshold=1.0),   # relocates eagerly
+                 dict(min_tokens_per_gemm=1000),                         # helpers only by forced remainder
+                 dict(alpha=1.5, min_tokens_per_gemm=3)]
+EAGER = LLEP_SETTINGS[0]
 
 
 def _llep_worker(rank, world):
@@ -169,13 +206,13 @@ def _llep_worker(rank, world):
     seed = fresh_seed(200)
     for p, kind in enumerate(PROFILES):
         seed += 1
-        check_case(rank, world, "llep", LLEP_OPTIONS[p % 3], seed, n, kind, p == 3)
-    for kind, tokens, opts in [("one_expert", n, LLEP_OPTIONS[0]),
-                               ("skip_last_rank", n, dict(imbalance_threshold=100.0)),  # last rank only sends
-                               ("random", [0] + n[1:], LLEP_OPTIONS[0])]:              # rank 0 only receives
+        check_case(rank, world, LLEPOptions(**LLEP_SETTINGS[p % 3]), seed, n, kind, p == 3)
+    for kind, tokens, opts in [("one_expert", n, LLEPOptions(**EAGER)),
+                               ("skip_last_rank", n, LLEPOptions(imbalance_threshold=100.0)),  # last rank only sends
+                               ("random", [0] + n[1:], LLEPOptions(**EAGER))]:              # rank 0 only receives
         seed += 1
         for ckpt in (False, True):
-            check_case(rank, world, "llep", opts, seed, tokens, kind, ckpt)
+            check_case(rank, world, opts, seed, tokens, kind, ckpt)
 
 
 def _check_pipelined_extras(rank, world, seed, tokens, kind, budget):
@@ -188,9 +225,8 @@ def _check_pipelined_extras(rank, world, seed, tokens, kind, budget):
     results, received = {}, {}
     for membership in ("strided", "contiguous"):
         stats = DispatchStats()
-        opts = dict(LLEP_OPTIONS[0], token_budget=budget, membership=membership, stats=stats)
-        results[membership] = run_schedule("pipelined_llep", opts, x, idx, wts, g, shards,
-                                           dist.group.WORLD, False)
+        opts = PipelinedLLEPOptions(**EAGER, token_budget=budget, membership=membership)
+        results[membership] = run_schedule(opts, x, idx, wts, g, shards, dist.group.WORLD, False, stats)
         K = -(-max(tokens) // budget)
         assert stats.num_chunks == K > 1, (stats.num_chunks, K)
         assert len(stats.chunk_received) == K
@@ -200,8 +236,7 @@ def _check_pipelined_extras(rank, world, seed, tokens, kind, budget):
         assert max(stats.chunk_max_received) == stats.last_chunk_max_received
         received[membership] = sum(stats.chunk_received)
     llep_stats = DispatchStats()
-    run_schedule("llep", dict(LLEP_OPTIONS[0], stats=llep_stats), x, idx, wts, g, shards,
-                 dist.group.WORLD, False)
+    run_schedule(LLEPOptions(**EAGER), x, idx, wts, g, shards, dist.group.WORLD, False, llep_stats)
     # Chunking moves no route to another destination: each rank receives what LLEP sends it.
     assert received["strided"] == received["contiguous"] == llep_stats.chunk_received[0]
     s, c = results["strided"], results["contiguous"]
@@ -221,16 +256,15 @@ def _pipelined_worker(rank, world):
     for p, kind in enumerate(PROFILES):
         seed += 1
         membership = ("strided", "contiguous")[p % 2]
-        opts = dict(LLEP_OPTIONS[p % 3], token_budget=3, membership=membership)
-        check_case(rank, world, "pipelined_llep", opts, seed, n, kind, p % 3 == 0)
+        opts = PipelinedLLEPOptions(**LLEP_SETTINGS[p % 3], token_budget=3, membership=membership)
+        check_case(rank, world, opts, seed, n, kind, p % 3 == 0)
     for kind, tokens in [("one_expert", n), ("random", [0] + n[1:])]:
         seed += 1
         for ckpt in (False, True):
-            check_case(rank, world, "pipelined_llep", dict(LLEP_OPTIONS[0], token_budget=4), seed,
-                       tokens, kind, ckpt)
+            check_case(rank, world, PipelinedLLEPOptions(**EAGER, token_budget=4), seed, tokens, kind, ckpt)
     # The last rank only sends (no relocation, no routes to its experts); K_max binds (c_eff > c).
-    check_case(rank, world, "pipelined_llep", dict(imbalance_threshold=100.0, token_budget=2,
-               max_chunks=3), seed + 1, n, "skip_last_rank", True)
+    check_case(rank, world, PipelinedLLEPOptions(imbalance_threshold=100.0, token_budget=2, max_chunks=3),
+               seed + 1, n, "skip_last_rank", True)
     for kind in ("80/16", "50/4", "one_expert"):
         _check_pipelined_extras(rank, world, seed + 2, n, kind, budget=4)
 
@@ -240,9 +274,8 @@ def _subgroup_worker(rank, world):
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     group, sub_rank = groups[rank // 2], rank % 2
     n = [11, 14]
-    for dispatch, opts in [("ep", {}), ("llep", LLEP_OPTIONS[0]),
-                           ("pipelined_llep", dict(LLEP_OPTIONS[0], token_budget=4))]:
-        check_case(sub_rank, 2, dispatch, opts, 400 + rank // 2, n, "80/16", False, group=group)
+    for opts in [EPOptions(), LLEPOptions(**EAGER), PipelinedLLEPOptions(**EAGER, token_budget=4)]:
+        check_case(sub_rank, 2, opts, 400 + rank // 2, n, "80/16", False, group=group)
 
 
 def _ep_stats_case(rank, world):
@@ -251,16 +284,15 @@ def _ep_stats_case(rank, world):
     x, idx, wts, g = per_rank[rank]
     stats = DispatchStats()
     moe_experts_forward(x, idx, wts, *[w[rank * M:(rank + 1) * M] for w in weights_full],
-                        dispatch="ep", group=dist.group.WORLD, stats=stats)
+                        EPOptions(), group=dist.group.WORLD, stats=stats)
     everything = sum(9 + r for r in range(world)) * K_TOP          # all routes land on rank 0
     assert stats.num_chunks == 1 and stats.last_chunk_max_received == everything
     assert stats.chunk_received == [everything if rank == 0 else 0]
 
 
 def _no_tokens_anywhere(rank, world):
-    for i, (dispatch, opts) in enumerate([("ep", {}), ("llep", LLEP_OPTIONS[0]),
-                                          ("pipelined_llep", dict(token_budget=2))]):
-        check_case(rank, world, dispatch, opts, 500 + i, [0] * world, "random", i == 2)
+    for i, opts in enumerate([EPOptions(), LLEPOptions(**EAGER), PipelinedLLEPOptions(token_budget=2)]):
+        check_case(rank, world, opts, 500 + i, [0] * world, "random", i == 2)
 
 
 def _bf16_case(rank, world):
@@ -280,17 +312,15 @@ def _bf16_case(rank, world):
     theirs, theirs_w = oracle(bf(weights_full), per_rank_bf)
     local_err = (theirs[rank][0].float() - truth[rank][0]).abs().max()
     x, idx, wts, g = per_rank_bf[rank]
-    for dispatch, opts in [("ep", {}), ("llep", LLEP_OPTIONS[0]),
-                           ("pipelined_llep", dict(LLEP_OPTIONS[0], token_budget=32))]:
+    for opts in [EPOptions(), LLEPOptions(**EAGER), PipelinedLLEPOptions(**EAGER, token_budget=32)]:
         stats = DispatchStats()
         shards = [w[mine] for w in bf(weights_full)]
-        y, gx, gw, gshards = run_schedule(dispatch, dict(opts, stats=stats), x, idx, wts, g, shards,
-                                          dist.group.WORLD, False)
+        y, gx, gw, gshards = run_schedule(opts, x, idx, wts, g, shards, dist.group.WORLD, False, stats)
         assert y.dtype == gx.dtype == torch.bfloat16 and gw.dtype == wts.dtype
         assert all(gs.dtype == torch.bfloat16 for gs in gshards)
         err = (y.float() - truth[rank][0]).abs().max()
-        assert err <= 1.5 * local_err + 1e-6, (dispatch, float(err), float(local_err))
-        tag = f"[{dispatch} bf16 K={stats.num_chunks} rank={rank}]"
+        assert err <= 1.5 * local_err + 1e-6, (opts, float(err), float(local_err))
+        tag = f"[{opts.name} bf16 K={stats.num_chunks} rank={rank}]"
         for name, ours, true, other in zip(("grad x", "grad routing weights"), (gx, gw), truth[rank][1:],
                                            theirs[rank][1:]):
             assert_no_worse_than_torch(ours, other, true, name=f"{name} {tag}", max_factor=4.0)
@@ -326,7 +356,7 @@ def test_pipelined_saves_no_expert_intermediates():
     weights_full, per_rank = build_case(11, [16], "30/4", 1)
     x, idx, wts, _ = per_rank[0]
 
-    def saved_shapes(dispatch, opts):
+    def saved_shapes(opts):
         shapes = []
 
         def pack(t):
@@ -334,13 +364,12 @@ def test_pipelined_saves_no_expert_intermediates():
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            moe_experts_forward(leaf(x), idx, leaf(wts), *[leaf(w) for w in weights_full],
-                                dispatch=dispatch, **opts)
+            moe_experts_forward(leaf(x), idx, leaf(wts), *[leaf(w) for w in weights_full], opts)
         return shapes
 
     intermediates = lambda shapes: [s for s in shapes if len(s) == 2 and s[1] == I]  # noqa: E731
-    assert intermediates(saved_shapes("llep", {}))                 # the unchunked path saves them
-    chunked = saved_shapes("pipelined_llep", dict(token_budget=4))
+    assert intermediates(saved_shapes(LLEPOptions()))              # the unchunked path saves them
+    chunked = saved_shapes(PipelinedLLEPOptions(token_budget=4))
     assert not intermediates(chunked), chunked
     rows_saved = [s for s in chunked if len(s) == 2 and s[1] == H]  # each chunk's received rows
     assert len(rows_saved) >= 4, chunked                           # K = 16 / 4 chunks
@@ -374,13 +403,12 @@ def test_pipelined_expert_grads_accumulate_once_per_layer():
     x, g = torch.randn(n, h, generator=gen), torch.randn(n, h, generator=gen)
     idx = torch.stack([torch.randperm(e, generator=gen)[:K_TOP] for _ in range(n)])
     wts = torch.rand(n, K_TOP, generator=gen) + 0.1
-    want = run_schedule("local", {}, x, idx, wts, g, weights, None, False)
+    want = run_schedule(None, x, idx, wts, g, weights, None, False)
     counts = {}
     for budget in (n, n // 8):
         stats = DispatchStats()
         xl, wl, ws = leaf(x), leaf(wts), [leaf(w) for w in weights]
-        y = moe_experts_forward(xl, idx, wl, *ws, dispatch="pipelined_llep", token_budget=budget,
-                                stats=stats)
+        y = moe_experts_forward(xl, idx, wl, *ws, PipelinedLLEPOptions(token_budget=budget), stats=stats)
         with _LargeAllocations(e * i * h) as big:
             (y * g).sum().backward()
         counts[stats.num_chunks] = big.count

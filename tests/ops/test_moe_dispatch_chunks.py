@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from mop_train.models import zoo
 from mop_train.models.attention import rope_cos_sin, rope_inv_freq
 from mop_train.models.model import TransformerBlock
-from mop_train.ops.moe_dispatch import DispatchStats, moe_experts_forward
+from mop_train.ops.moe_dispatch import DispatchStats, ExpertDispatch, PipelinedLLEPOptions, moe_experts_forward
 from mop_train.ops.moe_dispatch.chunked_experts import ExpertGradSum
 from mop_train.ops.moe_dispatch.local import group_offsets
 from mop_train.ops.moe_dispatch.reference import reference_experts_forward
@@ -75,12 +75,12 @@ def leaves(*ts):
     return [t.detach().clone().requires_grad_(True) for t in ts]
 
 
-def block_fn(dispatch, idx, group, opts):
+def block_fn(options, idx, group, stats=None):
     """A pre-norm residual block around the expert layer, as the decoder's (the output of the
-    expert layer is summed, never saved)."""
+    expert layer is summed, never saved). `options` None is the local schedule."""
     def block(x, wts, w1, w2, w3):
         z = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)      # saves x
-        return x + moe_experts_forward(z, idx, wts, w1, w2, w3, dispatch=dispatch, group=group, **opts)
+        return x + moe_experts_forward(z, idx, wts, w1, w2, w3, options, group=group, stats=stats)
     return block
 
 
@@ -110,15 +110,15 @@ def test_gemm_passes_bare_and_checkpointed(h, i):
     ws, [(x, idx, wts, g)] = make_inputs(1, n, h, i, e)
     one_pass = 2 * n * K_TOP * h * i
     want_y, want_grads = reference_grads(None, x, idx, wts, ws, g)
-    for dispatch, opts, passes in [("pipelined_llep", dict(token_budget=7), {False: (3, 8), True: (3, 8)}),
-                                   ("local", {}, {False: (3, 6), True: (3, 9)})]:
+    for opts, passes in [(PipelinedLLEPOptions(token_budget=7), {False: (3, 8), True: (3, 8)}),
+                         (None, {False: (3, 6), True: (3, 9)})]:
         for ckpt in (False, True):
-            stats = dict(stats=DispatchStats()) if dispatch != "local" else {}
-            y, grads, f, b = run_phases(block_fn(dispatch, idx, None, dict(opts, **stats)), x, wts, ws, g, ckpt)
-            tag = f"{dispatch} ckpt={ckpt} h={h} i={i}"
+            stats = DispatchStats() if opts is not None else None
+            y, grads, f, b = run_phases(block_fn(opts, idx, None, stats), x, wts, ws, g, ckpt)
+            tag = f"{opts or 'local'} ckpt={ckpt} h={h} i={i}"
             assert (f / one_pass, b / one_pass) == passes[ckpt], tag
-            if stats:
-                assert stats["stats"].num_chunks == 6, tag             # ceil(40 / 7)
+            if stats is not None:
+                assert stats.num_chunks == 6, tag                      # ceil(40 / 7)
             assert_close_to_scale(y, want_y, name=f"y {tag}")
             for name, got, want in zip(("x", "wts", "w1", "w2", "w3"), grads, want_grads):
                 assert_close_to_scale(got, want, name=f"grad {name} {tag}")
@@ -130,7 +130,7 @@ def test_output_saved_in_checkpoint_fails_loudly():
     ws, [(x, idx, wts, g)] = make_inputs(2, 16, 8, 12, 6)
 
     def bad_block(x_, wts_, w1, w2, w3):
-        return moe_experts_forward(x_, idx, wts_, w1, w2, w3, dispatch="pipelined_llep", token_budget=4) ** 2
+        return moe_experts_forward(x_, idx, wts_, w1, w2, w3, PipelinedLLEPOptions(token_budget=4)) ** 2
 
     xl, wl, *wl3 = leaves(x, wts, *ws)
     (checkpoint(bad_block, xl, wl, *wl3, use_reentrant=False) * g).sum().backward()
@@ -146,7 +146,7 @@ def test_transformer_block_checkpointed():
     ref.init_weights()
     blk = TransformerBlock(0, args)
     blk.load_state_dict(ref.state_dict())
-    blk.moe.dispatch, blk.moe.dispatch_options = "pipelined_llep", dict(token_budget=5)
+    blk.moe.dispatch = ExpertDispatch(PipelinedLLEPOptions(token_budget=5))
     B, S = 2, 12
     x = torch.randn(B, S, args.dim)
     rope = rope_cos_sin(torch.arange(S), rope_inv_freq(args.rope_dim, args.rope_theta))
@@ -158,6 +158,7 @@ def test_transformer_block_checkpointed():
         (y * g).sum().backward()
         outs.append((y.detach(), xl.grad, {k: p.grad for k, p in module.named_parameters()}))
     (y0, gx0, p0), (y1, gx1, p1) = outs
+    assert blk.moe.dispatch.stats.num_chunks == 5             # ceil(24 / 5): the layer's own stats, filled
     assert_close_to_scale(y1, y0, name="block y")
     assert_close_to_scale(gx1, gx0, name="block grad x")
     for k in p0:
@@ -217,10 +218,11 @@ def _dist_worker(rank, world):
             want_y, want_x, want_w = y_r, grads_r[0], grads_r[1]
         for f, gw in zip(full, grads_r[2:]):
             f += gw
-    for opts in (dict(min_tokens_per_gemm=2, imbalance_threshold=1.0, token_budget=4), dict(token_budget=5)):
+    for opts in (PipelinedLLEPOptions(min_tokens_per_gemm=2, imbalance_threshold=1.0, token_budget=4),
+                 PipelinedLLEPOptions(token_budget=5)):
         for ckpt in (False, True):
             stats = DispatchStats()
-            block = block_fn("pipelined_llep", idx, dist.group.WORLD, dict(opts, stats=stats))
+            block = block_fn(opts, idx, dist.group.WORLD, stats)
             y, grads, f, b = run_phases(block, x, wts, shard, g, ckpt)
             tag = f"rank {rank}/{world} {opts} ckpt={ckpt}"
             one_pass = 2 * sum(stats.chunk_received) * h * i
@@ -230,7 +232,7 @@ def _dist_worker(rank, world):
             assert_close_to_scale(grads[1], want_w, name=f"grad wts {tag}")
             for name, got, f_ in zip(("w1", "w2", "w3"), grads[2:], full):
                 assert_close_to_scale(got, f_[rank * M:(rank + 1) * M], name=f"grad {name} {tag}")
-            if opts.get("imbalance_threshold") == 1.0:
+            if opts.imbalance_threshold == 1.0:
                 assert stats.weight_transfer_bytes == stats.migrated_experts * 4 * 3 * h * i
 
 

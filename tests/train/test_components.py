@@ -16,7 +16,9 @@ from mop_train.train.checkpoint import TrainState
 from mop_train.train.loss import chunked_cross_entropy_sum
 from mop_train.layout import plan_layout
 from mop_train.models import zoo
-from mop_train.train.parallelize import check_layout_fits, check_titan_parallelism
+from mop_train.ops.moe_dispatch import PipelinedLLEPOptions
+from mop_train.parallel.parallelize import (ParallelizeOptions, check_layout_fits, check_titan_parallelism,
+                                            checkpointed_layer_ids)
 from mop_train.train.plan import check_host_memory, host_memory_plan
 from tests.utils import assert_close, fresh_seed
 
@@ -180,6 +182,27 @@ def test_inconsistent_layouts_are_rejected_before_launch():
         check_titan_parallelism(cfg.parallelism, cfg.training, data_size=3)
     cfg = load_job_config([])
     assert check_titan_parallelism(cfg.parallelism, cfg.training, data_size=3) == 1
+
+
+def test_parallelize_options_are_resolved_and_checked_from_the_config():
+    """The settings `parallelize` applies are built once from the config, before the model is: the
+    dispatch options of the chosen schedule, the checkpointed blocks, the precision policy."""
+    debug = zoo.get_model_args("debug")                              # 3 blocks
+    cfg = load_job_config(["--mop.moe.dispatch", "pipelined_llep", "--mop.moe.token_budget", "24",
+                           "--activation_checkpoint.mode", "selective",
+                           "--activation_checkpoint.selective_ac_option", "2", "--mop.attention.keep",
+                           "--training.mixed_precision_param", "bfloat16"])
+    options = ParallelizeOptions.from_config(cfg, debug)
+    assert options.dispatch == PipelinedLLEPOptions(token_budget=24)
+    assert options.checkpointed == (0, 2) and options.keep_attention
+    assert options.precision.param_dtype == torch.bfloat16 and options.precision.reduce_dtype == torch.float32
+    assert ParallelizeOptions.from_config(load_job_config([]), debug).dispatch is None     # local
+    assert checkpointed_layer_ids(load_job_config(["--activation_checkpoint.mode", "none"]).activation_checkpoint,
+                                  3) == []
+    cfg = load_job_config(["--activation_checkpoint.mode", "selective",
+                           "--activation_checkpoint.selective_ac_option", "op"])
+    with pytest.raises(ValueError, match=r"selective_ac_option = 'op' is not supported"):
+        ParallelizeOptions.from_config(cfg, debug)
 
 
 def test_host_memory_plan_and_check():

@@ -7,7 +7,7 @@ Rank r of the expert group owns experts [r*E_l, (r+1)*E_l). Each route travels t
   4. the receiver regroups rows by local expert, runs the grouped SwiGLU and scales by the weight;
   5. combine: the reverse all-to-all returns each route's output; sum over the k slots per token.
 Backward is the same exchanges reversed (autograd). At group size 1 this is `dispatch="local"`.
-`receive_order`, `weighted_experts` and `DispatchStats` are shared with LLEP and PipelinedLLEP.
+`receive_order` and `weighted_experts` are shared with LLEP and PipelinedLLEP.
 Paper: section 3.1 (the baseline PipelinedLLEP is measured against).
 
 Legend: N tokens, H hidden, I expert hidden width, E experts, E_l = E / P local experts, k top-k,
@@ -17,59 +17,13 @@ R = N*k routes, P expert-group size, S expert slots on the receiver (E_l for EP)
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from mop_train.ops.moe_dispatch.comm import all_to_all, exchange_counts, group_size, host_to_device
 from mop_train.ops.moe_dispatch.local import grouped_swiglu, local_experts_forward
-
-
-@dataclass
-class DispatchStats:
-    """Per-call figures of an expert-parallel schedule: pass `stats=DispatchStats()`, read it after.
-
-    Filling it costs no host sync: the max over destinations is all-reduced on the device and read
-    (one device-to-host copy) the first time `chunk_max_received` or `last_chunk_max_received` is."""
-
-    num_chunks: int = 0                                  # K
-    relocated_routes: int = 0                            # routes computed off their owner (group total)
-    migrated_experts: int = 0                            # (expert, helper) weight copies in the plan
-    weight_transfer_bytes: int = 0                       # bytes of those copies (w1+w2+w3; group total,
-                                                         # forward; backward returns as many)
-    chunk_received: list[int] = field(default_factory=list)  # routes this rank received, per chunk
-    received_bound: int = 0                              # E_p * k * c_eff, the receiver bound
-    _chunk_peak: torch.Tensor | list[int] | None = field(default=None, repr=False)
-
-    @property
-    def chunk_max_received(self) -> list[int]:
-        """Per chunk, the most routes any destination of the group received."""
-        if isinstance(self._chunk_peak, torch.Tensor):
-            self._chunk_peak = self._chunk_peak.tolist()
-        return list(self._chunk_peak or [])
-
-    @property
-    def last_chunk_max_received(self) -> int:
-        """The max over chunks and destinations (0 before any call)."""
-        return max(self.chunk_max_received, default=0)
-
-
-def record_stats(stats: DispatchStats, chunk_received: list[int], group, device, *,
-                 relocated_routes: int = 0, migrated_experts: int = 0, weight_transfer_bytes: int = 0,
-                 received_bound: int = 0) -> None:
-    """Fill `stats`; the max over destinations costs one small all-reduce, read lazily."""
-    stats.num_chunks = len(chunk_received)
-    stats.relocated_routes = relocated_routes
-    stats.migrated_experts = migrated_experts
-    stats.weight_transfer_bytes = weight_transfer_bytes
-    stats.chunk_received = list(chunk_received)
-    peak = host_to_device(torch.tensor(chunk_received, dtype=torch.int64), device)
-    if group_size(group) > 1:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    stats._chunk_peak = peak
-    stats.received_bound = received_bound
+from mop_train.ops.moe_dispatch.stats import DispatchStats, record_stats
 
 
 def receive_order(recv_counts: torch.Tensor, device, slot_of_col: torch.Tensor | None = None
@@ -162,5 +116,5 @@ def ep_experts_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
     return torch.zeros_like(x).index_add(0, token, out)           # [N, H]
 
 
-__all__ = ["DispatchStats", "ep_experts_forward", "exchange_and_compute", "inverse_permutation",
-           "receive_order", "record_stats", "weighted_experts"]
+__all__ = ["ep_experts_forward", "exchange_and_compute", "inverse_permutation", "receive_order",
+           "weighted_experts"]

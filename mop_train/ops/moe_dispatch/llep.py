@@ -30,9 +30,11 @@ from mop_train.ops.moe_dispatch.chunked_experts import (ChunkExperts, ExpertGrad
                                                         slot_swiglu)
 from mop_train.ops.moe_dispatch.comm import (AllToAllStart, AllToAllWait, Ticket, all_gather_counts,
                                              exchange_counts, group_rank, group_size, host_to_device)
-from mop_train.ops.moe_dispatch.ep import DispatchStats, inverse_permutation, receive_order, record_stats
+from mop_train.ops.moe_dispatch.ep import inverse_permutation, receive_order
 from mop_train.ops.moe_dispatch.llep_plan import LLEPPlan, llep_plan
 from mop_train.ops.moe_dispatch.local import local_experts_forward
+from mop_train.ops.moe_dispatch.options import LLEPOptions
+from mop_train.ops.moe_dispatch.stats import DispatchStats, record_stats
 
 
 class MigrateExperts(torch.autograd.Function):
@@ -131,10 +133,12 @@ def gather_counts(indices: torch.Tensor, num_experts: int, group) -> tuple[torch
     return G[:, :num_experts].contiguous(), int(G[:, num_experts + 1].max())
 
 
-def build_plan(indices: torch.Tensor, num_experts: int, group, options: dict):
+def build_plan(indices: torch.Tensor, num_experts: int, group, options: LLEPOptions):
     """All-gather the count matrix and build the plan. Returns (plan, C [P, E] on CPU, max N)."""
     C, n_max = gather_counts(indices, num_experts, group)
-    return llep_plan(C, **options), C, n_max
+    plan = llep_plan(C, alpha=options.alpha, min_tokens_per_gemm=options.min_tokens_per_gemm,
+                     imbalance_threshold=options.imbalance_threshold)
+    return plan, C, n_max
 
 
 @dataclass
@@ -251,15 +255,11 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
     return y + anchor.to(y.dtype)
 
 
-def llep_experts_forward(x, indices, weights, w1, w2, w3, group, *, alpha: float = 1.0,
-                         min_tokens_per_gemm: int = 1024, imbalance_threshold: float = 1.3,
+def llep_experts_forward(x, indices, weights, w1, w2, w3, group, options: LLEPOptions, *,
                          stats: DispatchStats | None = None) -> torch.Tensor:
     """x [N, H]; indices, weights [N, k]; w1, w3 [M, I, H]; w2 [M, H, I] this rank's shard -> y [N, H]."""
     P = group_size(group)
-    options = dict(alpha=alpha, min_tokens_per_gemm=min_tokens_per_gemm,
-                   imbalance_threshold=imbalance_threshold)
     if P == 1:
-        llep_plan(torch.zeros(1, w1.shape[0], dtype=torch.int64), **options)  # validates options
         if stats is not None:
             record_stats(stats, [indices.numel()], group, x.device)
         return local_experts_forward(x, indices, weights, w1, w2, w3)

@@ -27,9 +27,9 @@ import math
 import torch
 
 from mop_train.ops.moe_dispatch.comm import group_size
-from mop_train.ops.moe_dispatch.llep import DispatchStats, build_plan, run_chunks
-
-MEMBERSHIPS = ("strided", "contiguous")
+from mop_train.ops.moe_dispatch.llep import build_plan, run_chunks
+from mop_train.ops.moe_dispatch.options import PipelinedLLEPOptions
+from mop_train.ops.moe_dispatch.stats import DispatchStats
 
 
 def max_received_bound(group_size_: int, top_k: int, chunk_tokens: int) -> int:
@@ -51,26 +51,15 @@ def chunk_membership(num_tokens: int, K: int, membership: str, device=None) -> t
     return pos // max(1, math.ceil(num_tokens / K))
 
 
-def pipelined_llep_experts_forward(x, indices, weights, w1, w2, w3, group, *, token_budget: int = 4096,
-                                   max_chunks: int = 10, membership: str = "strided",
-                                   alpha: float = 1.0, min_tokens_per_gemm: int = 1024,
-                                   imbalance_threshold: float = 1.3,
+def pipelined_llep_experts_forward(x, indices, weights, w1, w2, w3, group, options: PipelinedLLEPOptions, *,
                                    stats: DispatchStats | None = None) -> torch.Tensor:
     """x [N, H]; indices, weights [N, k]; w1, w3 [M, I, H]; w2 [M, H, I] this rank's shard -> y [N, H].
 
     At group size 1 there is nothing to relocate or send; the chunked expert compute remains."""
-    if token_budget < 1:
-        raise ValueError(f"token_budget = {token_budget} must be >= 1 tokens per source and chunk")
-    if max_chunks < 1:
-        raise ValueError(f"max_chunks = {max_chunks} must be >= 1")
-    if membership not in MEMBERSHIPS:
-        raise ValueError(f"membership = {membership!r}; expected one of {MEMBERSHIPS}")
     N, k = indices.shape
     P = group_size(group)
-    options = dict(alpha=alpha, min_tokens_per_gemm=min_tokens_per_gemm,
-                   imbalance_threshold=imbalance_threshold)
     plan, C, n_max = build_plan(indices, w1.shape[0] * P, group, options)
-    K, c_eff = num_chunks(n_max, token_budget, max_chunks)
+    K, c_eff = num_chunks(n_max, options.token_budget, options.max_chunks)
     return run_chunks(x, indices, weights, w1, w2, w3, group, plan, C,
-                      chunk_membership(N, K, membership, x.device), K, recompute_experts=True, stats=stats,
-                      received_bound=max_received_bound(P, k, c_eff))
+                      chunk_membership(N, K, options.membership, x.device), K, recompute_experts=True,
+                      stats=stats, received_bound=max_received_bound(P, k, c_eff))

@@ -1,0 +1,182 @@
+"""The whole order of parallelisms applied to the MoE decoder, and the checks that precede it.
+
+    check_layout_fits(layout.plan, cfg.training, model_args)       # config time: before anything is built
+    micro_batches = check_titan_parallelism(cfg.parallelism, cfg.training, data_size=W // D)
+    options = ParallelizeOptions.from_config(cfg, model_args)       # dispatch options, AC blocks, precision
+    ...                                                             # model (+ loss) built
+    shards = parallelize(module, layout, options, sco=sco)          # module.model is the decoder
+
+`parallelize` applies, in order: Ulysses attention cores over the sequence group; attention kept
+across the recompute ([mop.attention] keep); expert shards over the expert group with the dispatch
+schedule bound to each MoE layer; the output projection's shard over the vocab group (P > 1);
+activation checkpointing of the chosen blocks (non-reentrant: a block's input is the retained
+boundary and everything inside is recomputed in backward; with an SCO host budget the block is
+wrapped by `SelectiveCheckpointOffload.wrap` instead, which also offloads boundaries to host);
+FSDP2 under one MixedPrecision policy. FSDP2 shards each block as one unit and the root
+(embeddings, final norm, output projection) as another, over all W ranks; weights sharded by a MoP
+group (experts over E_p, the projection over P) stay out of FSDP2. Gradients are summed over ranks,
+not averaged: the loop divides the summed token loss by the global token count, so the sum is the
+exact gradient of the mean. Each check of the job against the layout and the model is made once, in
+the functions above `parallelize`, before the model is built.
+
+Legend: W ranks, D sequence degree, E_p expert degree, P vocab degree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from mop_train.layout import divisors
+from mop_train.models.keep_attention import keep_attention
+from mop_train.ops.moe_dispatch import DispatchOptions, dispatch_options
+from mop_train.parallel.apply import apply_expert_parallel, apply_sequence_parallel, apply_vocab_parallel
+from mop_train.parallel.precision import MixedPrecision
+
+
+def check_layout_fits(layout_plan, training, model_args) -> None:
+    """The MoP degrees against the batch and the model, before anything is built: the sequence
+    splits over D, so do the query and key/value heads (Ulysses), the experts over E_p. Raises
+    ValueError with the fix."""
+    D, E_p = layout_plan.seq_degree, layout_plan.expert_degree
+    if training.seq_len % D:
+        raise ValueError(f"training.seq_len ({training.seq_len}) must be divisible by mop.layout.seq_degree "
+                         f"({D}): each rank of a sequence group holds seq_len / D positions")
+    kv_heads = model_args.n_kv_heads if model_args.attention == "gqa" else model_args.n_heads
+    for name, count in (("attention heads", model_args.n_heads), ("key/value heads", kv_heads)):
+        if count % D:
+            raise ValueError(f"{name} ({count}) must be divisible by mop.layout.seq_degree ({D}) "
+                             f"for Ulysses attention; valid seq_degree values: {divisors(count)}")
+    if model_args.num_experts % E_p:
+        raise ValueError(f"expert_degree ({E_p}) must divide num_experts ({model_args.num_experts}); "
+                         f"set [mop.layout] expert_degree to one of {divisors(model_args.num_experts)}")
+
+
+def check_titan_parallelism(parallelism, training, *, data_size: int) -> int:
+    """torchtitan's own parallelism knobs are not used: the MoP layout ([mop.layout]) replaces them.
+    `data_size` is the number of ranks reading distinct sequences (W / D). Returns the micro-batches
+    per step: global_batch_size / (local_batch_size x W/D) (torchtitan's rule; 1 for -1)."""
+    for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
+                "context_parallel_degree", "expert_parallel_degree"):
+        value = getattr(parallelism, key)
+        if value != 1:
+            raise ValueError(f"parallelism.{key} = {value}: mop_train shards dense weights with FSDP2 over "
+                             f"all ranks and splits sequences/experts/vocab through [mop.layout]; set it to 1")
+    one_step = training.local_batch_size * data_size
+    if training.global_batch_size != -1 and (training.global_batch_size < one_step
+                                             or training.global_batch_size % one_step):
+        raise ValueError(f"training.global_batch_size = {training.global_batch_size}: one micro-batch is "
+                         f"local_batch_size x W/D = {training.local_batch_size} x {data_size} = {one_step} "
+                         f"sequences, and a step accumulates a whole number of them; set it to -1 (no "
+                         f"accumulation) or a multiple of {one_step}")
+    if training.dtype != "float32":
+        raise ValueError(f"training.dtype = {training.dtype!r}: weights and optimizer state stay fp32; "
+                         f"use training.mixed_precision_param = \"bfloat16\" for bf16 compute")
+    return 1 if training.global_batch_size == -1 else training.global_batch_size // one_step
+
+
+def checkpointed_layer_ids(ac, n_layers: int) -> list[int]:
+    """The blocks `[activation_checkpoint]` wraps: mode "full" (all), "none", or "selective" with an
+    integer option N (every N-th block). Raises ValueError for any other setting."""
+    if ac.mode == "none":
+        return []
+    if ac.mode == "full":
+        return list(range(n_layers))
+    if ac.mode == "selective" and ac.selective_ac_option.isdigit() and int(ac.selective_ac_option) >= 1:
+        every = int(ac.selective_ac_option)
+        return [i for i in range(n_layers) if i % every == 0]
+    raise ValueError(f"activation_checkpoint.mode = {ac.mode!r} with selective_ac_option = "
+                     f"{ac.selective_ac_option!r} is not supported; use mode \"full\", \"none\", or "
+                     f"\"selective\" with an integer option N (checkpoint every N-th block)")
+
+
+@dataclass(frozen=True)
+class ParallelizeOptions:
+    """What `parallelize` applies, resolved from the job's config once and checked there, before
+    the model is built (so `parallelize` itself meets no bad setting)."""
+
+    dispatch: DispatchOptions | None      # the expert schedule bound to every MoE layer; None: local
+    keep_attention: bool                  # [mop.attention] keep
+    checkpointed: tuple[int, ...]         # blocks under activation checkpointing (or SCO)
+    preserve_rng_state: bool              # [activation_checkpoint] preserve_rng_state
+    precision: MixedPrecision             # FSDP2's policy, also followed by the shards kept out of it
+
+    @classmethod
+    def from_config(cls, cfg, model_args) -> ParallelizeOptions:
+        """From [mop.moe], [mop.attention], [activation_checkpoint] and [training]."""
+        ac = cfg.activation_checkpoint
+        return cls(dispatch=dispatch_options(cfg.mop.moe.dispatch, cfg.mop.moe),
+                   keep_attention=cfg.mop.attention.keep,
+                   checkpointed=tuple(checkpointed_layer_ids(ac, model_args.n_layers)),
+                   preserve_rng_state=ac.preserve_rng_state,
+                   precision=MixedPrecision.from_training(cfg.training))
+
+
+@dataclass
+class ParallelizedShards:
+    """What `parallelize` leaves the loop: the weights kept out of FSDP2 (their gradients are summed
+    over their replica groups after backward) and the checkpointed blocks."""
+
+    expert_params: list[nn.Parameter]     # DTensors sharded over the expert group
+    vocab_params: list[nn.Parameter]      # the projection sharded over the vocab group
+    checkpointed: list[int]               # block indices under activation checkpointing
+
+
+def parallelize(module: nn.Module, layout, options: ParallelizeOptions, *, sco=None) -> ParallelizedShards:
+    """Apply the MoP layout, activation checkpointing and FSDP2 to `module.model` in place, in the
+    order of the module docstring.
+
+    Args:
+        module: the FSDP2 root, whose `.model` is the decoder and whose forward also uses
+            `model.output.weight` (mop_train.train.loss.LanguageModelLoss); meta or materialised.
+        layout: the RankLayout (groups and meshes).
+        options: `ParallelizeOptions.from_config(...)`.
+        sco: a `SelectiveCheckpointOffload` that wraps the checkpointed blocks, or None.
+    """
+    model = module.model
+    apply_sequence_parallel(model, layout.seq_group)
+    keep_attention(model, options.keep_attention)
+    expert_params = apply_expert_parallel(model, layout.expert_mesh, layout.expert_group, options.dispatch)
+    vocab_params = apply_vocab_parallel(model, layout.vocab_mesh) if layout.vocab_size > 1 else []
+    apply_activation_checkpointing(model, options.checkpointed, preserve_rng_state=options.preserve_rng_state,
+                                   sco=sco)
+    apply_fsdp(module, model, layout.mesh, param_dtype=options.precision.param_dtype,
+               reduce_dtype=options.precision.reduce_dtype, ignored_params=set(expert_params + vocab_params))
+    return ParallelizedShards(expert_params, vocab_params, list(options.checkpointed))
+
+
+def apply_activation_checkpointing(model: nn.Module, layer_ids, *, preserve_rng_state: bool, sco=None) -> None:
+    """Wrap the blocks `layer_ids` of `model.layers` in place: `sco.wrap` (checkpoint + offload of
+    the boundary) when an SCO is given, else a non-reentrant checkpoint wrapper."""
+    for i, (name, block) in enumerate(list(model.layers.items())):
+        if i not in layer_ids:
+            continue
+        if sco is not None:
+            wrapped = sco.wrap(block)
+        else:
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=preserve_rng_state)
+        model.layers.register_module(name, wrapped)
+
+
+def apply_fsdp(root: nn.Module, model: nn.Module, mesh, *, param_dtype: torch.dtype,
+               reduce_dtype: torch.dtype, ignored_params: set | None = None) -> None:
+    """FSDP2 over `mesh`: one unit per block of `model.layers`, then `root` (which holds `model`).
+
+    `root` must be the module whose forward also uses `model.output.weight`, so that the root
+    unit has every remaining parameter unsharded during its forward.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block is needed again first in backward: keep it unsharded after forward.
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1,
+                    ignored_params=ignored_params)
+    fully_shard(root, mesh=mesh, mp_policy=mp, ignored_params=ignored_params)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM/AVG
