@@ -81,11 +81,50 @@ def test_deterministic_and_covering():
         assert torch.equal(torch.bincount(dest, minlength=4), S[r].sum(1))
 
 
-@pytest.mark.parametrize("kwargs", [dict(alpha=0.0), dict(min_tokens_per_gemm=0),
-                                    dict(imbalance_threshold=0.5)])
-def test_bad_options(kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("kwargs,message", [(dict(alpha=0.0), "alpha = 0.0 must be > 0"),
+                                            (dict(min_tokens_per_gemm=0), "min_tokens_per_gemm = 0 must be >= 1"),
+                                            (dict(imbalance_threshold=0.5), "imbalance_threshold = 0.5 must be >= 1.0")])
+def test_bad_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
         llep_plan(counts([[1, 2]]), **kwargs)
+    with pytest.raises(ValueError, match="3 experts over 2 ranks"):
+        llep_plan(counts([[1, 2, 3], [1, 2, 3]]))
+
+
+def test_no_routes_gives_an_empty_plan():
+    C = counts([[0] * 4] * 2)
+    plan = llep_plan(C, imbalance_threshold=1.0)
+    assert plan.ranges == () and plan.transfers == () and plan.rank_load == (0, 0)
+    assert plan.num_ranks == 2 and plan.experts_per_rank == 2
+    assert torch.equal(plan.send_matrix(C), torch.zeros(2, 2, 4, dtype=torch.int64))
+    for r in range(2):
+        runs, lengths = plan.destination_runs(C, r)
+        dest = plan.route_destinations(C, r)
+        for t in (runs, lengths, dest):
+            assert t.dtype == torch.int64 and t.shape == (0,)
+
+
+def test_one_route_and_imbalance_exactly_at_the_threshold():
+    # One route in all: max/mean = P >= lambda, cap = floor(1/3) = 0, so it goes to the least-loaded helper.
+    plan = llep_plan(counts([[0, 1, 0], [0, 0, 0], [0, 0, 0]]), min_tokens_per_gemm=1)
+    assert plan.ranges == ((1, 0, 0, 1),) and plan.transfers == ((1, 0),)
+    # Native loads [3, 1]: max/mean = 1.5 relocates at lambda = 1.5 (the gate is >=), not above it.
+    C = counts([[3, 1], [0, 0]])
+    assert llep_plan(C, imbalance_threshold=1.5, min_tokens_per_gemm=1).ranges == ((0, 0, 0, 2), (0, 1, 2, 3), (1, 1, 0, 1))
+    assert llep_plan(C, imbalance_threshold=1.51, min_tokens_per_gemm=1).ranges == ((0, 0, 0, 3), (1, 1, 0, 1))
+
+
+def test_owner_full_forced_remainder_goes_to_the_first_helper_of_the_pass():
+    C = counts([[10, 9, 7, 0, 0, 0]] + [[0] * 6] * 2)                # native [19, 7, 0], cap 8, M = 2
+    plan = llep_plan(C, min_tokens_per_gemm=4)
+    # Expert 0: its owner is full (expert 1 pending, 9 > 8): one pass over the helpers in eff order
+    # [2 (0), 1 (7)]; rank 2 takes 8, rank 1's spare 1 is below m and not final, so the remaining 2
+    # go to the pass's first helper, rank 2 (not to rank 1, the least loaded after the pass).
+    # Expert 1: the owner (now empty) takes 8, rank 1 the last route. Expert 2 stays home.
+    assert plan.ranges == ((0, 2, 0, 8), (0, 2, 8, 10), (1, 0, 0, 8), (1, 1, 8, 9), (2, 1, 0, 7))
+    assert plan.transfers == ((0, 2), (1, 1)) and plan.rank_load == (8, 8, 10)
+    assert [plan.owner(e) for e in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert [plan.foreign_experts(r) for r in range(3)] == [[], [1], [0]]
 
 
 def rules_plan(C, alpha, m, lam):
@@ -166,6 +205,7 @@ def test_fuzz_no_weight_copy_without_routes():
         lam = (1.0, 1.3)[trial % 2]
         plan = llep_plan(C, alpha=alpha, min_tokens_per_gemm=m, imbalance_threshold=lam)
         tag = f"trial {trial} P={P} alpha={alpha} m={m} lambda={lam}\n{C.tolist()}"
+        assert plan.num_ranks == P and plan.experts_per_rank == C.shape[1] // P, tag
         assert list(plan.ranges) == rules_plan(C, alpha, m, lam), tag
         M, load = plan.experts_per_rank, C.sum(0)
         assert all(t > s for _, _, s, t in plan.ranges), tag                # no empty range
