@@ -5,7 +5,8 @@ benchmark), and hands (x, indices, weights, w1, w2, w3) to the expert-dispatch s
 `mop_train.ops.moe_dispatch.moe_experts_forward`; the always-on shared expert is added after.
 How routes reach experts (`dispatch`: None for every expert here, or an `ExpertDispatch` binding a
 schedule's options, the expert group and its stats) is set from outside by the parallelization
-code, which also swaps `experts.w*` for this rank's shard: the model itself never communicates. Expert weights use torchtitan's layout w1/w3 [E, I, H], w2 [E, H, I].
+code, which also swaps `experts.w*` for this rank's shard: the model itself never communicates.
+Expert weights use torchtitan's layout w1/w3 [E, I, H], w2 [E, H, I].
 
 Legend: B batch, S sequence, N = B*S tokens, H hidden, E experts, I expert width, k top-k.
 """
