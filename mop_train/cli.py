@@ -4,8 +4,10 @@
     mop-train zoo                                               # the named models and their sizes
     mop-train train --nproc-per-node 8 configs/x.toml --training.steps 100   # check, then torchrun
     mop-train plan --world 64 --gpu-memory 141GiB --host-memory 2TiB configs/x.toml   # will it fit?
+    mop-train plan --auto --objective context --world 64 --gpu-memory 141GiB --host-memory 2TiB configs/x.toml
 
-`train` checks the configuration in this process first (a bad key or value: one line, exit 2,
+`plan --auto` chooses the layout degrees and operator settings (mop_train.train.auto_plan) for the
+longest context or the most tokens/s at one context, keeping the keys given as overrides. `train` checks the configuration in this process first (a bad key or value: one line, exit 2,
 before any rank starts), then runs torchrun's launcher in-process on this node and exits with the
 ranks' own exit code (mop_train.train.__main__ lists them) instead of torchrun's summary; on SIGTERM
 or SIGINT it passes the signal to the ranks, which stop at a step boundary and save, and exits 5. Several
@@ -76,12 +78,57 @@ def _plan(args: argparse.Namespace) -> int:
     from torchtitan.tools.logging import logger
 
     logger.setLevel("ERROR")
-    cfg = load_job_config(["--job.config_file", args.config, *args.overrides], model_flavors=zoo.names())
-    text, fits = plan_job(cfg, world=args.world, ranks_per_node=args.ranks_per_node or min(args.world, 8),
-                          gpu_bytes=parse_bytes(args.gpu_memory, key="--gpu-memory") if args.gpu_memory else None,
-                          host_bytes=parse_bytes(args.host_memory, key="--host-memory") if args.host_memory else None)
+    own = [a for a in args.overrides if a.startswith("--") and "." not in a.split("=")[0]]
+    if own:
+        raise ValueError(f"{own[0].split('=')[0]} is an option of `mop-train plan`: put it before the config file "
+                         f"({args.config}); what follows the config file are --section.key overrides")
+    if not args.auto and (args.objective or args.seq_len or args.headroom):
+        raise ValueError("--objective, --seq-len and --headroom belong to the search: add --auto")
+    job = ["--job.config_file", args.config, *args.overrides]
+    cfg = load_job_config(job, model_flavors=zoo.names())
+    gpu_bytes = parse_bytes(args.gpu_memory, key="--gpu-memory") if args.gpu_memory else None
+    host_bytes = parse_bytes(args.host_memory, key="--host-memory") if args.host_memory else None
+    ranks_per_node = args.ranks_per_node or min(args.world, 8)
+    if args.auto:
+        return _plan_auto(args, cfg, job, gpu_bytes=gpu_bytes, host_bytes=host_bytes, ranks_per_node=ranks_per_node)
+    text, fits = plan_job(cfg, world=args.world, ranks_per_node=ranks_per_node, gpu_bytes=gpu_bytes,
+                          host_bytes=host_bytes)
     print(text)
     return 0 if fits else 1
+
+
+def _plan_auto(args, cfg, job: list[str], *, gpu_bytes, host_bytes, ranks_per_node: int) -> int:
+    """`plan --auto`: search, print the chosen overrides and plan; 1 with the numbers when nothing fits."""
+    import dataclasses
+
+    from mop_train.config import load_job_config
+    from mop_train.models import zoo
+    from mop_train.train.auto_plan import AutoPlanner, NothingFits, fixed_keys, format_result
+    from mop_train.units import parse_bytes
+
+    if gpu_bytes is None or host_bytes is None:
+        raise ValueError("--auto needs --gpu-memory (per GPU, e.g. 141GiB) and --host-memory (per node, e.g. "
+                         "2TiB): the search sizes every operator against them")
+    objective = args.objective or "throughput"
+    fixed = fixed_keys(args.overrides)
+    if objective == "context" and (args.seq_len or "training.seq_len" in fixed):
+        raise ValueError("--objective context searches training.seq_len; drop --seq-len / --training.seq_len, "
+                         "or use --objective throughput to rank configurations at one context")
+    if args.seq_len is not None:
+        if "training.seq_len" in fixed and cfg.training.seq_len != args.seq_len:
+            raise ValueError(f"--seq-len {args.seq_len} and --training.seq_len {cfg.training.seq_len} disagree; "
+                             "give one")
+        cfg.training = dataclasses.replace(cfg.training, seq_len=args.seq_len)
+    planner = AutoPlanner(cfg, fixed=fixed, world=args.world, ranks_per_node=ranks_per_node, gpu_bytes=gpu_bytes,
+                          host_bytes=host_bytes, headroom=parse_bytes(args.headroom or "2GiB", key="--headroom"))
+    try:
+        result = planner.longest_context() if objective == "context" else planner.fastest_at(cfg.training.seq_len)
+    except NothingFits as err:
+        print(f"mop-train plan --auto: {err}")
+        return 1
+    load_job_config(job + result.chosen.settings.flags(cfg), model_flavors=zoo.names())  # the flags parse and check
+    print(format_result(planner, result))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,6 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing a host (default min(W, 8))")
     plan.add_argument("--gpu-memory", default=None, help="device bytes per rank, e.g. 141GiB")
     plan.add_argument("--host-memory", default=None, help="host bytes per node, e.g. 2TiB (also sizes SCO's \"auto\")")
+    plan.add_argument("--auto", action="store_true",
+                      help="search the degrees and operator settings; print the chosen overrides and their plan "
+                           "(keys given as overrides are kept)")
+    plan.add_argument("--objective", choices=("context", "throughput"), default=None,
+                      help="with --auto: the longest context that fits, or the most tokens/s at one context "
+                           "(default throughput)")
+    plan.add_argument("--seq-len", type=int, default=None,
+                      help="with --auto --objective throughput: the context (default the config's training.seq_len)")
+    plan.add_argument("--headroom", default=None,
+                      help="with --auto: device bytes per GPU the plan may not use (default 2GiB)")
     plan.add_argument("config", help="the job's TOML file (--job.config_file)")
     plan.add_argument("overrides", nargs=argparse.REMAINDER, help="torchtitan-style flags: --section.key value")
     plan.set_defaults(func=_plan)

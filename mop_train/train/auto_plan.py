@@ -1,0 +1,514 @@
+"""`mop-train plan --auto`: choose a job's layout and operator settings from its world size and memories.
+
+    planner = AutoPlanner(cfg, fixed=fixed_keys(overrides), world=64, ranks_per_node=8,
+                          gpu_bytes=141 * GIB, host_bytes=2 * TIB, headroom=2 * GIB)
+    result = planner.longest_context()          # or planner.fastest_at(seq_len); NothingFits otherwise
+    print(format_result(planner, result))
+
+A configuration (auto_settings.Settings) is the degrees (D, E_p, P), the dispatch and PipelinedLLEP's
+token budget c, Ring-DTP on or off, activation checkpointing (full or none) -- its *structure* -- and
+two *knobs*: SCO's host budget (0 .. every checkpointed boundary, in quarters) and the optimizer
+(AdamW on the device, or OffloadStreamAdamW keeping 3/4 .. none of its state on the device). Memory
+comes from the job's own plan (`plan_for_config`'s terms, with the meta model kept per flavor:
+auto_settings.fast_plan); speed from the ranking model of mop_train.train.cost_model.
+
+  pruning            a family (E_p, P, dispatch, Ring-DTP, checkpointing) is dropped when its frugal
+                     knobs (every boundary on the host, the optimizer state off the device) do not fit
+                     at the fewest tokens per rank the search can give it; a structure is skipped when
+                     its frugal knobs do not fit at S: no knob of it leaves less on the device.
+  fastest_at(S)      structures by their fastest knobs' prediction (an upper bound on their tokens/s);
+                     for each, the fastest knobs that fit, walking the knob grid in predicted order and
+                     skipping what a failure rules out; stop when no structure left can enter the top 5.
+  longest_context()  double S from the granule while some frugal structure fits, then bisect between
+                     the last fit and the first miss among the structures that fitted at the last fit
+                     (a plan grows with S, N and c); then fastest_at(S_max) picks the configuration.
+
+Keys given on the command line (`fixed_keys`) are kept: only their given values are searched. What is
+printed is re-planned with `plan_for_config` itself first.
+
+Legend: W ranks, R ranks per node, D / E_p / P the degrees, B local batch, S context, N = B*S/D tokens
+per rank, c token budget, K chunks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+from mop_train.layout import divisors, plan_layout
+from mop_train.train.auto_settings import (SEARCHED_KEYS, Evaluation, Settings, configure, fast_plan, fixed_keys,
+                                           flavor_model)
+from mop_train.train.cost_model import StepInputs, StepPrediction, predict_step
+from mop_train.train.optim import OFFLOAD_ADAMW
+from mop_train.train.plan import GIB
+
+__all__ = ["AutoPlanner", "NothingFits", "Result", "Settings", "fixed_keys", "format_result", "SEARCHED_KEYS"]
+
+OBJECTIVES = ("context", "throughput")
+SEQ_GRANULE = 1024
+"""The context objective's resolution: S is a multiple of this (and of every searched D)."""
+
+DEVICE_FRACTIONS = ("0.75", "0.5", "0.25", "0")
+"""OffloadStreamAdamW's device shares tried, most on the device (fastest) first."""
+
+SCO_QUARTERS = (0, 1, 2, 3, 4)
+"""SCO budgets tried: 0, 1/4 .. 4/4 of the checkpointed boundaries."""
+
+KEEP = 5
+"""Configurations that fit reported per search: the winner and four runners-up."""
+
+class NothingFits(Exception):
+    """No configuration fits; the message has the numbers and what would fix it."""
+
+
+@dataclass
+class Result:
+    objective: str
+    seq_len: int
+    chosen: Evaluation
+    runners_up: list[Evaluation]
+    """Fit, predicted slower than the chosen one, best first."""
+    misses: list[Evaluation]
+    """Better on the objective (faster, or a longer context) and planned not to fit, best first."""
+    stopped_by: str = ""
+    """Context objective: "memory" (S_max + one granule fits nothing) or "max_seq_len" (the model's)."""
+    next_seq_len: int | None = None
+    """Context objective: the smallest context tried that nothing fits."""
+    searched: int = 0
+    planned: int = 0
+    seconds: float = 0.0
+    disagreements: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# The search
+# ---------------------------------------------------------------------------------------------
+
+class AutoPlanner:
+    """The configurations of one job on `world` ranks, with `gpu_bytes` per GPU (of which `headroom`
+    stays unplanned) and `host_bytes` per node. `fixed`: the searched keys the user set, kept."""
+
+    def __init__(self, base, *, fixed: set[str], world: int, ranks_per_node: int, gpu_bytes: int,
+                 host_bytes: int, headroom: int = 0):
+        from mop_train.parallel.parallelize import check_layout_fits
+
+        self.base, self.fixed, self.world, self.ranks_per_node = base, set(fixed), world, ranks_per_node
+        self.gpu_bytes, self.host_bytes, self.headroom = gpu_bytes, host_bytes, headroom
+        self.model = flavor_model(base.model.flavor)
+        a, lay, t = self.model.args, base.mop.layout, base.training
+
+        def options(key: str, current, values) -> list:
+            return [current] if key in self.fixed else list(values)
+
+        def heads_split(D: int) -> bool:                  # the layout check of plan_for_config, at S = D
+            try:
+                check_layout_fits(plan_layout(world, D, 1, 1), replace(t, seq_len=D), a)
+            except ValueError:
+                return False
+            return True
+
+        self.seq_degrees = [d for d in options("mop.layout.seq_degree", lay.seq_degree, divisors(world))
+                            if world % d == 0 and heads_split(d)]
+        self.expert_degrees = [e for e in options("mop.layout.expert_degree", lay.expert_degree,
+                                                  divisors(world) if a.n_moe_layers else [1])
+                               if world % e == 0 and a.num_experts % e == 0]
+        self.vocab_degrees = [p for p in options("mop.layout.vocab_degree", lay.vocab_degree, divisors(world))
+                              if world % p == 0]
+        self.ac_modes = options("activation_checkpoint.mode", base.activation_checkpoint.mode, ("full", "none"))
+        self.optimizers = self._optimizer_levels()
+        self.granule = math.lcm(SEQ_GRANULE, *self.seq_degrees)
+        self._memo: dict[Settings, Evaluation] = {}
+        self._predictions: dict[Settings, StepPrediction] = {}
+        self._family_floor: dict[tuple, bool] = {}
+        self._fail_at: dict[tuple, int] = {}   # context search: frugal key -> smallest S it did not fit
+        self._fits_at: dict[int, list[tuple]] = {}
+        self._tried: dict[int, list[Evaluation]] = {}
+
+    def _optimizer_levels(self) -> list[tuple[str, str]]:
+        """(optimizer.name, device_fraction), fastest first; the last leaves the least on the device."""
+        base, fixed = self.base, self.fixed
+        on_device = base.optimizer.name if base.optimizer.name != OFFLOAD_ADAMW else "AdamW"
+        name_fixed, fraction = "optimizer.name" in fixed, str(base.mop.offload_adamw.device_fraction)
+        if name_fixed and base.optimizer.name != OFFLOAD_ADAMW:
+            return [(on_device, "0")]
+        if "mop.offload_adamw.device_fraction" in fixed:
+            keep_adamw = not name_fixed and fraction.strip() in ("0", "0.0")
+            return ([(on_device, "0")] if keep_adamw else []) + [(OFFLOAD_ADAMW, fraction)]
+        levels = [(OFFLOAD_ADAMW, f) for f in DEVICE_FRACTIONS]
+        host_share_fixed = "mop.offload_adamw.host_fraction" in fixed and base.mop.offload_adamw.host_fraction
+        return levels if name_fixed or host_share_fixed else [(on_device, "0")] + levels
+
+    # -- candidates -------------------------------------------------------------------------------
+
+    def structures(self, seq_len: int, *, frugal_only: bool = False) -> list[Settings]:
+        """Every structure valid at `seq_len` whose family may fit (knobs at placeholders). With
+        `frugal_only`, PipelinedLLEP takes only its smallest token budget (its plan grows with c)."""
+        base, out = self.base, []
+        for D in self.seq_degrees:
+            if seq_len % D:
+                continue
+            tokens = base.training.local_batch_size * seq_len // D
+            for Ep in self.expert_degrees:
+                for dispatch in self._dispatches(Ep):
+                    budgets = self._token_budgets(dispatch, tokens)
+                    for c in budgets[:1] if frugal_only else budgets:
+                        for P in self.vocab_degrees:
+                            for ring in self._rings(P):
+                                for ac in self.ac_modes:
+                                    s = Settings(seq_len, D, Ep, P, dispatch, c, ring, ac)
+                                    if self._family_may_fit(s):
+                                        out.append(s)
+        return out
+
+    def _dispatches(self, Ep: int) -> list[str]:
+        if "mop.moe.dispatch" in self.fixed:
+            d = self.base.mop.moe.dispatch
+            return [] if d == "local" and Ep > 1 else [d]
+        return ["local", "pipelined_llep"] if Ep == 1 else ["ep", "llep", "pipelined_llep"]
+
+    def _rings(self, P: int) -> list[bool]:
+        if "mop.ring_dtp.enable" in self.fixed:
+            return [self.base.mop.ring_dtp.enable]
+        return [True] if P > 1 else [False, True]       # P > 1 is Ring-DTP whatever the flag says
+
+    def _token_budgets(self, dispatch: str, tokens: int) -> list[int]:
+        """PipelinedLLEP's c, smallest first: powers of two from ceil(N / K_max) up, one per chunk count K."""
+        if dispatch != "pipelined_llep" or "mop.moe.token_budget" in self.fixed:
+            return [self.base.mop.moe.token_budget]
+        from mop_train.ops.moe_dispatch.pipelined_llep import num_chunks
+        k_max, seen, out = self.base.mop.moe.max_chunks, set(), []
+        c = 1 << math.ceil(math.log2(max(1, math.ceil(tokens / k_max))))
+        while True:
+            K = num_chunks(max(tokens, 1), c, k_max)[0]
+            if K not in seen:
+                seen.add(K)
+                out.append(c)
+            if K == 1:
+                return out
+            c *= 2
+
+    def knobs(self, s: Settings) -> list[list[Settings]]:
+        """grid[j][i]: optimizer level j (fastest first), SCO budget i (none first). Along either axis
+        the step gets slower, the device plan smaller and the host plan larger."""
+        if "mop.sco.host_budget" in self.fixed:
+            budgets = [self.base.mop.sco.host_budget]
+        elif s.ac_mode == "none":
+            budgets = ["0"]
+        else:
+            boundary, layers = self._boundary_bytes(s), self._checkpointed(s)
+            budgets = [_byte_text(n * boundary) for n in sorted({math.ceil(q * layers / 4) for q in SCO_QUARTERS})]
+        return [[replace(s, sco_budget=b, optimizer=o, device_fraction=f) for b in budgets]
+                for o, f in self.optimizers]
+
+    def frugal(self, s: Settings) -> Settings:
+        return self.knobs(s)[-1][-1]
+
+    def _family_may_fit(self, s: Settings) -> bool:
+        """Whether the family (E_p, P, dispatch, Ring-DTP, checkpointing) fits the device at the search's
+        fewest tokens per rank (S = lcm of the D, the largest D), its smallest c and frugal knobs: its
+        plan only grows from there, so a family that does not fit there never does."""
+        key = (s.expert_degree, s.vocab_degree, s.dispatch, s.ring_dtp, s.ac_mode)
+        if key not in self._family_floor:
+            D = max(self.seq_degrees)
+            S = math.lcm(*self.seq_degrees)
+            c = self._token_budgets(s.dispatch, self.base.training.local_batch_size * S // D)[0]
+            e = self.evaluate(self.frugal(replace(s, seq_len=S, seq_degree=D, token_budget=c)))
+            self._family_floor[key] = e.fits_device or e.plan is None   # refused there: decide per structure
+        return self._family_floor[key]
+
+    def _boundary_bytes(self, s: Settings) -> int:
+        from mop_train.parallel.precision import MixedPrecision
+        act = MixedPrecision.from_training(self.base.training).activation_bytes
+        return self.base.training.local_batch_size * s.seq_len // s.seq_degree * self.model.args.dim * act
+
+    def _checkpointed(self, s: Settings) -> int:
+        from mop_train.parallel.parallelize import checkpointed_layer_ids
+        ac = replace(self.base.activation_checkpoint, mode=s.ac_mode)
+        return len(checkpointed_layer_ids(ac, self.model.args.n_layers))
+
+    # -- one configuration ------------------------------------------------------------------------
+
+    def predict(self, s: Settings) -> StepPrediction:
+        if s not in self._predictions:
+            self._predictions[s] = predict_step(self._step_inputs(s))
+        return self._predictions[s]
+
+    def _step_inputs(self, s: Settings) -> StepInputs:
+        from mop_train.ops.sco.budget import resolve_host_budget, retained_boundary_bytes
+        from mop_train.parallel.precision import MixedPrecision
+        from mop_train.units import parse_device_fraction
+
+        m, t, W = self.model, self.base.training, self.world
+        layout = plan_layout(W, s.seq_degree, s.expert_degree, s.vocab_degree)
+        boundary, layers = self._boundary_bytes(s), self._checkpointed(s)
+        budget = 0 if s.sco_budget.strip() == "0" else resolve_host_budget(
+            s.sco_budget, self.ranks_per_node, available_bytes=self.host_bytes)
+        one_step = t.local_batch_size * W // s.seq_degree
+        share = parse_device_fraction(s.device_fraction)
+        experts, vocab = m.shard_params(layout, s.dispatch)
+        return StepInputs(
+            model=m.args, active_params=m.active, embedding_params=m.embedding,
+            fsdp_params=m.fsdp_params(layout, s.dispatch), local_params=m.local_params(layout, s.dispatch),
+            expert_shard_params=experts, vocab_shard_params=vocab, world=W, ranks_per_node=self.ranks_per_node, seq_len=s.seq_len, local_batch=t.local_batch_size,
+            micro_batches=max(1, t.global_batch_size // one_step) if t.global_batch_size != -1 else 1,
+            seq_degree=s.seq_degree, expert_degree=s.expert_degree, vocab_degree=s.vocab_degree,
+            dispatch=s.dispatch, token_budget=s.token_budget, max_chunks=self.base.mop.moe.max_chunks,
+            ring_dtp=s.ring_dtp, checkpointed_layers=layers,
+            sco_offloaded_bytes=layers * boundary - retained_boundary_bytes([boundary] * layers, budget),
+            offload_optimizer=s.offloads_optimizer, device_fraction=0.0 if share == "auto" else share,
+            act_bytes=MixedPrecision.from_training(t).activation_bytes)
+
+    def evaluate(self, s: Settings) -> Evaluation:
+        if s not in self._memo:
+            e = Evaluation(s, self.predict(s), device_limit=self.gpu_bytes - self.headroom,
+                           host_limit=self.host_bytes)
+            try:
+                e.plan = fast_plan(configure(self.base, s), world=self.world, ranks_per_node=self.ranks_per_node,
+                                   host_bytes=self.host_bytes)
+            except ValueError as err:
+                e.error = str(err)
+            self._memo[s] = e
+        return self._memo[s]
+
+    def verify(self, e: Evaluation) -> list[str]:
+        """Re-plan `e` with `plan_for_config` itself; the differences from `fast_plan`, if any."""
+        from mop_train.train.plan_cli import plan_for_config
+        if e.verified or e.plan is None:
+            return []
+        fast, e.verified = e.plan, True
+        e.plan = plan_for_config(configure(self.base, e.settings), world=self.world,
+                                 ranks_per_node=self.ranks_per_node, host_bytes=self.host_bytes)
+        if (fast.device_bytes, fast.host_bytes_per_node) == (e.device, e.host):
+            return []
+        return [f"{e.settings.label()} at S={e.settings.seq_len:,}: cached plan {fast.device_bytes / GIB:.3f} / "
+                f"{fast.host_bytes_per_node / GIB:.3f} GiB, plan_for_config {e.device / GIB:.3f} / {e.host / GIB:.3f}"]
+
+    def best_knobs(self, s: Settings) -> tuple[Evaluation | None, list[Evaluation]]:
+        """The fastest knobs of structure `s` that fit, and the faster ones planned not to fit. Skips
+        what a failure already rules out: less SCO and more state on the device than a device
+        failure; more of both than a host failure."""
+        grid = self.knobs(s)
+        order = sorted(((j, i) for j in range(len(grid)) for i in range(len(grid[j]))),
+                       key=lambda ji: -self.predict(grid[ji[0]][ji[1]]).tokens_per_s)
+        device_fails, host_fails, missed = [], [], []
+        for j, i in order:
+            if any(j <= fj and i <= fi for fj, fi in device_fails) or any(j >= fj and i >= fi for fj, fi in host_fails):
+                continue
+            e = self.evaluate(grid[j][i])
+            if e.fits:
+                return e, missed
+            missed.append(e)
+            (device_fails if not e.fits_device else host_fails).append((j, i))
+        return None, missed
+
+    # -- objectives -------------------------------------------------------------------------------
+
+    def fastest_at(self, seq_len: int, keep: int = KEEP) -> Result:
+        """The fastest configuration that fits at `seq_len` and the best of `keep - 1` other families
+        (degrees, dispatch, Ring-DTP, checkpointing); NothingFits when none fits."""
+        start = time.perf_counter()
+        structures = sorted(self.structures(seq_len),
+                            key=lambda s: (-self.predict(self.knobs(s)[0][0]).tokens_per_s, s.label()))
+        best: dict[tuple, Evaluation] = {}
+        tried: list[Evaluation] = []
+        for s in structures:
+            ranked = sorted(best.values(), key=lambda e: -e.tokens_per_s)
+            if len(ranked) >= keep and self.predict(self.knobs(s)[0][0]).tokens_per_s < ranked[keep - 1].tokens_per_s:
+                break                                  # nothing further down can enter the top `keep`
+            frugal = self.evaluate(self.frugal(s))
+            if not frugal.fits_device:                 # no knob of this structure leaves less on the device
+                tried.append(frugal)
+                continue
+            e, missed = self.best_knobs(s)
+            tried += missed
+            family = _family(s)
+            if e is not None and (family not in best or e.tokens_per_s > best[family].tokens_per_s):
+                best[family] = e
+        fits = sorted(best.values(), key=lambda e: -e.tokens_per_s)[:keep]
+        if not fits:
+            raise self.nothing_fits(seq_len, f"at training.seq_len = {seq_len:,}", context_hint=True)
+        return self._finish("throughput", seq_len, fits, tried, start)
+
+    def longest_context(self) -> Result:
+        """The longest context (a multiple of the granule, at most the model's max_seq_len) that some
+        configuration fits, and the fastest configurations there; NothingFits when not one granule fits.
+        Doubles S while anything fits, then bisects between the last fit and the first miss, among the
+        structures that fitted at the last fit (a structure's plan grows with S)."""
+        start, g = time.perf_counter(), self.granule
+        cap = self.model.args.max_seq_len // g * g
+        if cap < g:
+            raise NothingFits(f"model {self.base.model.flavor!r} takes at most max_seq_len = "
+                              f"{self.model.args.max_seq_len:,} tokens, below the search's granule of {g:,}")
+        ok, fail, S = None, None, g
+        while True:
+            if self._first_fit(S) is None:
+                fail = S
+                break
+            ok = S
+            if S >= cap:
+                break
+            S = min(2 * S, cap)
+        if ok is None:
+            raise self.nothing_fits(g, f"even at training.seq_len = {g:,} (the search's granule)")
+        if fail is not None:
+            survivors = self._all_fits(ok)
+            while fail - ok > g and (mid := (ok + fail) // 2 // g * g) > ok:
+                if self._first_fit(mid, among=survivors) is None:
+                    fail = mid
+                else:
+                    ok = mid
+        best = self.fastest_at(ok)
+        misses = sorted((e for e in self._tried.get(fail, []) if not e.fits), key=lambda e: e.overshoot)[:3]
+        for e in misses:
+            best.disagreements += self.verify(e)
+        best.objective, best.misses, best.seconds = "context", misses, time.perf_counter() - start
+        best.stopped_by, best.next_seq_len = ("memory", fail) if fail is not None else ("max_seq_len", None)
+        return best
+
+    def _first_fit(self, seq_len: int, among: set[tuple] | None = None) -> Evaluation | None:
+        """A configuration that fits at `seq_len`: the frugal structures not known to fail below it,
+        those that fitted the longest context so far first."""
+        tried = self._tried.setdefault(seq_len, [])
+        done = [S for S in self._fits_at if S <= seq_len]
+        first = set(self._fits_at[max(done)]) if done else set()
+        for s in sorted(self.structures(seq_len, frugal_only=True), key=lambda s: _family(s) not in first):
+            key = _family(s)
+            if self._fail_at.get(key, math.inf) <= seq_len or (among is not None and key not in among):
+                continue
+            e = self._fit_any_knob(s)
+            if e is not None:
+                self._fits_at.setdefault(seq_len, []).append(key)
+                return e
+            tried.append(self.evaluate(self.frugal(s)))
+        return None
+
+    def _all_fits(self, seq_len: int) -> set[tuple]:
+        """The frugal structures that fit at `seq_len`."""
+        return {_family(s) for s in self.structures(seq_len, frugal_only=True) if self._fit_any_knob(s)}
+
+    def _fit_any_knob(self, s: Settings) -> Evaluation | None:
+        frugal = self.evaluate(self.frugal(s))
+        if not frugal.fits_device:                 # and not above this S either
+            key = _family(s)
+            self._fail_at[key] = min(s.seq_len, self._fail_at.get(key, math.inf))
+            return None
+        return frugal if frugal.fits else self.best_knobs(s)[0]   # host-bound: less SCO or offload
+
+    def _finish(self, objective: str, seq_len: int, fits: list[Evaluation], tried: list[Evaluation],
+                start: float) -> Result:
+        """Re-plan what will be printed with `plan_for_config` itself; rank what fits by tokens/s."""
+        notes: list[str] = []
+        for e in fits:
+            notes += self.verify(e)
+        fitting = sorted((e for e in fits if e.fits), key=lambda e: -e.tokens_per_s)
+        if not fitting:
+            raise self.nothing_fits(seq_len, f"at training.seq_len = {seq_len:,} (after re-planning)")
+        chosen = fitting[0]
+        faster = {e.settings: e for e in tried if e.plan is not None and e.tokens_per_s > chosen.tokens_per_s}
+        misses = sorted(faster.values(), key=lambda e: -e.tokens_per_s)[:3]
+        for e in misses:
+            notes += self.verify(e)
+        return Result(objective, seq_len, chosen, fitting[1:], [e for e in misses if not e.fits], "", None,
+                      len(self._predictions), len(self._memo), time.perf_counter() - start, notes)
+
+    # -- when nothing fits ------------------------------------------------------------------------
+
+    def nothing_fits(self, seq_len: int, where: str, *, context_hint: bool = False) -> NothingFits:
+        """The error with the numbers: the closest configuration and what would make one fit."""
+        tried = [e for e in self._memo.values() if e.settings.seq_len == seq_len]
+        planned = [e for e in tried if e.plan is not None]
+        head = (f"nothing fits {where} on W={self.world} ranks ({self.ranks_per_node} per node), "
+                f"{self.gpu_bytes / GIB:.1f} GiB per GPU ({self.headroom / GIB:.1f} GiB of it kept free) and "
+                f"{self.host_bytes / GIB:.1f} GiB host per node")
+        if not planned:
+            return NothingFits(f"{head}: " + (tried[0].error if tried else
+                                              "no layout of the searched degrees is valid for this model"))
+        closest = min(planned, key=lambda e: e.overshoot)
+        lines = [head + ".", f"closest ({len(tried)} configurations planned): {closest.settings.label()}: "
+                 f"{closest.device / GIB:.1f} GiB per rank, {closest.host / GIB:.1f} GiB host per node", "would fit:"]
+        if closest.device > closest.device_limit:
+            lines.append(f"  with --gpu-memory {math.ceil((closest.device + self.headroom) / GIB)}GiB (that configuration)")
+        if closest.host > closest.host_limit:
+            lines.append(f"  with --host-memory {math.ceil(closest.host / GIB)}GiB per node (that configuration)")
+        for world in (2 * self.world, 4 * self.world, 8 * self.world):
+            other = AutoPlanner(self.base, fixed=self.fixed, world=world, ranks_per_node=self.ranks_per_node,
+                                gpu_bytes=self.gpu_bytes, host_bytes=self.host_bytes, headroom=self.headroom)
+            e = other._first_fit(seq_len)
+            if e is not None:
+                lines.append(f"  on --world {world} ranks: {e.settings.label()} ({e.device / GIB:.1f} GiB per rank)")
+                break
+        else:
+            lines.append(f"  not on up to {8 * self.world} ranks with these memories")
+        if context_hint:
+            try:
+                lines.append(f"  at --training.seq_len {self.longest_context().seq_len} "
+                             "(the longest context that fits on these ranks: --objective context)")
+            except NothingFits:
+                lines.append("  at no context on these ranks")
+        return NothingFits("\n".join(lines))
+
+
+def _family(s: Settings) -> tuple:
+    """What the runners-up differ in: the degrees, the dispatch, Ring-DTP, checkpointing."""
+    return (s.seq_degree, s.expert_degree, s.vocab_degree, s.dispatch, s.ring_dtp, s.ac_mode)
+
+
+def _byte_text(n: int) -> str:
+    """A byte count as [mop.sco] host_budget takes it: whole GiB or MiB where exact, else bytes."""
+    if n == 0:
+        return "0"
+    if n % GIB == 0:
+        return f"{n // GIB}GiB"
+    return f"{n >> 20}MiB" if n % (1 << 20) == 0 else str(n)
+
+
+# ---------------------------------------------------------------------------------------------
+# The report
+# ---------------------------------------------------------------------------------------------
+
+def _table(rows: list[Evaluation], *, with_context: bool = False) -> list[str]:
+    lines = [f"  {'tokens/s':>10}  {'step s':>8}  {'peak GiB':>8}  {'host GiB/node':>13}  "
+             + ("context    " if with_context else "") + "configuration"]
+    for e in rows:
+        lines.append(f"  {e.tokens_per_s:>10,.0f}  {e.prediction.seconds:>8.3f}  {e.device / GIB:>8.1f}  "
+                     f"{e.host / GIB:>13.1f}  " + (f"{e.settings.seq_len:<10,} " if with_context else "")
+                     + e.settings.label())
+    return lines
+
+
+def format_result(planner: AutoPlanner, r: Result) -> str:
+    """The chosen overrides (flags and TOML), the predicted peak and step, the chosen plan term by
+    term, the runners-up and what would have been better but does not fit."""
+    from mop_train.train.cost_model import format_prediction
+    from mop_train.train.plan_cli import plan_job
+
+    p, e, base = planner, r.chosen, planner.base
+    lines = [f"mop-train plan --auto: objective {r.objective} on W={p.world} ranks ({p.ranks_per_node} per node), "
+             f"{p.gpu_bytes / GIB:.1f} GiB per GPU ({p.headroom / GIB:.1f} GiB of it kept free), "
+             f"{p.host_bytes / GIB:.1f} GiB host per node",
+             f"searched {r.searched:,} configurations, planned {r.planned:,}, in {r.seconds:.2f} s"
+             + (f"; kept as given: {', '.join(sorted(p.fixed))}" if p.fixed else "")]
+    if r.objective == "context":
+        lines.append(f"longest context that fits: {r.seq_len:,} tokens (" + (
+            f"{r.next_seq_len:,} fits no configuration)" if r.stopped_by == "memory"
+            else "the model's max_seq_len; memory was not the limit)"))
+    else:
+        lines.append(f"fastest configuration that fits at training.seq_len = {r.seq_len:,}")
+    lines += ["", "chosen overrides:", "  " + " ".join(e.settings.flags(base)), "", "as TOML:"]
+    lines += ["  " + line for line in e.settings.toml(base).splitlines()]
+    lines += ["", f"predicted peak per rank {e.device / GIB:.1f} GiB of {p.gpu_bytes / GIB:.1f} GiB; pinned host "
+              f"{e.host / GIB:.1f} GiB of {p.host_bytes / GIB:.1f} GiB per node",
+              format_prediction(e.prediction), "",
+              plan_job(configure(base, e.settings), world=p.world, ranks_per_node=p.ranks_per_node,
+                       gpu_bytes=p.gpu_bytes, host_bytes=p.host_bytes)[0]]
+    if r.runners_up:
+        lines += ["", "runners-up (fit; predicted slower; the best of each other layout/dispatch/checkpointing):"]
+        lines += _table(r.runners_up)
+    if r.misses:
+        lines += ["", "better on the objective but planned not to fit:"]
+        lines += _table(r.misses, with_context=r.objective == "context")
+    if r.disagreements:
+        lines += ["", "note: the cached planner differed from plan_for_config (these were re-planned with it):"]
+        lines += ["  " + d for d in r.disagreements]
+    return "\n".join(lines)

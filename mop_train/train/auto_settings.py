@@ -1,0 +1,268 @@
+"""One configuration of `mop-train plan --auto` (mop_train.train.auto_plan): the searched keys, the
+TOML overrides that set them, the job with them applied, and its memory plan and predicted step.
+
+    s = Settings(seq_len=131072, seq_degree=2, expert_degree=2, vocab_degree=1, dispatch="pipelined_llep",
+                 token_budget=8192, ring_dtp=False, ac_mode="full", sco_budget="6GiB",
+                 optimizer="OffloadStreamAdamW", device_fraction="0.5")
+    s.flags(base)          # ["--training.seq_len", "131072", "--mop.layout.seq_degree", "2", ...]
+    fast_plan(configure(base, s), world=2, ranks_per_node=2, host_bytes=256 * GIB)   # a JobPlan
+
+`fast_plan` is `plan_cli.plan_for_config` with the meta model built once per flavor (building it is
+most of a plan's cost: ~90 ms for mop-667b, against ~0.4 ms for the rest); tests/test_auto_plan.py
+checks the two agree term by term.
+
+Legend: W ranks, D / E_p / P the degrees, S context.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from mop_train.layout import plan_layout
+from mop_train.train.cost_model import StepPrediction
+from mop_train.train.optim import OFFLOAD_ADAMW
+from mop_train.train.plan_cli import JobPlan
+
+SEARCHED_KEYS = ("training.seq_len", "mop.layout.seq_degree", "mop.layout.expert_degree", "mop.layout.vocab_degree",
+                 "mop.moe.dispatch", "mop.moe.token_budget", "mop.ring_dtp.enable", "mop.sco.host_budget",
+                 "optimizer.name", "mop.offload_adamw.device_fraction", "activation_checkpoint.mode")
+
+
+def fixed_keys(overrides: list[str]) -> set[str]:
+    """The searched keys the command line sets (`--mop.layout.seq_degree 2`, `--mop.ring_dtp.no-enable`)."""
+    given = set()
+    for arg in overrides:
+        if arg.startswith("--"):
+            section, _, key = arg[2:].split("=", 1)[0].replace("-", "_").rpartition(".")
+            given |= {f"{section}.{key}", f"{section}.{key.removeprefix('no_')}"}
+    return given & set(SEARCHED_KEYS)
+
+
+# ---------------------------------------------------------------------------------------------
+# One configuration
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Settings:
+    """The searched keys of one configuration (everything else is the job's own)."""
+    seq_len: int
+    seq_degree: int
+    expert_degree: int
+    vocab_degree: int
+    dispatch: str
+    token_budget: int
+    ring_dtp: bool
+    ac_mode: str
+    sco_budget: str = "0"
+    optimizer: str = "AdamW"
+    device_fraction: str = "0"
+
+    @property
+    def structure(self) -> tuple:
+        """What the knobs (SCO budget, optimizer) leave unchanged."""
+        return (self.seq_len, self.seq_degree, self.expert_degree, self.vocab_degree, self.dispatch,
+                self.token_budget, self.ring_dtp, self.ac_mode)
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return self.optimizer == OFFLOAD_ADAMW
+
+    def label(self) -> str:
+        ops = [self.dispatch + (f" c={self.token_budget}" if self.dispatch == "pipelined_llep" else "")]
+        ops += ["ring-dtp"] if self.ring_dtp or self.vocab_degree > 1 else []
+        ops += [f"sco {self.sco_budget}"] if self.sco_budget != "0" else []
+        ops += [f"offload f={self.device_fraction}" if self.offloads_optimizer else self.optimizer]
+        ops += [f"ac {self.ac_mode}"]
+        return f"D{self.seq_degree} Ep{self.expert_degree} P{self.vocab_degree} " + ", ".join(ops)
+
+    def overrides(self, base) -> list[tuple[str, object]]:
+        """(dotted key, value) that turn the job `base` into this configuration."""
+        out = [("training.seq_len", self.seq_len), ("mop.layout.seq_degree", self.seq_degree),
+               ("mop.layout.expert_degree", self.expert_degree), ("mop.layout.vocab_degree", self.vocab_degree),
+               ("mop.moe.dispatch", self.dispatch)]
+        if self.dispatch == "pipelined_llep" or self.token_budget != base.mop.moe.token_budget:
+            out.append(("mop.moe.token_budget", self.token_budget))
+        out += [("mop.ring_dtp.enable", self.ring_dtp), ("mop.sco.host_budget", self.sco_budget),
+                ("optimizer.name", self.optimizer)]
+        oa = base.mop.offload_adamw
+        if self.offloads_optimizer or str(oa.device_fraction) != self.device_fraction:
+            out.append(("mop.offload_adamw.device_fraction", self.device_fraction))
+        if not self.offloads_optimizer:   # options that only apply to OffloadStreamAdamW go back to off
+            out += [("mop.offload_adamw.host_fraction", 0.0)] if oa.host_fraction else []
+            out += [("mop.offload_adamw.overlap", False)] if oa.overlap else []
+        return out + [("activation_checkpoint.mode", self.ac_mode)]
+
+    def flags(self, base) -> list[str]:
+        flags = []
+        for dotted, value in self.overrides(base):
+            if isinstance(value, bool):
+                section, _, key = dotted.rpartition(".")
+                flags.append(f"--{dotted}" if value else f"--{section}.no-{key}")
+            else:
+                flags += [f"--{dotted}", str(value)]
+        return flags
+
+    def toml(self, base) -> str:
+        sections: dict[str, list[str]] = {}
+        for dotted, value in self.overrides(base):
+            section, _, key = dotted.rpartition(".")
+            text = ("true" if value else "false") if isinstance(value, bool) else (
+                f'"{value}"' if isinstance(value, str) else str(value))
+            sections.setdefault(section, []).append(f"{key} = {text}")
+        return "\n".join(f"[{s}]\n" + "\n".join(lines) for s, lines in sections.items())
+
+
+def configure(base, s: Settings):
+    """A copy of the job `base` with the settings of `s` (the sections it touches are copied)."""
+    cfg = copy.copy(base)
+    mop = cfg.mop = copy.copy(base.mop)
+    mop.layout = replace(base.mop.layout, seq_degree=s.seq_degree, expert_degree=s.expert_degree,
+                         vocab_degree=s.vocab_degree)
+    mop.moe = replace(base.mop.moe, dispatch=s.dispatch, token_budget=s.token_budget)
+    mop.ring_dtp = replace(base.mop.ring_dtp, enable=s.ring_dtp)
+    mop.sco = replace(base.mop.sco, host_budget=s.sco_budget)
+    oa = base.mop.offload_adamw
+    mop.offload_adamw = replace(oa, device_fraction=s.device_fraction,
+                                host_fraction=oa.host_fraction if s.offloads_optimizer else 0.0,
+                                overlap=oa.overlap and s.offloads_optimizer)
+    cfg.optimizer = replace(base.optimizer, name=s.optimizer)
+    cfg.training = replace(base.training, seq_len=s.seq_len)
+    cfg.activation_checkpoint = replace(base.activation_checkpoint, mode=s.ac_mode)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# The memory plan with the meta model kept per flavor
+# ---------------------------------------------------------------------------------------------
+
+class FlavorModel:
+    """One flavor's meta model and the parameter counts `plan_for_config` reads off it, cached per layout."""
+
+    def __init__(self, flavor: str):
+        import torch
+
+        from mop_train.models import zoo
+        from mop_train.models.model import MoETransformer
+
+        self.args = zoo.get_model_args(flavor)
+        with torch.device("meta"):
+            self.model = MoETransformer(self.args)
+        self.total = sum(p.numel() for p in self.model.parameters())
+        self.active = zoo.param_counts(self.args)["active"]
+        self.embedding = self.model.tok_embeddings.weight.numel()
+        self._cache: dict[tuple, object] = {}
+
+    def _cached(self, key: tuple, compute):
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
+    def _kept_out(self, layout, dispatch: str) -> tuple[list, list]:
+        from mop_train.train.plan_cli import kept_out_of_fsdp
+        return self._cached(("kept", dispatch == "local", layout.vocab_degree > 1),
+                            lambda: kept_out_of_fsdp(self.model, layout, dispatch=dispatch))
+
+    def local_params(self, layout, dispatch: str) -> int:
+        from mop_train.train.plan_cli import local_param_count
+        key = ("local", layout.world_size, layout.expert_degree, layout.vocab_degree, dispatch == "local")
+        return self._cached(key, lambda: local_param_count(self.model, layout, dispatch=dispatch))
+
+    def shard_params(self, layout, dispatch: str) -> tuple[int, int]:
+        """(routed-expert, projection) parameters of this rank that a MoP group shards (0: FSDP2's)."""
+        routed, projection = (sum(p.numel() for p in ps) for ps in self._kept_out(layout, dispatch))
+        return -(-routed // layout.expert_degree), -(-projection // layout.vocab_degree)
+
+    def fsdp_params(self, layout, dispatch: str) -> int:
+        """Parameters FSDP2 holds (gathers and reduces): all but those a MoP group shards."""
+        return self.total - sum(p.numel() for ps in self._kept_out(layout, dispatch) for p in ps)
+
+    def block_and_root(self, layout, dispatch: str) -> tuple[int, int]:
+        """(largest block's, root unit's) parameters FSDP2 gathers."""
+        from mop_train.train.job_plan import fsdp_block_params, fsdp_root_params
+
+        def count():
+            kept = {id(p) for ps in self._kept_out(layout, dispatch) for p in ps}
+            return (max(fsdp_block_params(b, kept) for b in self.model.layers.values()),
+                    fsdp_root_params(self.model, kept))
+        return self._cached(("gathered", dispatch == "local", layout.vocab_degree > 1), count)
+
+    def local_root(self, layout) -> int:
+        from mop_train.train.plan_cli import local_root_params
+        return self._cached(("first", layout.world_size, layout.vocab_degree),
+                            lambda: local_root_params(self.model, layout))
+
+
+@lru_cache(maxsize=8)
+def flavor_model(flavor: str) -> FlavorModel:
+    return FlavorModel(flavor)
+
+
+def fast_plan(cfg, *, world: int, ranks_per_node: int, host_bytes: int | None) -> JobPlan:
+    """`plan_for_config` with the meta model built once per flavor: the same steps in the same order
+    (tests/test_auto_plan.py checks that the two agree term by term)."""
+    from mop_train.ops.sco import resolve_host_budget
+    from mop_train.parallel.parallelize import check_layout_fits, check_titan_parallelism, checkpointed_layer_ids
+    from mop_train.parallel.precision import MixedPrecision
+    from mop_train.train.job_plan import memory_plans
+
+    lay, t, m = cfg.mop.layout, cfg.training, flavor_model(cfg.model.flavor)
+    layout = plan_layout(world, lay.seq_degree, lay.expert_degree, lay.vocab_degree)
+    check_layout_fits(layout, t, m.args)
+    micro = check_titan_parallelism(cfg.parallelism, t, data_size=world // lay.seq_degree)
+    precision = MixedPrecision.from_training(t)
+    sco_budget = 0 if cfg.mop.sco.host_budget.strip() == "0" else resolve_host_budget(
+        cfg.mop.sco.host_budget, ranks_per_node, available_bytes=host_bytes)
+    dispatch = cfg.mop.moe.dispatch
+    mine = m.local_params(layout, dispatch)
+    block, root = m.block_and_root(layout, dispatch)
+    device_terms, host_terms = memory_plans(
+        cfg, layout_plan=layout, total_params=m.total, largest_block_params=block, root_params=root,
+        first_grad_params=m.local_root(layout),
+        checkpointed_layers=len(checkpointed_layer_ids(cfg.activation_checkpoint, m.args.n_layers)),
+        local_params=mine, sco_host_budget=sco_budget, precision=precision)
+    return JobPlan(layout, m.total, mine, micro, str(precision.param_dtype).removeprefix("torch."),
+                   ranks_per_node, device_terms, host_terms)
+
+
+@dataclass
+class Evaluation:
+    """One configuration: its plan (None when the job refuses it: `error`) and predicted step."""
+    settings: Settings
+    prediction: StepPrediction
+    plan: JobPlan | None = None
+    error: str | None = None
+    device_limit: int = 0
+    """Device bytes a configuration may plan: the GPU's memory less the headroom."""
+    host_limit: int = 0
+    verified: bool = False
+    """Planned by `plan_for_config` itself (not only by `fast_plan`)."""
+
+    @property
+    def device(self) -> int:
+        return self.plan.device_bytes if self.plan else 0
+
+    @property
+    def host(self) -> int:
+        return self.plan.host_bytes_per_node if self.plan else 0
+
+    @property
+    def fits_device(self) -> bool:
+        return self.plan is not None and self.device <= self.device_limit
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.host <= self.host_limit
+
+    @property
+    def overshoot(self) -> float:
+        """How far over the tightest memory it is (1.0 = exactly full; inf when refused)."""
+        if self.plan is None:
+            return math.inf
+        return max(self.device / self.device_limit, self.host / self.host_limit)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.prediction.tokens_per_s

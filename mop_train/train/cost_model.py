@@ -1,0 +1,269 @@
+"""Predicted step time of a job under a layout and operator set: the ranking model of `mop-train plan --auto`.
+
+    step = predict_step(StepInputs(model=args, active_params=..., world=8, seq_len=131072, ...))
+    print(step.seconds, step.tokens_per_s); for name, s, how in step.terms: ...
+
+Calibrated on one and two H200s (benchmarks/RESULTS.md, DESIGN.md's measured facts), at `small`'s
+shape: it is a model for RANKING configurations against each other, not a promise of a step time.
+Constants measured on one host are assumed to carry over to others (a multi-node fabric has not
+been measured at all: INTER_NODE_SLOWDOWN is a spec ratio), and the MFUs of a 1.5K-wide model are
+used for every width. A term is one cost per step, per rank (every rank does the same work):
+
+  compute     N * (dense FLOPs/token / (peak * MFU_DENSE) + attention FLOPs/token(S) / (peak * MFU_ATTENTION)),
+              full recompute included (the calibration runs checkpoint every block); a block that is
+              not checkpointed saves its forward's share, RECOMPUTE_SHARE
+  fsdp        FSDP2's all-gathers and reduce-scatters, exposed only beyond the compute they overlap
+  replicas    the expert and vocab shards' gradient all-reduce over their replica groups, after backward
+  ulysses     the sequence group's all-to-all of q, k, v and the attention output (D > 1)
+  dispatch    the expert group's dispatch and combine all-to-alls (E_p > 1)
+  chunking    PipelinedLLEP's per-chunk overhead on the expert part (K > 1)
+  ring_dtp    Ring-DTP's extra GEMM pass over the standard loss (and its hops when P spans nodes)
+  sco         the share of SCO's boundary traffic the prefetch does not hide
+  optimizer   AdamW on the device, or OffloadStreamAdamW: the host link or host memory, whichever binds
+
+Not modelled: LLEP's relocation under skewed routing (zero at balanced routing, what the router's
+bias balancing aims for), the CPU share of OffloadStreamAdamW (host_fraction), overlap of the
+optimizer with the next forward, kept attention, document masks.
+
+Legend: W ranks, R ranks per node, D / E_p / P the degrees, L blocks, N = B*S/D tokens per rank
+per micro-batch, S context, H hidden, V vocab, k top-k, I expert width, h heads, K chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mop_train.models.args import MoEModelArgs
+from mop_train.ops.moe_dispatch.pipelined_llep import num_chunks
+from mop_train.train.metrics import PEAK_BF16_TFLOPS
+
+PEAK_FLOPS = PEAK_BF16_TFLOPS["H200"] * 1e12
+"""Dense bf16 peak of an H200 (989 TFLOP/s), the denominator of every MFU in RESULTS.md."""
+
+MFU_DENSE = 0.15
+"""Achieved share of the peak on 6 FLOPs per active non-embedding parameter per token (full recompute
+included). Least squares, with MFU_ATTENTION, over nine operators-off runs of `small`: RESULTS.md
+"Training small on one H200" (2026-11-29, 25,923 tokens/s at 2 x 4K), "Memory plan against the
+measured peak on one H200" (2026-11-30, plain 32K / 128K / 256K: 24,809 / 10,643 / 6,100 tokens/s),
+"End-to-end against torchtitan" (2026-11-30, ours best 43,752 tokens/s at 32K on 2 H200s) and
+DESIGN.md's 2-GPU context sweep (2026-11-30, 41.3K / 33.4K / 20.3K / 12.0K tokens/s at 32K-262K).
+Residuals -10% .. +15%."""
+
+MFU_ATTENTION = 0.45
+"""Achieved share of the peak on causal attention's 6 * L * h * d_qk * S FLOPs per token (the metric of
+mop_train.train.metrics); same fit as MFU_DENSE."""
+
+RECOMPUTE_SHARE = 0.25
+"""Share of a checkpointed block's compute that is the recomputed forward (2 of 8 FLOPs per parameter and
+token; 1 of 4 attention passes): derived, not measured."""
+
+FSDP_BYTES_PER_S = 42e9
+"""FSDP2 traffic per rank per second inside a node: RESULTS.md "small, 50 steps on 2 GPUs" (2026-11-30),
+operators off: 24,898 tokens/s at 4,096 tokens per rank = 0.329 s per step against ~0.16 s of compute
+and optimizer; the step there is the 13.2 GB of gathers and reduce-scatters per rank at this rate."""
+
+A2A_BYTES_PER_S = 50e9
+"""All-to-all bytes per rank per second inside a node (Ulysses and expert dispatch): fitted to the
+operators-on runs of `small` on 2 H200s (D=2, E_p=2; DESIGN.md 2026-11-30: 21.5K / 17.1K / 11.3K tokens/s
+at 65K / 131K / 262K; RESULTS.md "End-to-end against torchtitan" 2026-11-30: 24,442 / 11,599 at 65K / 262K)
+after their compute and optimizer terms: 0.47 s / 0.91 s / 1.65 s left for 22 / 44 / 88 GB."""
+
+INTER_NODE_SLOWDOWN = 9.0
+"""How much slower a group that spans nodes moves bytes: NVLink 4's 450 GB/s per direction over one
+400 Gb/s (50 GB/s) NIC per GPU. A spec ratio: no multi-node run has been measured."""
+
+OFFLOAD_S_PER_PARAM = 0.2437 / 1e9
+"""OffloadStreamAdamW's step per streamed parameter, one rank alone on its host: RESULTS.md
+"OffloadStreamAdamW (optimizer step)" (2026-11-29), 1.0B parameters, 25M x 3 slots: 0.2437 s
+(98.7% of the host link's floor)."""
+
+HOST_BYTES_PER_PARAM = 24
+"""Host memory traffic of a host-resident AdamW per parameter per step (fp32 master and two moments read
+and written): RESULTS.md "Why not 2.5x DeepSpeed" (2026-11-29)."""
+
+HOST_MEMORY_BYTES_PER_S = 144e9
+"""Useful host memory bandwidth of a node, shared by its ranks' streamed steps: RESULTS.md "Why not 2.5x
+DeepSpeed" (2026-11-29): copies and CPU updates together saturate at ~140-145 GB/s. With two ranks on a
+host it predicts 0.55 s for `small`'s 1.65B parameters per rank; RESULTS.md "small, 50 steps on 2 GPUs"
+(2026-11-30) measured 574 ms."""
+
+DEVICE_ADAMW_S_PER_PARAM = 0.021 / 1.645e9
+"""Fused AdamW on the device per local parameter: RESULTS.md "small, 50 steps on 2 GPUs" (2026-11-30),
+operators off: 21 ms for 1.645B parameters per rank."""
+
+HOST_LINK_BYTES_PER_S = 12e9 / 0.2405
+"""Pinned host <-> device bytes per second each way: RESULTS.md "OffloadStreamAdamW" (2026-11-29), link
+floor 0.2405 s for 12 B x 1B parameters each way (49.9 GB/s)."""
+
+SCO_EXPOSED_SHARE = 0.07
+"""Share of SCO's boundary traffic (down in forward, up in backward) the step waits for: RESULTS.md
+"SCO on one H200", 24 blocks (2026-11-29): the worst row, 18 boundaries (3,240 MiB) offloaded, +9 ms of
+3.079 s against 136 ms of link time."""
+
+RING_DTP_TIME_RATIO = 1.25
+"""Ring-DTP's loss time over the standard loss: RESULTS.md "Ring-DTP ring, P=2, bf16" (2026-11-30), 0.307
+vs 0.245 s at N=16384 per rank; P=1: 0.2985 vs 0.2397 s (1.245x, "Ring-DTP (vocab projection)" 2026-11-29)."""
+
+LOSS_MFU = 0.594
+"""Share of the peak the standard loss reaches on its 6 * N * H * V FLOPs: RESULTS.md "Ring-DTP (vocab
+projection)" (2026-11-29), 0.2397 s at N=16384, H=7168, V=200000, bf16."""
+
+CHUNK_OVERHEAD = 0.004
+"""PipelinedLLEP's extra time per chunk beyond the first, as a share of the expert part (expert GEMMs and
+dispatch): RESULTS.md "Expert dispatch, 2 ranks over NCCL" (2026-11-30), inside a checkpointed block
+0.96-1.01x LLEP at 65K tokens (K=10) and 0.98-1.09x at 32K (K=8). The one-rank, 384-expert case (2.2-2.5x,
+"Expert dispatch on one H200" 2026-11-29, few rows per expert) is not what an E_p > 1 rank sees."""
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What one rank does per step. Counts are parameters (not bytes)."""
+    model: MoEModelArgs
+    active_params: int
+    """Parameters one token touches (zoo.param_counts' "active")."""
+    embedding_params: int
+    """The input embedding's (a lookup: no FLOPs)."""
+    fsdp_params: int
+    """Parameters FSDP2 gathers and reduces over all W (the expert and vocab shards kept out excluded)."""
+    local_params: int
+    """This rank's parameters: the optimizer's work."""
+    world: int
+    ranks_per_node: int
+    seq_len: int
+    local_batch: int
+    micro_batches: int = 1
+    expert_shard_params: int = 0
+    """This rank's routed-expert parameters when the expert group shards them (0 with "local" dispatch):
+    their gradients are summed over the W/E_p ranks holding the same shard after backward."""
+    vocab_shard_params: int = 0
+    """This rank's share of the output projection when P > 1 (summed over the W/P replicas likewise)."""
+    seq_degree: int = 1
+    expert_degree: int = 1
+    vocab_degree: int = 1
+    dispatch: str = "local"
+    token_budget: int = 4096
+    max_chunks: int = 10
+    ring_dtp: bool = False
+    checkpointed_layers: int | None = None
+    """Blocks under activation checkpointing (None: every block)."""
+    sco_offloaded_bytes: int = 0
+    """Boundary bytes SCO offloads per micro-batch on this rank."""
+    offload_optimizer: bool = False
+    device_fraction: float = 0.0
+    """OffloadStreamAdamW's share of the state kept and updated on the device."""
+    act_bytes: int = 2
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    terms: list[tuple[str, float, str]]
+    tokens_per_step: int
+    """Tokens of one optimizer step over all ranks: micro-batches x B x S x W/D."""
+
+    @property
+    def seconds(self) -> float:
+        return sum(s for _, s, _ in self.terms)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.seconds
+
+
+def _bytes_per_s(rate: float, degree: int, ranks_per_node: int) -> float:
+    """A contiguous group of `degree` ranks stays inside a node when degree <= R (layout.py's placement)."""
+    return rate if degree <= ranks_per_node else rate / INTER_NODE_SLOWDOWN
+
+
+def _ulysses_elements(a: MoEModelArgs) -> int:
+    """Elements per token one all-to-all round moves: q, k, v to heads and the output back to sequence."""
+    if a.attention == "mla":
+        return a.n_heads * (2 * a.qk_head_dim + 2 * a.v_head_dim)
+    return (a.n_heads * 2 + a.n_kv_heads * 2) * a.head_dim
+
+
+def _optimizer_term(x: StepInputs) -> tuple[float, str]:
+    if not x.offload_optimizer:
+        return x.local_params * DEVICE_ADAMW_S_PER_PARAM, "fused AdamW on the device"
+    streamed = x.local_params - round(x.device_fraction * x.local_params)
+    sharing = min(x.ranks_per_node, x.world)
+    link = streamed * OFFLOAD_S_PER_PARAM
+    host = sharing * streamed * HOST_BYTES_PER_PARAM / HOST_MEMORY_BYTES_PER_S
+    on_device = (x.local_params - streamed) * DEVICE_ADAMW_S_PER_PARAM
+    bound = "host link" if link >= host else f"host memory shared by {sharing} ranks"
+    return max(link, host) + on_device, (f"OffloadStreamAdamW: {streamed / 1e9:.2f}B streamed ({bound}), "
+                                         f"{(x.local_params - streamed) / 1e9:.2f}B on the device")
+
+
+def predict_step(x: StepInputs) -> StepPrediction:
+    """The step's time on one rank, term by term (see the module docstring)."""
+    a, act, R = x.model, x.act_bytes, x.ranks_per_node
+    D, Ep, P, W = x.seq_degree, x.expert_degree, x.vocab_degree, x.world
+    micro, N, S = x.micro_batches, x.local_batch * x.seq_len // x.seq_degree, x.seq_len
+    L = a.n_layers
+    ckpt = L if x.checkpointed_layers is None else x.checkpointed_layers
+    passes = 2 + (ckpt / L if L else 0)                      # forward, backward, recompute where checkpointed
+    saved = RECOMPUTE_SHARE * (L - ckpt) / L if L else 0.0
+
+    dense = 6.0 * (x.active_params - x.embedding_params) / (PEAK_FLOPS * MFU_DENSE)
+    attention = 6.0 * L * a.n_heads * a.qk_head_dim * S / (PEAK_FLOPS * MFU_ATTENTION)
+    compute = micro * N * (dense + attention) * (1.0 - saved)
+    terms = [("compute", compute, f"{micro} x {N:,} tokens: {dense * 1e6:.1f} us/token dense + "
+              f"{attention * 1e6:.1f} us/token attention at S={S:,}" + (f", {L - ckpt} block(s) not recomputed"
+                                                                        if ckpt < L else ""))]
+
+    fsdp_bytes = x.fsdp_params * (2 * act + 4) * (W - 1) / W      # gather twice, reduce-scatter fp32
+    fsdp = micro * fsdp_bytes / _bytes_per_s(FSDP_BYTES_PER_S, W, R)
+    terms.append(("fsdp", max(0.0, fsdp - compute), f"{micro * fsdp_bytes / 1e9:.1f} GB in {fsdp:.2f} s, "
+                  "exposed beyond the compute"))
+
+    replica_bytes = 0.0
+    for shard, degree in ((x.expert_shard_params, Ep), (x.vocab_shard_params, P)):
+        replicas = W // degree
+        if shard and replicas > 1:
+            replica_bytes += 2 * (replicas - 1) / replicas * shard * 4       # fp32 all-reduce
+    if replica_bytes:
+        terms.append(("replicas", replica_bytes / _bytes_per_s(FSDP_BYTES_PER_S, W, R),
+                      f"{replica_bytes / 1e9:.1f} GB of shard gradients all-reduced over their replicas"))
+
+    if D > 1:
+        volume = micro * L * N * _ulysses_elements(a) * act * passes * (D - 1) / D
+        terms.append(("ulysses", volume / _bytes_per_s(A2A_BYTES_PER_S, D, R),
+                      f"{volume / 1e9:.1f} GB of all-to-all over D={D}"))
+
+    moe_layers = a.n_moe_layers
+    expert_compute = micro * N * moe_layers * a.top_k * 3 * a.dim * a.moe_inter_dim * 6.0 / (PEAK_FLOPS * MFU_DENSE)
+    dispatch = 0.0
+    if x.dispatch != "local" and Ep > 1 and moe_layers:
+        volume = micro * moe_layers * N * a.top_k * a.dim * act * 2 * passes * (Ep - 1) / Ep
+        dispatch = volume / _bytes_per_s(A2A_BYTES_PER_S, Ep, R)
+        terms.append(("dispatch", dispatch, f"{volume / 1e9:.1f} GB of dispatch + combine over E_p={Ep} ({x.dispatch})"))
+    if x.dispatch == "pipelined_llep" and moe_layers:
+        K, c_eff = num_chunks(max(N, 1), x.token_budget, x.max_chunks)
+        terms.append(("chunking", (expert_compute + dispatch) * CHUNK_OVERHEAD * (K - 1),
+                      f"K={K} chunks of {c_eff:,} tokens"))
+
+    if x.ring_dtp or P > 1:
+        loss = micro * 6.0 * N * a.dim * a.vocab_size / (PEAK_FLOPS * LOSS_MFU)
+        ring = (RING_DTP_TIME_RATIO - 1.0) * loss
+        if P > R:
+            hops = micro * 2 * (P - 1) * N * a.dim * act * 2
+            ring += hops / _bytes_per_s(A2A_BYTES_PER_S, P, R)
+        terms.append(("ring_dtp", ring, f"{RING_DTP_TIME_RATIO - 1:.0%} over the standard loss's {loss:.3f} s"
+                      + (", hops across nodes" if P > R else "")))
+
+    if x.sco_offloaded_bytes:
+        link = micro * 2 * x.sco_offloaded_bytes / HOST_LINK_BYTES_PER_S
+        terms.append(("sco", SCO_EXPOSED_SHARE * link, f"{SCO_EXPOSED_SHARE:.0%} of {link:.2f} s of boundary traffic"))
+
+    optimizer, how = _optimizer_term(x)
+    terms.append(("optimizer", optimizer, how))
+    return StepPrediction(terms, micro * x.local_batch * S * (W // D))
+
+
+def format_prediction(p: StepPrediction) -> str:
+    width = max(len(n) for n, _, _ in p.terms)
+    lines = [f"predicted step (ranking model, calibrated on 1-2 H200s; not a promise): "
+             f"{p.seconds:.3f} s, {p.tokens_per_s:,.0f} tokens/s over all ranks"]
+    lines += [f"  {name:<{width}}  {s:>9.3f} s  {how}" for name, s, how in p.terms if s or name == "compute"]
+    return "\n".join(lines)
+
