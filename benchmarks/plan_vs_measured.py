@@ -52,11 +52,14 @@ def planned_gib(overrides: list[str], world: int, host_bytes: int, config: str =
             "terms_gib": {name: b / GIB for name, b, _ in plan.device_terms}}
 
 
-def measure(name: str, overrides: list[str], *, nproc: int, steps: int, timeout_s: float, out: str) -> dict:
-    dump = f"/tmp/plan_vs_measured/{name}"
+def train_small(name: str, overrides: list[str], *, config: str = CONFIG, nproc: int, steps: int, timeout_s: float,
+                out: str) -> dict:
+    """One `torchrun -m mop_train.train` of `config` + overrides, logging every step to a fresh dump
+    folder and its output to out/NAME.log: {rc, wall_s, records (metrics.jsonl), command}."""
+    dump = f"/tmp/mop_bench_runs/{name}"
     subprocess.run(["rm", "-rf", dump], check=False)
     cmd = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", "-m", "mop_train.train",
-           "--job.config_file", CONFIG, "--job.dump_folder", dump, "--training.steps", str(steps),
+           "--job.config_file", config, "--job.dump_folder", dump, "--training.steps", str(steps),
            "--metrics.log_freq", "1", "--metrics.no-enable_tensorboard", *overrides]
     start = time.perf_counter()
     with open(os.path.join(out, f"{name}.log"), "w") as log:
@@ -64,13 +67,17 @@ def measure(name: str, overrides: list[str], *, nproc: int, steps: int, timeout_
             rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    records = []
     metrics = os.path.join(dump, "metrics.jsonl")
-    if os.path.exists(metrics):
-        records = [json.loads(line) for line in open(metrics)]
-    return {"rc": rc, "wall_s": time.perf_counter() - start, "steps_logged": len(records),
+    records = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
+    return {"rc": rc, "wall_s": time.perf_counter() - start, "records": records, "command": " ".join(cmd)}
+
+
+def measure(name: str, overrides: list[str], *, nproc: int, steps: int, timeout_s: float, out: str) -> dict:
+    run = train_small(name, overrides, nproc=nproc, steps=steps, timeout_s=timeout_s, out=out)
+    records = run.pop("records")
+    return {**run, "steps_logged": len(records),
             "measured_gib": max((r["peak_mem_gib"] for r in records), default=None),
-            "tokens_per_s": records[-1]["tokens_per_s"] if records else None, "command": " ".join(cmd)}
+            "tokens_per_s": records[-1]["tokens_per_s"] if records else None}
 
 
 def table(rows: list[dict]) -> str:

@@ -15,13 +15,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from plan_vs_measured import ALL_OPS, CONFIG, planned_gib  # noqa: E402
+from plan_vs_measured import ALL_OPS, CONFIG, planned_gib, train_small  # noqa: E402
 
 OFFLOAD = ["--optimizer.name", "OffloadStreamAdamW"]
 VARIANTS = {
@@ -40,22 +39,11 @@ VARIANTS = {
 
 def run_variant(name: str, overrides: list[str], *, config: str, nproc: int, steps: int, warmup: int,
                 timeout_s: float, out: str) -> dict:
-    dump = f"/tmp/train_variants/{name}"
-    subprocess.run(["rm", "-rf", dump], check=False)
-    cmd = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", "-m", "mop_train.train",
-           "--job.config_file", config, "--job.dump_folder", dump, "--training.steps", str(steps),
-           "--metrics.log_freq", "1", "--metrics.no-enable_tensorboard", *overrides]
-    start = time.perf_counter()
-    with open(os.path.join(out, f"{name}.log"), "w") as log:
-        try:
-            rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    path = os.path.join(dump, "metrics.jsonl")
-    records = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    run = train_small(name, overrides, config=config, nproc=nproc, steps=steps, timeout_s=timeout_s, out=out)
+    records, rc = run["records"], run["rc"]
     timed = [r for r in records if r["step"] > warmup]
-    row = {"variant": name, "overrides": overrides, "rc": rc, "wall_s": time.perf_counter() - start,
-           "steps_logged": len(records), "command": " ".join(cmd)}
+    row = {"variant": name, "overrides": overrides, "rc": rc, "wall_s": run["wall_s"],
+           "steps_logged": len(records), "command": run["command"]}
     if timed:
         tps = statistics.median(r["tokens_per_s"] for r in timed)
         exposed = [r["optimizer_exposed_s"] for r in timed if r.get("optimizer_exposed_s") is not None]
