@@ -120,7 +120,7 @@ class AutoPlanner:
         self.granule = math.lcm(SEQ_GRANULE, *self.seq_degrees)
         self._memo: dict[Settings, Evaluation] = {}
         self._predictions: dict[Settings, StepPrediction] = {}
-        self._family_floor: dict[tuple, bool] = {}
+        self._family_floor: dict[tuple, list] = {}    # family -> optimizer levels that can fit it
         self._fail_at: dict[tuple, int] = {}   # context search: frugal key -> smallest S it did not fit
         self._fits_at: dict[int, list[tuple]] = {}
         self._tried: dict[int, list[Evaluation]] = {}
@@ -157,7 +157,7 @@ class AutoPlanner:
                             for ring in self._rings(P):
                                 for ac in self.ac_modes:
                                     s = Settings(seq_len, D, Ep, P, dispatch, c, ring, ac)
-                                    if self._family_may_fit(s):
+                                    if self._viable_levels(s):
                                         out.append(s)
         return out
 
@@ -188,9 +188,10 @@ class AutoPlanner:
                 return out
             c *= 2
 
-    def knobs(self, s: Settings) -> list[list[Settings]]:
-        """grid[j][i]: optimizer level j (fastest first), SCO budget i (none first). Along either axis
-        the step gets slower, the device plan smaller and the host plan larger."""
+    def knobs(self, s: Settings, levels: list[tuple[str, str]] | None = None) -> list[list[Settings]]:
+        """grid[j][i]: optimizer level j (fastest first; those that can fit its family), SCO budget i (none
+        first). Along either axis the step gets slower; along i the device plan shrinks and the host plan
+        grows, and so along j among OffloadStreamAdamW's levels."""
         if "mop.sco.host_budget" in self.fixed:
             budgets = [self.base.mop.sco.host_budget]
         elif s.ac_mode == "none":
@@ -198,23 +199,36 @@ class AutoPlanner:
         else:
             boundary, layers = self._boundary_bytes(s), self._checkpointed(s)
             budgets = [_byte_text(n * boundary) for n in sorted({math.ceil(q * layers / 4) for q in SCO_QUARTERS})]
-        return [[replace(s, sco_budget=b, optimizer=o, device_fraction=f) for b in budgets]
-                for o, f in self.optimizers]
+        levels = self._viable_levels(s) if levels is None else levels
+        return [[replace(s, sco_budget=b, optimizer=o, device_fraction=f) for b in budgets] for o, f in levels]
 
-    def frugal(self, s: Settings) -> Settings:
-        return self.knobs(s)[-1][-1]
+    def frugal(self, s: Settings, levels: list[tuple[str, str]] | None = None) -> Evaluation:
+        """The knobs that leave the least on the device: every boundary SCO may hold and either the
+        whole optimizer state streamed or AdamW on the device (whose moments are smaller than
+        OffloadStreamAdamW's staging for a small model), whichever plans less."""
+        grid = self.knobs(s, levels)
+        e = self.evaluate(grid[-1][-1])
+        if e.fits_device or len(grid) == 1 or grid[0][0].offloads_optimizer:
+            return e
+        other = self.evaluate(grid[0][-1])
+        return other if other.plan is not None and (e.plan is None or other.device < e.device) else e
 
-    def _family_may_fit(self, s: Settings) -> bool:
-        """Whether the family (E_p, P, dispatch, Ring-DTP, checkpointing) fits the device at the search's
-        fewest tokens per rank (S = lcm of the D, the largest D), its smallest c and frugal knobs: its
-        plan only grows from there, so a family that does not fit there never does."""
+    def _viable_levels(self, s: Settings) -> list[tuple[str, str]]:
+        """The optimizer levels that can fit s's family (E_p, P, dispatch, Ring-DTP, checkpointing): those
+        that fit the device at the search's fewest tokens per rank (S = lcm of the D, the largest D), the
+        smallest c and every boundary on the host. A plan only grows from there (with S, N and c), so a
+        level that does not fit there never does; a family with no level left is not searched."""
         key = (s.expert_degree, s.vocab_degree, s.dispatch, s.ring_dtp, s.ac_mode)
         if key not in self._family_floor:
-            D = max(self.seq_degrees)
-            S = math.lcm(*self.seq_degrees)
+            D, S = max(self.seq_degrees), math.lcm(*self.seq_degrees)
             c = self._token_budgets(s.dispatch, self.base.training.local_batch_size * S // D)[0]
-            e = self.evaluate(self.frugal(replace(s, seq_len=S, seq_degree=D, token_budget=c)))
-            self._family_floor[key] = e.fits_device or e.plan is None   # refused there: decide per structure
+            floor = replace(s, seq_len=S, seq_degree=D, token_budget=c)
+            if not self.frugal(floor, self.optimizers).fits_device:
+                self._family_floor[key] = []           # (unless refused there: then decided per structure)
+                return [] if self.frugal(floor, self.optimizers).plan is not None else self.optimizers
+            grid = self.knobs(floor, self.optimizers)
+            self._family_floor[key] = [level for level, row in zip(self.optimizers, grid)
+                                       if self.evaluate(row[-1]).fits_device]
         return self._family_floor[key]
 
     def _boundary_bytes(self, s: Settings) -> int:
@@ -286,14 +300,24 @@ class AutoPlanner:
 
     def best_knobs(self, s: Settings) -> tuple[Evaluation | None, list[Evaluation]]:
         """The fastest knobs of structure `s` that fit, and the faster ones planned not to fit. Skips
-        what a failure already rules out: less SCO and more state on the device than a device
-        failure; more of both than a host failure."""
+        what a failure rules out: a device failure, any knobs with less SCO and no less optimizer
+        state on the device; a host failure, more SCO and no more state on the device (AdamW on the
+        device pins none; OffloadStreamAdamW's levels keep less on the device as j grows)."""
         grid = self.knobs(s)
+        offloads = [row[0].offloads_optimizer for row in grid]
         order = sorted(((j, i) for j in range(len(grid)) for i in range(len(grid[j]))),
                        key=lambda ji: -self.predict(grid[ji[0]][ji[1]]).tokens_per_s)
+
+        def ruled_out(j: int, i: int, fails: list, sign: int) -> bool:
+            for fj, fi in fails:
+                same_side = (j == fj) if not offloads[fj] else (offloads[j] and sign * (j - fj) <= 0)
+                if sign * (i - fi) <= 0 and (same_side or (sign < 0 and not offloads[fj] and offloads[j])):
+                    return True
+            return False
+
         device_fails, host_fails, missed = [], [], []
         for j, i in order:
-            if any(j <= fj and i <= fi for fj, fi in device_fails) or any(j >= fj and i >= fi for fj, fi in host_fails):
+            if ruled_out(j, i, device_fails, 1) or ruled_out(j, i, host_fails, -1):
                 continue
             e = self.evaluate(grid[j][i])
             if e.fits:
@@ -316,7 +340,7 @@ class AutoPlanner:
             ranked = sorted(best.values(), key=lambda e: -e.tokens_per_s)
             if len(ranked) >= keep and self.predict(self.knobs(s)[0][0]).tokens_per_s < ranked[keep - 1].tokens_per_s:
                 break                                  # nothing further down can enter the top `keep`
-            frugal = self.evaluate(self.frugal(s))
+            frugal = self.frugal(s)
             if not frugal.fits_device:                 # no knob of this structure leaves less on the device
                 tried.append(frugal)
                 continue
@@ -380,7 +404,7 @@ class AutoPlanner:
             if e is not None:
                 self._fits_at.setdefault(seq_len, []).append(key)
                 return e
-            tried.append(self.evaluate(self.frugal(s)))
+            tried.append(self.frugal(s))
         return None
 
     def _all_fits(self, seq_len: int) -> set[tuple]:
@@ -388,7 +412,7 @@ class AutoPlanner:
         return {_family(s) for s in self.structures(seq_len, frugal_only=True) if self._fit_any_knob(s)}
 
     def _fit_any_knob(self, s: Settings) -> Evaluation | None:
-        frugal = self.evaluate(self.frugal(s))
+        frugal = self.frugal(s)
         if not frugal.fits_device:                 # and not above this S either
             key = _family(s)
             self._fail_at[key] = min(s.seq_len, self._fail_at.get(key, math.inf))
@@ -417,15 +441,16 @@ class AutoPlanner:
     def nothing_fits(self, seq_len: int, where: str, *, context_hint: bool = False) -> NothingFits:
         """The error with the numbers: the closest configuration and what would make one fit."""
         tried = [e for e in self._memo.values() if e.settings.seq_len == seq_len]
-        planned = [e for e in tried if e.plan is not None]
+        planned = [e for e in tried if e.plan is not None] or [e for e in self._memo.values() if e.plan is not None]
         head = (f"nothing fits {where} on W={self.world} ranks ({self.ranks_per_node} per node), "
                 f"{self.gpu_bytes / GIB:.1f} GiB per GPU ({self.headroom / GIB:.1f} GiB of it kept free) and "
                 f"{self.host_bytes / GIB:.1f} GiB host per node")
         if not planned:
-            return NothingFits(f"{head}: " + (tried[0].error if tried else
-                                              "no layout of the searched degrees is valid for this model"))
+            refused = next((e.error for e in self._memo.values() if e.error), None)
+            return NothingFits(f"{head}: " + (refused or "no layout of the searched degrees is valid for this model"))
         closest = min(planned, key=lambda e: e.overshoot)
-        lines = [head + ".", f"closest ({len(tried)} configurations planned): {closest.settings.label()}: "
+        lines = [head + ".", f"closest ({len(self._memo)} configurations planned): {closest.settings.label()} at S = "
+                 f"{closest.settings.seq_len:,}: "
                  f"{closest.device / GIB:.1f} GiB per rank, {closest.host / GIB:.1f} GiB host per node", "would fit:"]
         if closest.device > closest.device_limit:
             lines.append(f"  with --gpu-memory {math.ceil((closest.device + self.headroom) / GIB)}GiB (that configuration)")

@@ -160,10 +160,11 @@ class FlavorModel:
             self._cache[key] = compute()
         return self._cache[key]
 
-    def _kept_out(self, layout, dispatch: str) -> tuple[list, list]:
+    def _kept_out(self, layout, dispatch: str) -> tuple[int, int]:
+        """(routed-expert, projection) parameters a MoP group shards instead of FSDP2 (plan_cli's rule)."""
         from mop_train.train.plan_cli import kept_out_of_fsdp
-        return self._cached(("kept", dispatch == "local", layout.vocab_degree > 1),
-                            lambda: kept_out_of_fsdp(self.model, layout, dispatch=dispatch))
+        return self._cached(("kept", dispatch == "local", layout.vocab_degree > 1), lambda: tuple(
+            sum(p.numel() for p in ps) for ps in kept_out_of_fsdp(self.model, layout, dispatch=dispatch)))
 
     def local_params(self, layout, dispatch: str) -> int:
         from mop_train.train.plan_cli import local_param_count
@@ -172,19 +173,20 @@ class FlavorModel:
 
     def shard_params(self, layout, dispatch: str) -> tuple[int, int]:
         """(routed-expert, projection) parameters of this rank that a MoP group shards (0: FSDP2's)."""
-        routed, projection = (sum(p.numel() for p in ps) for ps in self._kept_out(layout, dispatch))
+        routed, projection = self._kept_out(layout, dispatch)
         return -(-routed // layout.expert_degree), -(-projection // layout.vocab_degree)
 
     def fsdp_params(self, layout, dispatch: str) -> int:
         """Parameters FSDP2 holds (gathers and reduces): all but those a MoP group shards."""
-        return self.total - sum(p.numel() for ps in self._kept_out(layout, dispatch) for p in ps)
+        return self.total - sum(self._kept_out(layout, dispatch))
 
     def block_and_root(self, layout, dispatch: str) -> tuple[int, int]:
         """(largest block's, root unit's) parameters FSDP2 gathers."""
         from mop_train.train.job_plan import fsdp_block_params, fsdp_root_params
+        from mop_train.train.plan_cli import kept_out_of_fsdp
 
         def count():
-            kept = {id(p) for ps in self._kept_out(layout, dispatch) for p in ps}
+            kept = {id(p) for ps in kept_out_of_fsdp(self.model, layout, dispatch=dispatch) for p in ps}
             return (max(fsdp_block_params(b, kept) for b in self.model.layers.values()),
                     fsdp_root_params(self.model, kept))
         return self._cached(("gathered", dispatch == "local", layout.vocab_degree > 1), count)

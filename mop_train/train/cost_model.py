@@ -62,11 +62,12 @@ FSDP_BYTES_PER_S = 42e9
 operators off: 24,898 tokens/s at 4,096 tokens per rank = 0.329 s per step against ~0.16 s of compute
 and optimizer; the step there is the 13.2 GB of gathers and reduce-scatters per rank at this rate."""
 
-A2A_BYTES_PER_S = 50e9
-"""All-to-all bytes per rank per second inside a node (Ulysses and expert dispatch): fitted to the
-operators-on runs of `small` on 2 H200s (D=2, E_p=2; DESIGN.md 2026-11-30: 21.5K / 17.1K / 11.3K tokens/s
-at 65K / 131K / 262K; RESULTS.md "End-to-end against torchtitan" 2026-11-30: 24,442 / 11,599 at 65K / 262K)
-after their compute and optimizer terms: 0.47 s / 0.91 s / 1.65 s left for 22 / 44 / 88 GB."""
+A2A_BYTES_PER_S = 75e9
+"""All-to-all bytes per rank per second inside a node (Ulysses and expert dispatch): fitted to `small` on 2 H200s
+with D=2, E_p=2, every operator on (DESIGN.md "Measured facts, 2026-11-30", one run: 21.5K / 17.1K / 11.3K
+tokens/s at 65K / 131K / 262K): after compute, loss and optimizer, 0.42 / 0.82 / 1.51 s remain for 32 / 64 /
+128 GB of all-to-all (76-85 GB/s). The P=2 points of RESULTS.md "End-to-end against torchtitan" (2026-11-30)
+leave 0.06-4.8 s at 32K-524K: the other terms' noise is larger than the all-to-all there."""
 
 INTER_NODE_SLOWDOWN = 9.0
 """How much slower a group that spans nodes moves bytes: NVLink 4's 450 GB/s per direction over one
@@ -87,9 +88,9 @@ DeepSpeed" (2026-11-29): copies and CPU updates together saturate at ~140-145 GB
 host it predicts 0.55 s for `small`'s 1.65B parameters per rank; RESULTS.md "small, 50 steps on 2 GPUs"
 (2026-11-30) measured 574 ms."""
 
-DEVICE_ADAMW_S_PER_PARAM = 0.021 / 1.645e9
-"""Fused AdamW on the device per local parameter: RESULTS.md "small, 50 steps on 2 GPUs" (2026-11-30),
-operators off: 21 ms for 1.645B parameters per rank."""
+DEVICE_ADAMW_S_PER_PARAM = 0.027 / 3.29e9
+"""Fused AdamW on the device per local parameter: RESULTS.md "The optimizer in training on one H200"
+(2026-11-30), plain: 0.027 s per optimizer step for `small`'s 3.29B parameters."""
 
 HOST_LINK_BYTES_PER_S = 12e9 / 0.2405
 """Pinned host <-> device bytes per second each way: RESULTS.md "OffloadStreamAdamW" (2026-11-29), link
