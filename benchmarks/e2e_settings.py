@@ -7,7 +7,9 @@ model, loss included), full or per-op selective activation checkpointing, torch.
 the loss only / on model and loss, FSDP2 CPU offload (parameters, gradients and optimizer state in
 host memory, the optimizer step on the CPU) or not. OurSetting is one layout and operator set of
 ours. The candidate lists are ordered by what we expect to be best for each kind of point (the
-benchmark runs the first ones its budget allows); the reasons are written beside them.
+benchmark runs the first ones its budget allows); the reasons are written beside them. AutoSetting is
+ours as `mop-train plan --auto` chooses it for one point (the most tokens/s its cost model predicts
+among what its memory plan fits): "ours, best per point", asked anew at each context and batch.
 
 Legend: W ranks, D seq_degree, E_p expert_degree, P vocab_degree, S context, B local batch, V vocab.
 """
@@ -87,6 +89,63 @@ class OurSetting:
 
     def global_batch(self, world: int, local_batch: int) -> int:
         return local_batch * world // self.seq_degree
+
+
+@dataclass(frozen=True)
+class AutoSetting:
+    """Ours with the overrides `mop-train plan --auto --objective throughput` chose for one point."""
+    overrides: tuple[str, ...]
+    """--section.key value flags, the context and batch left to the point."""
+    label: str
+    seq_degree: int
+    predicted_tokens_per_s: float
+    planned_peak_gib: float
+
+    @property
+    def name(self) -> str:
+        return "auto-" + self.label.replace(", ", "-").replace(" ", "").replace("=", "")
+
+    def flags(self) -> list[str]:
+        return list(self.overrides)
+
+    def global_batch(self, world: int, local_batch: int) -> int:
+        return local_batch * world // self.seq_degree
+
+
+class AutoSettings:
+    """`plan --auto` per point of the comparison: `at(seq_len, local_batch)` is the fastest configuration
+    the planner fits on `world` GPUs of `gpu_bytes` (less `headroom`) with `host_bytes` per node, or None
+    when nothing fits on paper. Answers are cached per point."""
+
+    def __init__(self, config: str, *, world: int, gpu_bytes: int, host_bytes: int, ranks_per_node: int | None = None,
+                 headroom: int = 2 << 30, overrides: tuple[str, ...] = ()):
+        self.config, self.world, self.gpu_bytes, self.host_bytes = config, world, gpu_bytes, host_bytes
+        self.ranks_per_node, self.headroom, self.overrides = ranks_per_node or world, headroom, tuple(overrides)
+        self._points: dict[tuple[int, int], AutoSetting | None] = {}
+
+    def at(self, seq_len: int, local_batch: int) -> AutoSetting | None:
+        if (seq_len, local_batch) not in self._points:
+            self._points[(seq_len, local_batch)] = self._plan(seq_len, local_batch)
+        return self._points[(seq_len, local_batch)]
+
+    def _plan(self, seq_len: int, local_batch: int) -> AutoSetting | None:
+        from mop_train.config import load_job_config
+        from mop_train.models import zoo
+        from mop_train.train.auto_plan import AutoPlanner, NothingFits, fixed_keys
+
+        point = ["--training.seq_len", str(seq_len), "--training.local_batch_size", str(local_batch)]
+        cfg = load_job_config(["--job.config_file", self.config, *self.overrides, *point], model_flavors=zoo.names())
+        planner = AutoPlanner(cfg, fixed=fixed_keys(list(self.overrides)), world=self.world,
+                              ranks_per_node=self.ranks_per_node, gpu_bytes=self.gpu_bytes,
+                              host_bytes=self.host_bytes, headroom=self.headroom)
+        try:
+            chosen = planner.fastest_at(seq_len).chosen
+        except NothingFits:
+            return None
+        flags = chosen.settings.flags(cfg)
+        i = flags.index("--training.seq_len")
+        return AutoSetting(tuple(self.overrides) + tuple(flags[:i] + flags[i + 2:]), chosen.settings.label(),
+                           chosen.settings.seq_degree, round(chosen.tokens_per_s), round(chosen.device / 2**30, 1))
 
 
 def all_operators(vocab_degree: int = 1, world: int = 2) -> OurSetting:

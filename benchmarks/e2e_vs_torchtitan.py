@@ -2,12 +2,16 @@
 
     python benchmarks/e2e_vs_torchtitan.py --nproc 2 --budget-s 520 --point-timeout-s 150 --out $OUT/e2e
 
-Three series on the same W GPUs, the same embedded corpus and 2048-token tokenizer, every point a
-real run (torchrun) of a few steps:
+Three series (four with --auto) on the same W GPUs, the same embedded corpus and 2048-token tokenizer,
+every point a real run (torchrun) of a few steps:
   torchtitan  its Trainer on DeepSeek-V3 registered at `small`'s shape (benchmarks/titan_launch.py;
               both parameter counts printed, equal within 1% or nothing runs), best of its settings
   ours-all    mop_train with every operator on (benchmarks/e2e_settings.all_operators)
   ours-best   mop_train with the best of several layouts and operator sets
+  ours-auto   mop_train as `mop-train plan --auto` configures it for each point (the most tokens/s its
+              cost model predicts among what its memory plan fits on --gpu-memory / --host-memory);
+              a point it fits nothing at is recorded as skipped with the planner's reason; not in the
+              batch search (it would re-plan each batch)
 Figures: tokens/s over all ranks at 32K context (median over the steps after the first); the
 longest context at local batch 1 that completes 2 steps (double from 32K, then bisect to 1/8 of
 the last bracket, up to --max-seq; the bound that stopped it: oom / timeout / failed / limit /
@@ -27,11 +31,12 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from benchmarks.e2e_settings import candidates, our_command, read_titan_metrics, titan_command  # noqa: E402
+from benchmarks.e2e_settings import (AutoSettings, candidates, our_command, read_titan_metrics,  # noqa: E402
+                                     titan_command)
 from mop_train.sweep import (Clock, Search, describe, format_table, launch, point_from_launch,  # noqa: E402
                              read_train_metrics, write_results)
 
-TITAN, OURS_ALL, OURS_BEST = "torchtitan", "ours-all", "ours-best"
+TITAN, OURS_ALL, OURS_BEST, OURS_AUTO = "torchtitan", "ours-all", "ours-best", "ours-auto"
 SERIES = (TITAN, OURS_ALL, OURS_BEST)
 PHASES = ("tps32k", "reach-titan-double", "reach-ours-past-titan", "reach-titan-bisect",
           "tps-at-titan-max", "reach-ours", "batch8k", "tps32k-more")
@@ -41,8 +46,11 @@ SEQ_MULTIPLE = 1024
 class Bench:
     """Runs points within the budget and keeps every one of them."""
 
-    def __init__(self, args, cands: dict, *, assets: str, titan_error: str | None, meta: dict):
+    def __init__(self, args, cands: dict, *, assets: str, titan_error: str | None, meta: dict,
+                 auto: AutoSettings | None = None):
         self.args, self.cands, self.assets, self.titan_error, self.meta = args, cands, assets, titan_error, meta
+        self.auto = auto
+        self.series = SERIES + ((OURS_AUTO,) if auto is not None else ())
         self.clock = Clock(args.budget_s, reserve_s=args.reserve_s)
         self.points: list[dict] = []
         self.broken: set[tuple[str, str]] = set()  # (series, setting) that failed with a real error
@@ -59,6 +67,9 @@ class Bench:
         point = {"series": series, "setting": setting.name, "purpose": purpose, "seq_len": seq_len,
                  "local_batch": local_batch, "global_batch": setting.global_batch(self.args.nproc, local_batch),
                  "steps_asked": steps, "started_s": round(self.clock.elapsed(), 1)}
+        if series == OURS_AUTO:  # what the planner expected, beside what the run measures
+            point.update(predicted_tokens_per_s=setting.predicted_tokens_per_s,
+                         planned_peak_gib=setting.planned_peak_gib, flags=" ".join(setting.flags()))
         limit = self.clock.time_for_point(self.args.point_timeout_s, self.args.min_point_s)
         if series == TITAN and self.titan_error:
             point.update(status="failed", error=self.titan_error)
@@ -98,7 +109,7 @@ class Bench:
         for good and the next one tried. Returns the fastest ok point, else the first point that
         ran, else None (the budget ran out first)."""
         oks, first, misses = [], None, 0
-        for setting in self.cands[series][kind]:
+        for setting in self.settings_for(series, kind, seq_len=seq_len, local_batch=local_batch, purpose=purpose):
             if (series, setting.name) in self.broken:
                 continue
             p = self.run(series, setting, seq_len=seq_len, local_batch=local_batch, steps=steps, purpose=purpose)
@@ -114,6 +125,19 @@ class Bench:
                 if give_up is not None and misses >= give_up:
                     break
         return max(oks, key=lambda q: q["tokens_per_s"]) if oks else first
+
+    def settings_for(self, series: str, kind: str, *, seq_len: int, local_batch: int, purpose: str) -> list:
+        """The series' settings for a point: its candidate list, or for ours-auto the planner's choice at
+        this point (none, and a skipped point saying why, when the planner fits nothing)."""
+        if series != OURS_AUTO:
+            return self.cands[series][kind]
+        chosen = self.auto.at(seq_len, local_batch)
+        if chosen is None:
+            self.points.append({"series": series, "setting": "auto", "purpose": purpose, "seq_len": seq_len,
+                                "local_batch": local_batch, "status": "skipped", "started_s": round(self.clock.elapsed(), 1),
+                                "error": "mop-train plan --auto fits no configuration at this point (on paper)"})
+            return []
+        return [chosen]
 
     # -- searches ---------------------------------------------------------------------------------
 
@@ -160,8 +184,8 @@ class Bench:
     def phase(self, name: str) -> None:
         a = self.args
         if name in ("tps32k", "tps32k-more"):
-            for series in SERIES:
-                completed = 1 if name == "tps32k" else len(self.cands[series]["tps"])
+            for series in self.series:
+                completed = 1 if name == "tps32k" or series == OURS_AUTO else len(self.cands[series]["tps"])
                 self.best_of(series, "tps", seq_len=a.start_seq, local_batch=1, steps=a.tps_steps,
                              purpose="tps", completed=completed)
         elif name == "reach-titan-double":
@@ -176,7 +200,7 @@ class Bench:
             if longest is None:
                 print(f"{self.clock.stamp()} tps-at-titan-max: torchtitan has no completed length yet", flush=True)
                 return
-            for series in (OURS_ALL, OURS_BEST):
+            for series in (OURS_ALL, OURS_BEST) + self.series[len(SERIES):]:
                 self.best_of(series, "tps", seq_len=longest, local_batch=1, steps=a.tps_steps,
                              purpose="tps-at-titan-max")
         elif name == "reach-ours":
@@ -205,9 +229,9 @@ class Bench:
         for series, (setting, search) in self.batch.items():
             batch[series] = {**search.summary(), "setting": setting.name,
                              "largest_global_batch": search.ok and setting.global_batch(a.nproc, search.ok)}
-        return {"tps_at_start_seq": {s: fastest(s, a.start_seq) for s in SERIES},
+        return {"tps_at_start_seq": {s: fastest(s, a.start_seq) for s in self.series},
                 "reach": reach, "titan_longest_seq": longest,
-                "tps_at_titan_longest": {s: fastest(s, longest) for s in SERIES} if longest else None,
+                "tps_at_titan_longest": {s: fastest(s, longest) for s in self.series} if longest else None,
                 "batch_at_batch_seq": batch}
 
     def save(self, plot: bool = False) -> dict:
@@ -278,6 +302,10 @@ def parse_args(argv=None):
     p.add_argument("--reach-steps", type=int, default=2, help="steps of a reach or batch probe")
     p.add_argument("--reach-tries", type=int, default=1,
                    help="settings tried at a reach probe that runs out of memory or time before it counts as not ok")
+    p.add_argument("--auto", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the ours-auto series (mop-train plan --auto per point)")
+    p.add_argument("--gpu-memory", default=None, help="ours-auto: bytes per GPU (default: the device's total)")
+    p.add_argument("--host-memory", default=None, help="ours-auto: host bytes per node (default: available now)")
     p.add_argument("--out", default=os.environ.get("OUT", "outputs") + "/e2e", help="output folder")
     return p.parse_args(argv)
 
@@ -304,11 +332,32 @@ def prepare(args) -> tuple[str, str | None, dict]:
                                  "args": vars(args), "titan_error": titan_error}
 
 
+def auto_settings(args) -> AutoSettings | None:
+    """ours-auto's planner for this machine: --gpu-memory / --host-memory, else what the device and host have."""
+    if not args.auto:
+        return None
+    import torch
+
+    from mop_train.ops.sco.budget import available_host_bytes
+    from mop_train.units import parse_bytes
+
+    if args.gpu_memory:
+        gpu = parse_bytes(args.gpu_memory, key="--gpu-memory")
+    elif torch.cuda.is_available():
+        gpu = torch.cuda.get_device_properties(0).total_memory
+    else:
+        raise ValueError("--auto needs --gpu-memory on a machine without a GPU (or --no-auto)")
+    host = parse_bytes(args.host_memory, key="--host-memory") if args.host_memory else available_host_bytes()
+    return AutoSettings(args.config, world=args.nproc, gpu_bytes=gpu, host_bytes=host)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     assets, titan_error, meta = prepare(args)
-    bench = Bench(args, candidates(args.nproc, args.vocab_degree), assets=assets, titan_error=titan_error, meta=meta)
+    auto = auto_settings(args)
+    bench = Bench(args, candidates(args.nproc, args.vocab_degree), assets=assets, titan_error=titan_error, meta=meta,
+                  auto=auto)
     for name in args.phases:
         print(f"{bench.clock.stamp()} phase {name}", flush=True)
         bench.phase(name)

@@ -13,8 +13,8 @@ import pytest
 
 from benchmarks import e2e_vs_torchtitan as e2e
 from benchmarks import titan_launch
-from benchmarks.e2e_settings import (TitanSetting, all_operators, candidates, read_titan_metrics,
-                                     titan_command, titan_flags)
+from benchmarks.e2e_settings import (AutoSetting, AutoSettings, TitanSetting, all_operators, candidates, our_command,
+                                     read_titan_metrics, titan_command, titan_flags)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -187,3 +187,50 @@ def test_a_timeout_under_the_budgets_limit_ends_the_search_as_budget(tmp_path):
     assert bench.points[0]["status"] == "timeout" and bench.points[0]["budget_cut"]
     assert bench.headline()["reach"]["ours-all"] == {"largest_ok": None, "smallest_not_ok": None,
                                                     "not_ok_status": None, "stopped_by": "budget"}
+
+
+def test_ours_auto_asks_the_planner_per_point_and_its_flags_parse():
+    from mop_train.config import load_job_config
+    from mop_train.models import zoo
+
+    auto = AutoSettings("configs/small_1gpu.toml", world=2, gpu_bytes=141 << 30, host_bytes=256 << 30)
+    chosen = auto.at(32768, 1)
+    assert chosen is auto.at(32768, 1), "one plan per point"
+    assert chosen.name.startswith("auto-D") and "--training.seq_len" not in chosen.flags()
+    assert chosen.predicted_tokens_per_s > 0 and 0 < chosen.planned_peak_gib <= 139
+    cmd = our_command("configs/small_1gpu.toml", 2, "/tmp/x", chosen, seq_len=32768, local_batch=1, steps=2)
+    job = cmd[cmd.index("--job.config_file"):]
+    cfg = load_job_config(job, model_flavors=zoo.names())
+    assert cfg.mop.layout.seq_degree == int(chosen.flags()[chosen.flags().index("--mop.layout.seq_degree") + 1])
+    assert chosen.global_batch(2, 1) == 2 // cfg.mop.layout.seq_degree
+    assert AutoSettings("configs/small_1gpu.toml", world=1, gpu_bytes=8 << 30, host_bytes=16 << 30).at(4096, 2) is None
+
+
+class StubAuto:
+    """The planner's answers without planning: fits up to 200K tokens."""
+
+    def __init__(self):
+        self.asked = []
+
+    def at(self, seq_len, local_batch):
+        self.asked.append((seq_len, local_batch))
+        if seq_len > 200_000:
+            return None
+        return AutoSetting(("--mop.layout.seq_degree", "1"), f"D1 S{seq_len}", 1, 1e4, 50.0)
+
+
+def test_the_bench_runs_ours_auto_at_each_point_and_records_what_it_skips(tmp_path):
+    args = e2e.parse_args(["--out", str(tmp_path), "--budget-s", "1000", "--max-seq", "1048576",
+                           "--phases", "tps32k", "reach-titan-double", "tps-at-titan-max"])
+    stub = StubAuto()
+    bench = FakeBench(args, candidates(2, 1), assets="/nowhere", titan_error=None, meta={}, auto=stub)
+    for name in args.phases:
+        bench.phase(name)
+    auto_points = [p for p in bench.points if p["series"] == e2e.OURS_AUTO]
+    assert {p["seq_len"] for p in auto_points} == {32768, 65536}, "the start context and torchtitan's longest"
+    assert all(p["status"] == "ok" and p["flags"] == "--mop.layout.seq_degree 1" and p["predicted_tokens_per_s"] == 1e4
+               for p in auto_points)
+    assert bench.headline()["tps_at_start_seq"][e2e.OURS_AUTO]["setting"] == "auto-D1S32768"
+    bench.auto.at = lambda seq_len, local_batch: None
+    bench.best_of(e2e.OURS_AUTO, "tps", seq_len=262144, local_batch=1, steps=2, purpose="tps")
+    assert bench.points[-1]["status"] == "skipped" and "plan --auto" in bench.points[-1]["error"]
