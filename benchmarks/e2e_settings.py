@@ -131,11 +131,14 @@ class AutoSettings:
     def _plan(self, seq_len: int, local_batch: int) -> AutoSetting | None:
         from mop_train.config import load_job_config
         from mop_train.models import zoo
-        from mop_train.train.auto_plan import AutoPlanner, NothingFits, fixed_keys
+        from mop_train.train.auto_plan import AutoPlanner, NothingFits
+        from mop_train.train.auto_settings import fixed_keys, search_base_flags
 
+        fixed = fixed_keys(list(self.overrides))
         point = ["--training.seq_len", str(seq_len), "--training.local_batch_size", str(local_batch)]
-        cfg = load_job_config(["--job.config_file", self.config, *self.overrides, *point], model_flavors=zoo.names())
-        planner = AutoPlanner(cfg, fixed=fixed_keys(list(self.overrides)), world=self.world,
+        cfg = load_job_config(["--job.config_file", self.config, *search_base_flags(fixed), *self.overrides, *point],
+                              model_flavors=zoo.names())
+        planner = AutoPlanner(cfg, fixed=fixed, world=self.world,
                               ranks_per_node=self.ranks_per_node, gpu_bytes=self.gpu_bytes,
                               host_bytes=self.host_bytes, headroom=self.headroom)
         try:

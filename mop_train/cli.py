@@ -85,6 +85,9 @@ def _plan(args: argparse.Namespace) -> int:
     if not args.auto and (args.objective or args.seq_len or args.headroom):
         raise ValueError("--objective, --seq-len and --headroom belong to the search: add --auto")
     job = ["--job.config_file", args.config, *args.overrides]
+    if args.auto:   # the config's values of searched keys must not make the given ones invalid
+        from mop_train.train.auto_settings import fixed_keys, search_base_flags
+        job[2:2] = search_base_flags(fixed_keys(args.overrides))
     cfg = load_job_config(job, model_flavors=zoo.names())
     gpu_bytes = parse_bytes(args.gpu_memory, key="--gpu-memory") if args.gpu_memory else None
     host_bytes = parse_bytes(args.host_memory, key="--host-memory") if args.host_memory else None

@@ -105,6 +105,22 @@ def test_the_keys_the_user_gave_are_kept():
     assert cfg.training.seq_len == r.seq_len
 
 
+def test_given_keys_the_config_contradicts_are_kept_too(capsys):
+    """The config's dispatch = "local" and AdamW would refuse a given expert_degree = 2 and a CPU share of
+    OffloadStreamAdamW; the search owns those keys, so the given ones stand and the rest follow."""
+    assert main(["plan", "--auto", "--world", "4", "--gpu-memory", "4GiB", "--host-memory", "1GiB", "--headroom", "0",
+                 DEBUG_CONFIG, "--mop.layout.expert_degree", "2", "--mop.offload_adamw.host_fraction", "0.3"]) == 0
+    flags = capsys.readouterr().out.split("chosen overrides:\n  ")[1].splitlines()[0].split()
+    cfg = job(DEBUG_CONFIG, "--mop.layout.expert_degree", "2", "--mop.offload_adamw.host_fraction", "0.3", *flags)
+    assert cfg.mop.layout.expert_degree == 2 and cfg.mop.moe.dispatch != "local"
+    assert cfg.optimizer.name == OSA and cfg.mop.offload_adamw.host_fraction == 0.3
+    assert main(["plan", "--auto", "--world", "4", "--gpu-memory", "4GiB", "--host-memory", "1GiB", DEBUG_CONFIG,
+                 "--mop.layout.seq_degree", "3"]) == 2
+    assert "seq_degree (3) must be a positive divisor of the world size (4)" in capsys.readouterr().err
+    assert main(["plan", "--auto", "--world", "4", "--gpu-memory", "1GiB", "--host-memory", "1GiB", DEBUG_CONFIG]) == 2
+    assert "--headroom (2.0 GiB) leaves nothing of --gpu-memory (1.0 GiB)" in capsys.readouterr().err
+
+
 def test_cli_prints_the_overrides_their_toml_and_the_plan(capsys):
     assert main(["plan", "--auto", "--objective", "context", "--world", "4", "--gpu-memory", "1GiB",
                  "--host-memory", "1GiB", "--headroom", "0", DEBUG_CONFIG]) == 0

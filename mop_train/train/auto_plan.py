@@ -58,6 +58,7 @@ SCO_QUARTERS = (0, 1, 2, 3, 4)
 KEEP = 5
 """Configurations that fit reported per search: the winner and four runners-up."""
 
+
 class NothingFits(Exception):
     """No configuration fits; the message has the numbers and what would fix it."""
 
@@ -93,10 +94,16 @@ class AutoPlanner:
                  host_bytes: int, headroom: int = 0):
         from mop_train.parallel.parallelize import check_layout_fits
 
+        if headroom >= gpu_bytes:
+            raise ValueError(f"--headroom ({headroom / GIB:.1f} GiB) leaves nothing of --gpu-memory ({gpu_bytes / GIB:.1f} "
+                             "GiB) to plan; give a smaller --headroom (0 plans the whole GPU)")
         self.base, self.fixed, self.world, self.ranks_per_node = base, set(fixed), world, ranks_per_node
         self.gpu_bytes, self.host_bytes, self.headroom = gpu_bytes, host_bytes, headroom
         self.model = flavor_model(base.model.flavor)
         a, lay, t = self.model.args, base.mop.layout, base.training
+        given = [getattr(lay, k) if f"mop.layout.{k}" in self.fixed else 1
+                 for k in ("seq_degree", "expert_degree", "vocab_degree")]
+        check_layout_fits(plan_layout(world, *given), replace(t, seq_len=given[0]), a)   # the user's degrees, or the error
 
         def options(key: str, current, values) -> list:
             return [current] if key in self.fixed else list(values)
@@ -136,8 +143,10 @@ class AutoPlanner:
             keep_adamw = not name_fixed and fraction.strip() in ("0", "0.0")
             return ([(on_device, "0")] if keep_adamw else []) + [(OFFLOAD_ADAMW, fraction)]
         levels = [(OFFLOAD_ADAMW, f) for f in DEVICE_FRACTIONS]
-        host_share_fixed = "mop.offload_adamw.host_fraction" in fixed and base.mop.offload_adamw.host_fraction
-        return levels if name_fixed or host_share_fixed else [(on_device, "0")] + levels
+        oa = base.mop.offload_adamw           # options of OffloadStreamAdamW alone, given: it is the optimizer
+        only_offload = ("mop.offload_adamw.host_fraction" in fixed and oa.host_fraction) or (
+            "mop.offload_adamw.overlap" in fixed and oa.overlap)
+        return levels if name_fixed or only_offload else [(on_device, "0")] + levels
 
     # -- candidates -------------------------------------------------------------------------------
 
@@ -223,12 +232,15 @@ class AutoPlanner:
             D, S = max(self.seq_degrees), math.lcm(*self.seq_degrees)
             c = self._token_budgets(s.dispatch, self.base.training.local_batch_size * S // D)[0]
             floor = replace(s, seq_len=S, seq_degree=D, token_budget=c)
-            if not self.frugal(floor, self.optimizers).fits_device:
-                self._family_floor[key] = []           # (unless refused there: then decided per structure)
-                return [] if self.frugal(floor, self.optimizers).plan is not None else self.optimizers
-            grid = self.knobs(floor, self.optimizers)
-            self._family_floor[key] = [level for level, row in zip(self.optimizers, grid)
-                                       if self.evaluate(row[-1]).fits_device]
+            frugal = self.frugal(floor, self.optimizers)
+            if frugal.plan is None:                    # the job refuses the floor (its batch, say): no pruning
+                self._family_floor[key] = self.optimizers
+            elif not frugal.fits_device:
+                self._family_floor[key] = []
+            else:
+                grid = self.knobs(floor, self.optimizers)
+                self._family_floor[key] = [level for level, row in zip(self.optimizers, grid)
+                                           if self.evaluate(row[-1]).fits_device]
         return self._family_floor[key]
 
     def _boundary_bytes(self, s: Settings) -> int:
@@ -264,7 +276,8 @@ class AutoPlanner:
         return StepInputs(
             model=m.args, active_params=m.active, embedding_params=m.embedding,
             fsdp_params=m.fsdp_params(layout, s.dispatch), local_params=m.local_params(layout, s.dispatch),
-            expert_shard_params=experts, vocab_shard_params=vocab, world=W, ranks_per_node=self.ranks_per_node, seq_len=s.seq_len, local_batch=t.local_batch_size,
+            expert_shard_params=experts, vocab_shard_params=vocab, world=W, ranks_per_node=self.ranks_per_node,
+            seq_len=s.seq_len, local_batch=t.local_batch_size,
             micro_batches=max(1, t.global_batch_size // one_step) if t.global_batch_size != -1 else 1,
             seq_degree=s.seq_degree, expert_degree=s.expert_degree, vocab_degree=s.vocab_degree,
             dispatch=s.dispatch, token_budget=s.token_budget, max_chunks=self.base.mop.moe.max_chunks,
@@ -433,8 +446,9 @@ class AutoPlanner:
         misses = sorted(faster.values(), key=lambda e: -e.tokens_per_s)[:3]
         for e in misses:
             notes += self.verify(e)
-        return Result(objective, seq_len, chosen, fitting[1:], [e for e in misses if not e.fits], "", None,
-                      len(self._predictions), len(self._memo), time.perf_counter() - start, notes)
+        return Result(objective, seq_len, chosen, runners_up=fitting[1:], misses=[e for e in misses if not e.fits],
+                      searched=len(self._predictions), planned=len(self._memo),
+                      seconds=time.perf_counter() - start, disagreements=notes)
 
     # -- when nothing fits ------------------------------------------------------------------------
 

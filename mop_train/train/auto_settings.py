@@ -32,13 +32,27 @@ SEARCHED_KEYS = ("training.seq_len", "mop.layout.seq_degree", "mop.layout.expert
 
 
 def fixed_keys(overrides: list[str]) -> set[str]:
-    """The searched keys the command line sets (`--mop.layout.seq_degree 2`, `--mop.ring_dtp.no-enable`)."""
+    """The keys the command line sets that constrain the search (`--mop.layout.seq_degree 2`,
+    `--mop.ring_dtp.no-enable`): the searched ones, and OffloadStreamAdamW's own options (given, they
+    keep the optimizer offloaded)."""
     given = set()
     for arg in overrides:
         if arg.startswith("--"):
             section, _, key = arg[2:].split("=", 1)[0].replace("-", "_").rpartition(".")
             given |= {f"{section}.{key}", f"{section}.{key.removeprefix('no_')}"}
-    return given & set(SEARCHED_KEYS)
+    return given & (set(SEARCHED_KEYS) | {"mop.offload_adamw.host_fraction", "mop.offload_adamw.overlap"})
+
+
+def search_base_flags(fixed: set[str]) -> list[str]:
+    """Flags to put before the user's overrides when loading the job a search starts from, so that the
+    config's own values of keys the search will set cannot make the user's choices invalid together
+    (a given expert_degree > 1 beside the config's dispatch = "local"; a given OffloadStreamAdamW option
+    beside the config's AdamW). The search replaces every one of them."""
+    flags = [] if "mop.moe.dispatch" in fixed else ["--mop.moe.dispatch", "ep"]
+    offload_options = {"mop.offload_adamw.host_fraction", "mop.offload_adamw.overlap", "mop.offload_adamw.device_fraction"}
+    if "optimizer.name" not in fixed and fixed & offload_options:
+        flags += ["--optimizer.name", OFFLOAD_ADAMW]
+    return flags
 
 
 # ---------------------------------------------------------------------------------------------
