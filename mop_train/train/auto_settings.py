@@ -61,7 +61,8 @@ def search_base_flags(fixed: set[str]) -> list[str]:
 
 @dataclass(frozen=True)
 class Settings:
-    """The searched keys of one configuration (everything else is the job's own)."""
+    """The searched keys of one configuration (everything else is the job's own): its structure (the
+    context, degrees, dispatch, c, Ring-DTP, checkpointing) and its knobs (SCO budget, optimizer)."""
     seq_len: int
     seq_degree: int
     expert_degree: int
@@ -73,12 +74,6 @@ class Settings:
     sco_budget: str = "0"
     optimizer: str = "AdamW"
     device_fraction: str = "0"
-
-    @property
-    def structure(self) -> tuple:
-        """What the knobs (SCO budget, optimizer) leave unchanged."""
-        return (self.seq_len, self.seq_degree, self.expert_degree, self.vocab_degree, self.dispatch,
-                self.token_budget, self.ring_dtp, self.ac_mode)
 
     @property
     def offloads_optimizer(self) -> bool:
