@@ -65,7 +65,20 @@ def test_each_profile_is_what_its_name_says(name):
         assert distinct == [min(k, hot)] * num_hot + [min(k, E - hot)] * (N - num_hot), tag
 
 
-@pytest.mark.parametrize("name", ["hot", "30/64", "120/4", "30/0"])
-def test_bad_profiles(name):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("name,message", [("hot", "expected 'balanced' or 'r/h'"), ("30/64", "need 0 <= r <= 100"),
+                                          ("101/4", "need 0 <= r <= 100"), ("-1/4", "need 0 <= r <= 100"),
+                                          ("30/0", "1 <= h < 64")])
+def test_bad_profiles(name, message):
+    with pytest.raises(ValueError, match=message):
         routing_profile(name, 10, 64, 4)
+
+
+def test_edge_profiles_device_and_dtype():
+    """r = 0 and r = 100, one hot expert, h = E - 1: valid; the tensors on the device and in the dtype asked."""
+    assert not (routing_profile("0/4", 10, 8, 2)[0] < 4).any()
+    assert (routing_profile("100/4", 10, 8, 2)[0] < 4).all()
+    assert routing_profile("50/1", 10, 8, 2)[0][:5].eq(0).all()
+    assert (routing_profile("50/7", 10, 8, 2)[0][5:] == 7).all()
+    for name in ("balanced", "30/4"):
+        idx, w = routing_profile(name, 6, 8, 2, device="meta", dtype=torch.float64)
+        assert idx.is_meta and w.is_meta and w.dtype == torch.float64 and idx.dtype == torch.int64

@@ -5,6 +5,8 @@ GPU: no default-stream synchronisation, memory back to baseline, a lower peak.""
 from __future__ import annotations
 
 import copy
+import sys
+import types
 import weakref
 
 import pytest
@@ -15,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from mop_train.ops.sco import (SelectiveCheckpointOffload, boundary_bytes, checkpointed,
                                resolve_host_budget, retained_boundary_bytes, select_offloaded)
 from mop_train.ops.sco.host_buffer import power_of_two_parts
+from mop_train.ops.sco.offload import _same_device
 from tests.dist_utils import run_distributed
 from tests.utils import assert_bitwise_equal, fresh_seed
 
@@ -110,12 +113,59 @@ def test_budget_helpers():
     assert resolve_host_budget(" AUTO ", 4, available_bytes=100 << 30) == (50 << 30) // 4
     assert resolve_host_budget("auto", 3, available_bytes=1000) == 500 // 3
     assert resolve_host_budget("auto", 1) > 0  # reads /proc/meminfo on this machine
-    for bad_text, bad_world in (("lots", 1), ("-1GiB", 1), ("1GiB", 0), ("auto", True)):
-        with pytest.raises(ValueError):
-            resolve_host_budget(bad_text, bad_world)
+    for bad_text in ("lots", "-1GiB"):
+        with pytest.raises(ValueError, match=f"mop.sco.host_budget = '{bad_text}' is not a byte size"):
+            resolve_host_budget(bad_text, 1)
+    for bad_world in (0, True):
+        with pytest.raises(ValueError, match=f"local_world_size = {bad_world!r} must be an int >= 1"):
+            resolve_host_budget("auto", bad_world)
     for bad in (-1, 1.5, "1GiB", True):
         with pytest.raises(ValueError, match="host_budget_bytes"):
             SelectiveCheckpointOffload(bad)
+
+
+def test_available_host_bytes_from_meminfo_psutil_and_cgroup(tmp_path, monkeypatch):
+    """MemAvailable (kB) in bytes, else psutil's figure, capped by cgroup v2's memory.max - memory.current
+    (read through a stand-in for the module's `open`, whatever this machine's cgroup says)."""
+    from mop_train.ops.sco import budget
+
+    cgroup = {}
+    real_open = open
+
+    def fake_open(path, *args, **kwargs):
+        if str(path).startswith("/sys/fs/cgroup/"):
+            name = str(path).rsplit("/", 1)[1]
+            if name not in cgroup:
+                raise FileNotFoundError(path)
+            path = tmp_path / name
+            path.write_text(cgroup[name])
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(budget, "open", fake_open, raising=False)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       64000000 kB\nMemFree:  1000 kB\nMemAvailable:   12345678 kB\n")
+    unlimited = 1 << 62
+    assert budget._cgroup_headroom() == unlimited                                   # no cgroup v2 files
+    assert budget.available_host_bytes(str(meminfo)) == 12345678 * 1024
+    cgroup.update({"memory.max": "max\n", "memory.current": "5000\n"})
+    assert budget._cgroup_headroom() == unlimited
+    cgroup["memory.max"] = f"{8 << 30}\n"
+    assert budget._cgroup_headroom() == (8 << 30) - 5000
+    assert budget.available_host_bytes(str(meminfo)) == (8 << 30) - 5000          # the cgroup is tighter
+    assert budget.resolve_host_budget("auto", 2, available_bytes=None) == ((8 << 30) - 5000) // 2 // 2
+    cgroup["memory.current"] = f"{9 << 30}\n"
+    assert budget._cgroup_headroom() == 0                                          # over its limit: nothing
+    cgroup["memory.current"] = "garbage"
+    assert budget._cgroup_headroom() == unlimited
+
+    cgroup.clear()
+    missing = str(tmp_path / "no-meminfo")
+    monkeypatch.setitem(sys.modules, "psutil", types.SimpleNamespace(
+        virtual_memory=lambda: types.SimpleNamespace(available=777_000)))
+    assert budget.available_host_bytes(missing) == 777_000
+    monkeypatch.setitem(sys.modules, "psutil", None)                                # not installed
+    with pytest.raises(ValueError, match="no-meminfo and psutil is not installed; set \\[mop.sco\\] host_budget"):
+        budget.available_host_bytes(missing)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -327,6 +377,10 @@ def test_boundary_must_be_first_positional_tensor():
     assert sco.offloaded_layers == [] and sco.pinned_bytes == 0
     with pytest.raises(ValueError, match="device"):
         SelectiveCheckpointOffload(1 << 20, device="meta").wrap(ToyLayer(4, 4))(x, pos, scale=torch.ones(4))
+    cuda = lambda i=None: torch.device("cuda", i) if i is not None else torch.device("cuda")  # noqa: E731
+    for actual, expected, same in ((cuda(0), cuda(), True), (cuda(1), cuda(1), True), (cuda(1), cuda(0), False),
+                                   (torch.device("cpu"), cuda(), False), (torch.device("cpu"), torch.device("cpu"), True)):
+        assert _same_device(actual, expected) is same, (actual, expected)
 
 
 def test_boundary_saved_outside_the_checkpoint_machinery():
