@@ -7,7 +7,10 @@
     mop-train plan --auto --objective context --world 64 --gpu-memory 141GiB --host-memory 2TiB configs/x.toml
 
 `plan --auto` chooses the layout degrees and operator settings (mop_train.train.auto_plan) for the
-longest context or the most tokens/s at one context, keeping the keys given as overrides. `train` checks the configuration in this process first (a bad key or value: one line, exit 2,
+longest context or the most tokens/s at one context, keeping the keys given as overrides, and prints
+them with their plan (exit 1 with the closest configuration when nothing fits).
+
+`train` checks the configuration in this process first (a bad key or value: one line, exit 2,
 before any rank starts), then runs torchrun's launcher in-process on this node and exits with the
 ranks' own exit code (mop_train.train.__main__ lists them) instead of torchrun's summary; on SIGTERM
 or SIGINT it passes the signal to the ranks, which stop at a step boundary and save, and exits 5. Several
@@ -106,7 +109,8 @@ def _plan_auto(args, cfg, job: list[str], *, gpu_bytes, host_bytes, ranks_per_no
 
     from mop_train.config import load_job_config
     from mop_train.models import zoo
-    from mop_train.train.auto_plan import AutoPlanner, NothingFits, fixed_keys, format_result
+    from mop_train.train.auto_plan import AutoPlanner, NothingFits, format_result
+    from mop_train.train.auto_settings import fixed_keys
     from mop_train.units import parse_bytes
 
     if gpu_bytes is None or host_bytes is None:

@@ -150,9 +150,10 @@ class AutoPlanner:
 
     # -- candidates -------------------------------------------------------------------------------
 
-    def structures(self, seq_len: int, *, frugal_only: bool = False) -> list[Settings]:
-        """Every structure valid at `seq_len` whose family may fit (knobs at placeholders). With
-        `frugal_only`, PipelinedLLEP takes only its smallest token budget (its plan grows with c)."""
+    def structures(self, seq_len: int, *, frugal_only: bool = False, pruned: bool = True) -> list[Settings]:
+        """Every structure valid at `seq_len` whose family may fit (all of them with `pruned=False`),
+        knobs at placeholders. With `frugal_only`, PipelinedLLEP takes only its smallest token budget
+        (its plan grows with c)."""
         base, out = self.base, []
         for D in self.seq_degrees:
             if seq_len % D:
@@ -166,7 +167,7 @@ class AutoPlanner:
                             for ring in self._rings(P):
                                 for ac in self.ac_modes:
                                     s = Settings(seq_len, D, Ep, P, dispatch, c, ring, ac)
-                                    if self._viable_levels(s):
+                                    if not pruned or self._viable_levels(s):
                                         out.append(s)
         return out
 
@@ -454,8 +455,9 @@ class AutoPlanner:
 
     def nothing_fits(self, seq_len: int, where: str, *, context_hint: bool = False) -> NothingFits:
         """The error with the numbers: the closest configuration and what would make one fit."""
-        tried = [e for e in self._memo.values() if e.settings.seq_len == seq_len]
-        planned = [e for e in tried if e.plan is not None] or [e for e in self._memo.values() if e.plan is not None]
+        planned = [e for e in self._memo.values() if e.settings.seq_len == seq_len and e.plan is not None] or [
+            self.frugal(s, self.optimizers) for s in self.structures(seq_len, frugal_only=True, pruned=False)]
+        planned = [e for e in planned if e.plan is not None]
         head = (f"nothing fits {where} on W={self.world} ranks ({self.ranks_per_node} per node), "
                 f"{self.gpu_bytes / GIB:.1f} GiB per GPU ({self.headroom / GIB:.1f} GiB of it kept free) and "
                 f"{self.host_bytes / GIB:.1f} GiB host per node")
@@ -463,8 +465,7 @@ class AutoPlanner:
             refused = next((e.error for e in self._memo.values() if e.error), None)
             return NothingFits(f"{head}: " + (refused or "no layout of the searched degrees is valid for this model"))
         closest = min(planned, key=lambda e: e.overshoot)
-        lines = [head + ".", f"closest ({len(self._memo)} configurations planned): {closest.settings.label()} at S = "
-                 f"{closest.settings.seq_len:,}: "
+        lines = [head + ".", f"closest ({len(self._memo)} configurations planned): {closest.settings.label()}: "
                  f"{closest.device / GIB:.1f} GiB per rank, {closest.host / GIB:.1f} GiB host per node", "would fit:"]
         if closest.device > closest.device_limit:
             lines.append(f"  with --gpu-memory {math.ceil((closest.device + self.headroom) / GIB)}GiB (that configuration)")
