@@ -13,7 +13,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict)
 
 from mop_train.ops.offload_adamw import (
-    OffloadStreamAdamW, adamw_reference_step, host_update, plan_buckets, reference_adamw, staging_bytes_bound)
+    OffloadStreamAdamW, adamw_reference_step, device_bytes_per_element, fit_device_fraction, host_update, plan_buckets,
+    reference_adamw, staging_bytes_bound)
 from tests.dist_utils import run_distributed
 from tests.utils import assert_bitwise_equal, assert_close, fresh_seed
 
@@ -372,6 +373,32 @@ def test_staging_bound_and_bytes_moved():
         assert opt.last_step.h2d_bytes == opt.last_step.d2h_bytes == 12 * numel
         assert opt.last_step.buckets == -(-numel // bucket_params)
         assert opt.step_seconds() >= 0.0
+
+
+def test_device_fraction_fits_the_staging_bound_exactly():
+    """fit_device_fraction on random sizes: the share d (in 1/1000) it returns fits beside the streamed
+    part's staging bound (`staging_bytes_bound`, with the CPU share's temporaries when on) and the
+    margin, and d + 1/1000 would not; d = 1 only when everything is resident with one bucket's
+    gradient buffer; no parameters fit anywhere, one parameter in no memory fits nowhere."""
+    gen = torch.Generator().manual_seed(fresh_seed(97))
+    for _ in range(200):
+        n, B = int(torch.randint(1, 5000, (1,), generator=gen)), int(torch.randint(1, 3000, (1,), generator=gen))
+        s, fp32, host = int(torch.randint(1, 4, (1,), generator=gen)), bool(torch.randint(0, 2, (1,), generator=gen)), \
+            bool(torch.randint(0, 2, (1,), generator=gen))
+        per, margin = device_bytes_per_element(fp32), int(torch.randint(0, 100, (1,), generator=gen))
+        stage = staging_bytes_bound(B, s, host_share=host)
+        free = margin + stage + int(torch.randint(-100, per * n + 200, (1,), generator=gen))
+        d = fit_device_fraction(free, n, fp32_weights=fp32, bucket_params=B, slots=s, host_share=host, margin_bytes=margin)
+        tag = (n, B, s, fp32, host, margin, free, d)
+        if d == 1.0 and margin + per * n + min(B, n) * 4 <= free:
+            continue                                                  # all resident
+        k = round(d * 1000)
+        assert d == k / 1000 and 0 <= k < 1000, tag
+        room = (free - margin - stage) * 1000                         # in 1/1000 of an element's bytes
+        assert k == 0 or k * per * n <= room, tag                     # fits
+        assert (k + 1) * per * n > room, tag                          # one step more would not
+    assert fit_device_fraction(0, 0, fp32_weights=True, bucket_params=4, slots=2) == 1.0
+    assert fit_device_fraction(0, 1, fp32_weights=True, bucket_params=4, slots=2, margin_bytes=0) == 0.0
 
 
 def test_host_state_owns_whole_pages():

@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 
 from mop_train.ops.offload_adamw import OffloadStreamAdamW, forward_order, forward_units, host_update
+from mop_train.ops.offload_adamw.forward_waits import ForwardWaits, Ready
+from mop_train.ops.offload_adamw.streams import Streams
 from tests.ops.test_offload_adamw import HP, _assert_same_run
 from tests.utils import assert_bitwise_equal, fresh_seed
 
@@ -205,3 +207,78 @@ def _fsdp_overlap_worker(rank, world_size, device_fraction):
 def test_cuda_fsdp2_overlap_same_bits(device_fraction):
     from tests.dist_utils import run_distributed
     run_distributed(_fsdp_overlap_worker, 1, device_fraction, backend="nccl")
+
+
+def _tiling(gen, lo, hi):
+    """Random contiguous pieces tiling [lo, hi) (none when empty)."""
+    cuts = sorted({lo, hi, *torch.randint(lo, hi + 1, (4,), generator=gen).tolist()})
+    return [Ready(a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+
+
+def test_wait_ranges_waits_for_the_last_intersecting_piece_only():
+    """Each call waits, per lane, for exactly the last piece that intersects one of its ranges (a piece
+    that only touches a range's edge is not waited for), and never for a piece already waited for."""
+    gen = torch.Generator().manual_seed(fresh_seed(31))
+    for _ in range(50):
+        n = int(torch.randint(2, 40, (1,), generator=gen))
+        split = int(torch.randint(0, n + 1, (1,), generator=gen))
+        lanes = (_tiling(gen, 0, split), _tiling(gen, split, n))
+        waits = ForwardWaits(Streams(torch.device("cpu")))
+        waits.arm(lanes, count_wall=True)
+        done, log = [-1, -1], []
+        for _ in range(6):
+            edges = sorted(torch.randint(0, n + 1, (2,), generator=gen).tolist())
+            ranges = [(edges[0], max(edges[1], edges[0] + 1))]
+            waits.wait_ranges(ranges)
+            for lane, pieces in enumerate(lanes):
+                hit = [j for j, p in enumerate(pieces) if any(p.lo < hi and p.hi > lo for lo, hi in ranges)]
+                if hit and max(hit) > done[lane]:
+                    done[lane] = max(hit)
+                    log.append((lane, max(hit)))
+            assert waits.log == log, (lanes, ranges)
+        assert waits.pending() == any(d < len(p) - 1 for d, p in zip(done, lanes))
+
+
+def test_exposed_seconds_on_cpu():
+    """On CPU a step's exposed time is its host time when it held the forward back (count_wall), else 0,
+    reported once every piece has been waited for; 0 before any step."""
+    waits = ForwardWaits(Streams(torch.device("cpu")))
+    assert waits.exposed_seconds() == 0.0
+    lanes = ([Ready(0, 4), Ready(4, 9)], [])
+    for count_wall, expected in ((True, 0.25), (False, 0.0)):
+        waits.arm(lanes, count_wall=count_wall)
+        waits.set_wall(0.25)
+        waits.wait_ranges([(0, 2)])
+        assert waits.pending()
+        waits.wait_all()
+        assert not waits.pending() and waits.exposed_seconds() == expected
+
+
+def test_optimizer_wait_runs_before_the_units_other_hooks():
+    """The optimizer's pre-hook goes first (prepend), ahead of hooks registered earlier (FSDP2's
+    all-gather among them); parameters the optimizer does not hold are skipped."""
+    model = _Net(2)
+    seen = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda mod, args: seen.append(list(opt.forward_waits._done)))
+    held = [p for p in forward_order(model, model.units()) if p is not model.blocks[1][0].bias]
+    opt = OffloadStreamAdamW(held, **HP, overlap=True, bucket_params=5)
+    opt.wait_in_forward(forward_units(model, model.units()))
+    _train(model, opt, 1, 7)
+    seen.clear()
+    model(torch.randn(2, 6))
+    lane0 = [r.hi for r in opt.forward_waits._lanes[0]]
+    index = {id(p): i for i, p in enumerate(opt._params)}
+    for block, done in zip(model.blocks, seen):
+        last = max(opt._offsets[index[id(p)]] + opt._numels[index[id(p)]] for p in block.parameters() if id(p) in index)
+        assert done[0] >= 0 and lane0[done[0]] >= last, (done, lane0, last)
+
+
+def test_default_units_and_explicit_order():
+    model = _Net(3)
+    ids = lambda params: [id(p) for p in params]  # noqa: E731
+    (unit, params), = forward_units(model)                       # nothing sharded: the root alone
+    assert unit is model and ids(params) == ids(model.parameters())
+    order = forward_order(model, [model.blocks[2], model.blocks[0]])
+    rest = [p for p in model.parameters() if id(p) not in set(ids([*model.blocks[2].parameters(), *model.blocks[0].parameters()]))]
+    assert ids(order) == ids([*model.blocks[2].parameters(), *model.blocks[0].parameters(), *rest])
