@@ -196,9 +196,11 @@ def build_run(cfg, device: torch.device) -> Run:
     parts = build_model(cfg, layout, device, spec, parallel)
     plan_terms, host_terms = _check_plans(cfg, layout, parts)
     free_bytes = free_device_bytes(plan_terms, device)
+    device_share = _offload_device_share(cfg, parts, free_bytes)
+    if device_share:  # the printed plan holds the optimizer state that stays on the device
+        plan_terms, host_terms = run_plans(cfg, layout, parts, device_fraction=device_share)
     optimizers = build_optimizers([parts.module], cfg.optimizer, cfg.mop.offload_adamw,
-                                  world_size=dist.get_world_size(),
-                                  device_fraction=_offload_device_share(cfg, parts, free_bytes))
+                                  world_size=dist.get_world_size(), device_fraction=device_share)
     if cfg.mop.offload_adamw.overlap:
         for opt in optimizers:
             if hasattr(opt, "wait_in_forward"):

@@ -40,12 +40,14 @@ __all__ = ["build_optimizers", "build_lr_schedulers", "resolve_device_fraction",
 
 
 def free_device_bytes(plan_terms: list[tuple[str, int, str]], device) -> int:
-    """Device bytes the memory plan leaves free on this rank: the device's total memory minus the
-    plan's terms (`plan.memory_plan`, with the optimizer offloaded); 0 on a CPU-only build, where
-    "auto" keeps everything streamed."""
+    """Device bytes the memory plan leaves free on this rank for the optimizer: the device's total
+    memory minus the plan's terms other than the optimizer's own line (`plan.memory_plan`;
+    `fit_device_fraction` counts OffloadStreamAdamW's staging and device share itself); 0 on a
+    CPU-only build, where "auto" keeps everything streamed."""
     if torch.device(device).type != "cuda":
         return 0
-    return torch.cuda.get_device_properties(device).total_memory - sum(b for _, b, _ in plan_terms)
+    planned = sum(b for name, b, _ in plan_terms if name != "optimizer")
+    return torch.cuda.get_device_properties(device).total_memory - planned
 
 
 def resolve_device_fraction(offload_adamw, *, local_numel: int, fp32_weights: bool,

@@ -146,3 +146,16 @@ def test_the_plan_is_the_largest_of_three_moments():
     assert d2["boundaries"][0] * 2 == d1["boundaries"][0] and d2["block"][0] * 2 == d1["block"][0]
     kept = _terms(_inputs(seq_len=1 << 20, local_params=1000, first_grad_params=1000, ops=dict(keep_attention=True)))
     assert kept["kept attn"][0] == 12 * (1 << 19) * 16 * (128 * 2 + 4)
+
+
+def test_auto_device_share_sees_the_plan_without_the_optimizers_own_line(monkeypatch):
+    """fit_device_fraction adds OffloadStreamAdamW's staging and share itself: the free bytes it gets
+    must not have them taken off already."""
+    from types import SimpleNamespace
+
+    from mop_train.train.optim import free_device_bytes
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=1000))
+    terms = [("parameters", 100, ""), ("optimizer", 300, ""), ("block", 50, "")]
+    assert free_device_bytes(terms, "cuda") == 850
+    assert free_device_bytes(terms, "cpu") == 0
