@@ -142,7 +142,7 @@ class AutoSettings:
                               ranks_per_node=self.ranks_per_node, gpu_bytes=self.gpu_bytes,
                               host_bytes=self.host_bytes, headroom=self.headroom)
         try:
-            chosen = planner.fastest_at(seq_len).chosen
+            chosen = planner.fastest_at(seq_len, explain=False).chosen
         except NothingFits:
             return None
         flags = chosen.settings.flags(cfg)

@@ -15,7 +15,7 @@ import pytest
 from mop_train.cli import main
 from mop_train.config import load_job_config
 from mop_train.models import zoo
-from mop_train.train.auto_plan import AutoPlanner, NothingFits, fixed_keys
+from mop_train.train.auto_plan import TIE_SHARE, AutoPlanner, NothingFits, fixed_keys
 from mop_train.train.auto_settings import Settings, configure, fast_plan
 from mop_train.train.plan import GIB
 from mop_train.train.plan_cli import plan_for_config
@@ -68,8 +68,8 @@ def test_fastest_fits_and_what_it_reports_faster_does_not():
     r = p.fastest_at(131072)
     assert r.chosen.verified and fits(p, truth(p, r.chosen.settings))
     assert r.runners_up, "the other families that fit are listed"
-    for e in r.runners_up:
-        assert fits(p, truth(p, e.settings)) and e.tokens_per_s <= r.chosen.tokens_per_s
+    for e in r.runners_up:    # predictions within TIE_SHARE are a tie, which the simpler configuration wins
+        assert fits(p, truth(p, e.settings)) and e.tokens_per_s <= r.chosen.tokens_per_s / (1 - TIE_SHARE)
     assert r.misses, "at 128K on 2 ranks something predicted faster does not fit"
     for e in r.misses:
         assert e.tokens_per_s > r.chosen.tokens_per_s and not fits(p, truth(p, e.settings))
@@ -148,7 +148,7 @@ def test_nothing_fits_exits_1_with_the_numbers(capsys):
 
 
 def test_mop_667b_on_64_ranks_is_searched_within_a_bounded_number_of_plans():
-    p = planner(BIG, "--training.seq_len", "262144", world=64, gpu=141 * GIB, host=2048 * GIB, headroom=2 * GIB)
+    p = planner(BIG, world=64, gpu=141 * GIB, host=2048 * GIB, headroom=2 * GIB)
     r = p.fastest_at(262144, keep=2)
     assert fits(p, truth(p, r.chosen.settings)) and r.chosen.settings.expert_degree == 64
     assert r.planned < 2000, "the family and structure pruning keep the plans to a few per structure"

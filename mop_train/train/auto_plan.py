@@ -58,6 +58,10 @@ SCO_QUARTERS = (0, 1, 2, 3, 4)
 KEEP = 5
 """Configurations that fit reported per search: the winner and four runners-up."""
 
+TIE_SHARE = 0.01
+"""Predicted tokens/s closer than this share are a tie (the cost model is good to about 12%): the tie goes to
+the configuration that pins the least host memory, then runs the fewest operators, then plans the least."""
+
 
 class NothingFits(Exception):
     """No configuration fits; the message has the numbers and what would fix it."""
@@ -126,6 +130,7 @@ class AutoPlanner:
         self.optimizers = self._optimizer_levels()
         self.granule = math.lcm(SEQ_GRANULE, *self.seq_degrees)
         self._memo: dict[Settings, Evaluation] = {}
+        self._grids: dict[tuple, list[list[Settings]]] = {}
         self._predictions: dict[Settings, StepPrediction] = {}
         self._family_floor: dict[tuple, list] = {}    # family -> optimizer levels that can fit it
         self._fail_at: dict[tuple, int] = {}   # context search: frugal key -> smallest S it did not fit
@@ -202,6 +207,13 @@ class AutoPlanner:
         """grid[j][i]: optimizer level j (fastest first; those that can fit its family), SCO budget i (none
         first). Along either axis the step gets slower; along i the device plan shrinks and the host plan
         grows, and so along j among OffloadStreamAdamW's levels."""
+        levels = self._viable_levels(s) if levels is None else levels
+        key = (s, tuple(levels))
+        if key not in self._grids:
+            self._grids[key] = self._grid(s, levels)
+        return self._grids[key]
+
+    def _grid(self, s: Settings, levels: list[tuple[str, str]]) -> list[list[Settings]]:
         if "mop.sco.host_budget" in self.fixed:
             budgets = [self.base.mop.sco.host_budget]
         elif s.ac_mode == "none":
@@ -209,7 +221,6 @@ class AutoPlanner:
         else:
             boundary, layers = self._boundary_bytes(s), self._checkpointed(s)
             budgets = [_byte_text(n * boundary) for n in sorted({math.ceil(q * layers / 4) for q in SCO_QUARTERS})]
-        levels = self._viable_levels(s) if levels is None else levels
         return [[replace(s, sco_budget=b, optimizer=o, device_fraction=f) for b in budgets] for o, f in levels]
 
     def frugal(self, s: Settings, levels: list[tuple[str, str]] | None = None) -> Evaluation:
@@ -342,21 +353,23 @@ class AutoPlanner:
 
     # -- objectives -------------------------------------------------------------------------------
 
-    def fastest_at(self, seq_len: int, keep: int = KEEP) -> Result:
+    def fastest_at(self, seq_len: int, keep: int = KEEP, *, explain: bool = True) -> Result:
         """The fastest configuration that fits at `seq_len` and the best of `keep - 1` other families
-        (degrees, dispatch, Ring-DTP, checkpointing); NothingFits when none fits."""
+        (degrees, dispatch, Ring-DTP, checkpointing); NothingFits when none fits, saying what would fit
+        (more searches: on more ranks, at a shorter context) unless `explain` is False."""
         start = time.perf_counter()
         structures = sorted(self.structures(seq_len),
                             key=lambda s: (-self.predict(self.knobs(s)[0][0]).tokens_per_s, s.label()))
         best: dict[tuple, Evaluation] = {}
         tried: list[Evaluation] = []
-        for s in structures:
+        for n, s in enumerate(structures):
             ranked = sorted(best.values(), key=lambda e: -e.tokens_per_s)
             if len(ranked) >= keep and self.predict(self.knobs(s)[0][0]).tokens_per_s < ranked[keep - 1].tokens_per_s:
                 break                                  # nothing further down can enter the top `keep`
             frugal = self.frugal(s)
             if not frugal.fits_device:                 # no knob of this structure leaves less on the device
-                tried.append(frugal)
+                if n < 3 or not best:                  # planned at its fastest knobs too, to say what it lacks
+                    tried.append(self.evaluate(self.knobs(s)[0][0]))
                 continue
             e, missed = self.best_knobs(s)
             tried += missed
@@ -365,6 +378,8 @@ class AutoPlanner:
                 best[family] = e
         fits = sorted(best.values(), key=lambda e: -e.tokens_per_s)[:keep]
         if not fits:
+            if not explain:
+                raise NothingFits(f"nothing fits at training.seq_len = {seq_len:,} on W={self.world} ranks")
             raise self.nothing_fits(seq_len, f"at training.seq_len = {seq_len:,}", context_hint=True)
         return self._finish("throughput", seq_len, fits, tried, start)
 
@@ -442,7 +457,9 @@ class AutoPlanner:
         fitting = sorted((e for e in fits if e.fits), key=lambda e: -e.tokens_per_s)
         if not fitting:
             raise self.nothing_fits(seq_len, f"at training.seq_len = {seq_len:,} (after re-planning)")
-        chosen = fitting[0]
+        tied = [e for e in fitting if e.tokens_per_s >= (1 - TIE_SHARE) * fitting[0].tokens_per_s]
+        chosen = min(tied, key=lambda e: (e.host, e.settings.operators_on, e.device, -e.tokens_per_s))
+        fitting = [chosen] + [e for e in fitting if e is not chosen]
         faster = {e.settings: e for e in tried if e.plan is not None and e.tokens_per_s > chosen.tokens_per_s}
         misses = sorted(faster.values(), key=lambda e: -e.tokens_per_s)[:3]
         for e in misses:

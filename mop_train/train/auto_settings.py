@@ -79,6 +79,12 @@ class Settings:
     def offloads_optimizer(self) -> bool:
         return self.optimizer == OFFLOAD_ADAMW
 
+    @property
+    def operators_on(self) -> int:
+        """How many of the four operators (and expert parallelism) this configuration runs."""
+        return sum((self.dispatch != "local", self.ring_dtp or self.vocab_degree > 1, self.sco_budget != "0",
+                    self.offloads_optimizer))
+
     def label(self) -> str:
         ops = [self.dispatch + (f" c={self.token_budget}" if self.dispatch == "pipelined_llep" else "")]
         ops += ["ring-dtp"] if self.ring_dtp or self.vocab_degree > 1 else []

@@ -16,7 +16,8 @@ used for every width. A term is one cost per step, per rank (every rank does the
   replicas    the expert and vocab shards' gradient all-reduce over their replica groups, after backward
   ulysses     the sequence group's all-to-all of q, k, v and the attention output (D > 1)
   dispatch    the expert group's dispatch and combine all-to-alls (E_p > 1)
-  chunking    PipelinedLLEP's per-chunk overhead on the expert part (K > 1)
+  chunking    PipelinedLLEP's per-chunk overhead on the expert part (K > 1), and its own recompute of the
+              expert activations in blocks that are not checkpointed
   ring_dtp    Ring-DTP's extra GEMM pass over the standard loss (and its hops when P spans nodes)
   sco         the share of SCO's boundary traffic the prefetch does not hide
   optimizer   AdamW on the device, or OffloadStreamAdamW: the host link or host memory, whichever binds
@@ -117,6 +118,12 @@ CHUNK_OVERHEAD = 0.004
 dispatch): RESULTS.md "Expert dispatch, 2 ranks over NCCL" (2026-11-30), inside a checkpointed block
 0.96-1.01x LLEP at 65K tokens (K=10) and 0.98-1.09x at 32K (K=8). The one-rank, 384-expert case (2.2-2.5x,
 "Expert dispatch on one H200" 2026-11-29, few rows per expert) is not what an E_p > 1 rank sees."""
+
+PIPELINED_RECOMPUTE = 1 / 3
+"""PipelinedLLEP recomputes each chunk's expert activations in backward (8 expert GEMM passes instead of 6):
+RESULTS.md "Expert dispatch on one H200", per-rank proxy (2026-11-29), 1.32-1.34x forward+backward of the bare
+layer. Inside a checkpointed block LLEP pays the same recompute (the in-block ratio is ~1.0), so it is
+charged only for blocks that are not checkpointed."""
 
 
 @dataclass(frozen=True)
@@ -236,7 +243,7 @@ def _sharding_terms(x: StepInputs, compute: float) -> list[tuple[str, float, str
 def _all_to_all_terms(x: StepInputs) -> list[tuple[str, float, str]]:
     """Ulysses over D; dispatch and combine over E_p; PipelinedLLEP's per-chunk overhead on the expert part."""
     a, R, D, Ep, act = x.model, x.ranks_per_node, x.seq_degree, x.expert_degree, x.act_bytes
-    (N, _, passes), micro, terms = _shape(x), x.micro_batches, []
+    (N, ckpt, passes), micro, terms = _shape(x), x.micro_batches, []
     if D > 1:
         volume = micro * a.n_layers * N * _ulysses_elements(a) * act * passes * (D - 1) / D
         terms.append(("ulysses", volume / _bytes_per_s(A2A_BYTES_PER_S, D, R),
@@ -249,7 +256,9 @@ def _all_to_all_terms(x: StepInputs) -> list[tuple[str, float, str]]:
     if x.dispatch == "pipelined_llep" and layers:
         experts = micro * N * layers * a.top_k * 3 * a.dim * a.moe_inter_dim * 6.0 / (PEAK_FLOPS * MFU_DENSE)
         K, c_eff = num_chunks(max(N, 1), x.token_budget, x.max_chunks)
-        terms.append(("chunking", (experts + dispatch) * CHUNK_OVERHEAD * (K - 1), f"K={K} chunks of {c_eff:,} tokens"))
+        unchecked = (a.n_layers - ckpt) / a.n_layers
+        terms.append(("chunking", (experts + dispatch) * CHUNK_OVERHEAD * (K - 1) + experts * PIPELINED_RECOMPUTE * unchecked,
+                      f"K={K} chunks of {c_eff:,} tokens" + (", expert recompute in unchecked blocks" if unchecked else "")))
     return terms
 
 
