@@ -21,8 +21,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from mop_train.ops.ring_dtp import (reference_cross_entropy, resolve_mode, ring_dtp_cross_entropy,
-                                    ring_dtp_largest_tensor_bytes, ring_dtp_peak_bytes)
+from mop_train.ops.ring_dtp import (reference_cross_entropy, reference_ring_dtp_cross_entropy, resolve_mode,
+                                    ring_dtp_cross_entropy, ring_dtp_largest_tensor_bytes, ring_dtp_peak_bytes)
 from tests.dist_utils import backend_params, run_distributed, worker_device
 from tests.utils import assert_close, assert_no_worse_than_torch, fresh_seed
 
@@ -299,6 +299,33 @@ def test_targets_outside_the_vocabulary_are_rejected_at_the_edges():
                     ring_dtp_cross_entropy(x, w, t, vocab_size=V, impl=impl)
                 loss = ring_dtp_cross_entropy(x, w, t, vocab_size=V, impl=impl, ignore_index=bad, reduction="none")
                 assert loss[t == bad].eq(0).all() and loss[t != bad].gt(0).all()
+
+
+def test_auto_schedule_budget_edge_in_bf16_with_an_fp32_shard():
+    """auto takes grad_in_forward exactly when its bound, in the compute dtype (bf16 here) with the
+    shard's own dtype (an fp32 master), fits memory_budget: at the bound it does, one byte below not."""
+    gen = torch.Generator().manual_seed(fresh_seed(43))
+    n, h, v = 9, 16, 45
+    x = torch.randn(n, h, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(v, h, generator=gen).requires_grad_()                 # fp32 master shard
+    t = torch.randint(0, v, (n,), generator=gen)
+    bound = ring_dtp_peak_bytes(n, h, v, 1, dtype=torch.bfloat16, block_size=8, impl="torch",
+                                schedule="grad_in_forward", token_chunk=3, weight_dtype=torch.float32)
+    for budget, expected in ((bound, "RingDTPGradInForwardBackward"), (bound - 1, "SumBackward0")):
+        loss = ring_dtp_cross_entropy(x, w, t, vocab_size=v, reduction="sum", block_size=8, impl="torch",
+                                      token_chunk=3, memory_budget=budget)
+        assert type(loss.grad_fn).__name__ == expected, (budget, bound, loss.grad_fn)
+
+
+def test_default_reduction_is_the_mean_over_valid_tokens():
+    gen = torch.Generator().manual_seed(fresh_seed(47))
+    x, w = torch.randn(6, 4, generator=gen), torch.randn(11, 4, generator=gen)
+    t = torch.tensor([3, -100, 0, 10, 7, -100])
+    per_token = reference_cross_entropy(x, w, t, reduction="none")
+    want = per_token.sum() / 4
+    for loss in (ring_dtp_cross_entropy(x, w, t, vocab_size=11, impl="torch"),
+                 reference_ring_dtp_cross_entropy(x, w, t, None, vocab_size=11), reference_cross_entropy(x, w, t)):
+        assert_close(loss, want, rtol=1e-6, atol=1e-6, name="default reduction")
 
 
 _INTERPRETED = """
