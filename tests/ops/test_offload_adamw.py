@@ -202,6 +202,38 @@ def test_host_fraction_resume_is_exact(monkeypatch):
     _assert_same_run(full_p, full, resumed_p, resumed)
 
 
+@pytest.mark.parametrize("split", [dict(), dict(host_fraction=0.5), dict(device_fraction=0.4)],
+                         ids=["streamed", "host-share", "device-share"])
+def test_resumes_a_torch_adamw_checkpoint(split, monkeypatch):
+    """A torch.optim.AdamW state dict (no "master"; parameter 5, never updated yet, has no entry)
+    loaded into an optimizer that has already stepped on other gradients: masters come from the
+    working weights, parameter 5 starts afresh (step 0, zero moments), and the run continues as
+    torch's. A state entry without a moment is refused, naming it."""
+    monkeypatch.setattr(host_update, "CHUNK", 6)
+    seed = fresh_seed(81)
+    ref_p = _params(seed)
+    ref = reference_adamw(_groups(ref_p), **HP)
+    _run(ref, ref_p, 2, seed)
+    ours_p = _params(seed + 1)
+    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2, **split)
+    _run(opt, ours_p, 3, seed + 2)                                   # state of another run everywhere
+    with torch.no_grad():
+        for p, q in zip(ours_p, ref_p):
+            p.copy_(q)
+    saved = ref.state_dict()
+    assert 5 not in saved["state"] and "master" not in saved["state"][0]
+    opt.load_state_dict(saved)
+    _run(opt, ours_p, 5, seed, start=2)
+    _run(ref, ref_p, 5, seed, start=2)
+    for i, (a, b) in enumerate(zip(ours_p, ref_p)):
+        assert_close(a, b, rtol=RTOL, atol=ATOL, name=f"param {i}")
+    _assert_state_close(opt.state_dict(), ref.state_dict())
+    broken = ref.state_dict()
+    del broken["state"][0]["exp_avg"]
+    with pytest.raises(ValueError, match="optimizer state of parameter 0 lacks 'exp_avg'"):
+        opt.load_state_dict(broken)
+
+
 def test_host_state_is_outside_autograd():
     params = _params(8)
     opt = OffloadStreamAdamW(params, bucket_params=4, host_fraction=0.5)
