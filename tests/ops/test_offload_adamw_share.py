@@ -281,7 +281,7 @@ def test_cuda_device_share_memory(dtype):
     # Alone within 4 KiB of the bound (H200, 2026-11-30); after the rest of the GPU suite 583 KB over,
     # not explained yet (the same order-dependent excess as the construction check above). The slack
     # stays below one staging slot (786 KB here), so an extra slot or a state copy still fails.
-    assert torch.cuda.max_memory_allocated() - before <= bound + 3 * bucket * 4
+    assert torch.cuda.max_memory_allocated() - before < bound + 3 * bucket * 4
     free = AUTO_MARGIN_BYTES + staging_bytes_bound(bucket, slots) + opt.device_state_bytes
     assert fit_device_fraction(free, n, fp32_weights=dtype == torch.float32, bucket_params=bucket,
                                slots=slots) >= 0.499
