@@ -236,7 +236,7 @@ def fast_plan(cfg, *, world: int, ranks_per_node: int, host_bytes: int | None) -
     mine = m.local_params(layout, dispatch)
     block, root = m.block_and_root(layout, dispatch)
     device_terms, host_terms = memory_plans(
-        cfg, layout_plan=layout, total_params=m.total, largest_block_params=block, root_params=root,
+        cfg, m.args, layout_plan=layout, total_params=m.total, largest_block_params=block, root_params=root,
         first_grad_params=m.local_root(layout),
         checkpointed_layers=len(checkpointed_layer_ids(cfg.activation_checkpoint, m.args.n_layers)),
         local_params=mine, sco_host_budget=sco_budget, precision=precision)

@@ -194,11 +194,11 @@ def build_run(cfg, device: torch.device) -> Run:
     seed = seed_everything(cfg.debug.seed, device)
     dataloader, eos_id = _build_data(cfg, layout, spec)
     parts = build_model(cfg, layout, device, spec, parallel)
-    plan_terms, host_terms = _check_plans(cfg, layout, parts)
+    plan_terms, host_terms = _check_plans(cfg, layout, parts, spec)
     free_bytes = free_device_bytes(plan_terms, device)
     device_share = _offload_device_share(cfg, parts, free_bytes)
     if device_share:  # the printed plan holds the optimizer state that stays on the device
-        plan_terms, host_terms = run_plans(cfg, layout, parts, device_fraction=device_share)
+        plan_terms, host_terms = run_plans(cfg, layout, parts, spec, device_fraction=device_share)
     optimizers = build_optimizers([parts.module], cfg.optimizer, cfg.mop.offload_adamw,
                                   world_size=dist.get_world_size(), device_fraction=device_share)
     if cfg.mop.offload_adamw.overlap:
@@ -240,11 +240,11 @@ def _build_data(cfg, layout, spec: ModelSpec):
     return dataloader, document_eos_id(cfg, tokenizer)
 
 
-def _check_plans(cfg, layout, parts: ModelParts):
+def _check_plans(cfg, layout, parts: ModelParts, spec: ModelSpec):
     """The per-rank device and pinned host plans; stops the launch when the host's ranks do not fit."""
     from mop_train.ops.sco.budget import available_host_bytes
 
-    plan_terms, host_terms = run_plans(cfg, layout, parts)
+    plan_terms, host_terms = run_plans(cfg, layout, parts, spec)
     check_host_memory(host_terms, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                       available_bytes=available_host_bytes())
     dist.barrier()  # every rank has read the free host memory before any rank pins its share

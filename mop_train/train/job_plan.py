@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mop_train.models import zoo
+from mop_train.models.args import MoEModelArgs
+from mop_train.ops.moe_dispatch.options import dispatch_options
 from mop_train.ops.ring_dtp.memory import ring_dtp_peak_bytes
 from mop_train.parallel.precision import MixedPrecision
 from mop_train.parallel.sharding import local
@@ -20,7 +21,7 @@ from mop_train.train.plan import MemoryPlanInputs, OperatorPlan, compute_dtype, 
 from mop_train.units import parse_bytes, parse_device_fraction
 
 if TYPE_CHECKING:
-    from mop_train.train.build import ModelParts
+    from mop_train.train.build import ModelParts, ModelSpec
 
 
 def fsdp_block_params(block, kept_out: set[int]) -> int:
@@ -54,16 +55,15 @@ def ring_dtp_plan_schedule(cfg, *, tokens: int, hidden: int, vocab: int, vocab_d
     return "grad_in_forward" if bound <= budget else "recompute"
 
 
-def operator_plan(cfg, *, layout_plan, act_bytes: int, sco_host_budget: int, device_fraction: float) -> OperatorPlan:
+def operator_plan(cfg, args: MoEModelArgs, *, layout_plan, act_bytes: int, sco_host_budget: int,
+                  device_fraction: float) -> OperatorPlan:
     """The operators' settings as the plan needs them, from the job's [mop.*] sections."""
-    args, t, m, rd = zoo.get_model_args(cfg.model.flavor), cfg.training, cfg.mop.moe, cfg.mop.ring_dtp
+    t, m, rd = cfg.training, cfg.mop.moe, cfg.mop.ring_dtp
     ring = layout_plan.vocab_degree > 1 or rd.enable
     tokens = t.local_batch_size * t.seq_len // layout_plan.seq_degree
     offload = cfg.optimizer.name == OFFLOAD_ADAMW
     return OperatorPlan(
-        dispatch=m.dispatch, token_budget=m.token_budget, max_chunks=m.max_chunks, llep_alpha=m.alpha,
-        imbalance_threshold=m.imbalance_threshold, min_tokens_per_gemm=m.min_tokens_per_gemm,
-        ring_dtp=ring, ring_dtp_mode=rd.mode, ring_dtp_block_size=rd.block_size,
+        dispatch=dispatch_options(m.dispatch, m), ring_dtp=ring, ring_dtp_mode=rd.mode, ring_dtp_block_size=rd.block_size,
         ring_dtp_token_chunk=rd.token_chunk or None,
         ring_dtp_schedule=ring_dtp_plan_schedule(cfg, tokens=tokens, hidden=args.dim, vocab=args.vocab_size,
                                                  vocab_degree=layout_plan.vocab_degree, act_bytes=act_bytes)
@@ -74,14 +74,14 @@ def operator_plan(cfg, *, layout_plan, act_bytes: int, sco_host_budget: int, dev
         offload_device_fraction=device_fraction if offload else 0.0, keep_attention=cfg.mop.attention.keep)
 
 
-def memory_plans(cfg, *, layout_plan, total_params: int, largest_block_params: int, root_params: int,
-                 first_grad_params: int, checkpointed_layers: int, local_params: int, sco_host_budget: int, precision: MixedPrecision,
-                 device_fraction: float | None = None):
+def memory_plans(cfg, args: MoEModelArgs, *, layout_plan, total_params: int, largest_block_params: int,
+                 root_params: int, first_grad_params: int, checkpointed_layers: int, local_params: int,
+                 sco_host_budget: int, precision: MixedPrecision, device_fraction: float | None = None):
     """(device terms, host terms) of one rank (mop_train.train.plan). OffloadStreamAdamW's share kept on
     the device is `device_fraction` when known (the launch resolves "auto" first); otherwise the
     configured number, and for an unresolved "auto" 0 on the device and all of it in the host terms
     (an upper bound there). Shared by the launch (the built parts) and `mop-train plan` (a meta model)."""
-    args, t = zoo.get_model_args(cfg.model.flavor), cfg.training
+    t = cfg.training
     if device_fraction is None:
         configured = parse_device_fraction(cfg.mop.offload_adamw.device_fraction)
         device_fraction = 0.0 if configured == "auto" else configured
@@ -89,9 +89,10 @@ def memory_plans(cfg, *, layout_plan, total_params: int, largest_block_params: i
     device_terms = memory_plan(MemoryPlanInputs(
         model=args, world_size=layout_plan.world_size, local_batch=t.local_batch_size, seq_len=t.seq_len,
         total_params=total_params, largest_block_params=largest_block_params, root_params=root_params,
-        first_grad_params=first_grad_params, checkpointed_layers=checkpointed_layers, local_params=local_params, seq_degree=layout_plan.seq_degree,
-        expert_degree=layout_plan.expert_degree, vocab_degree=layout_plan.vocab_degree, act_bytes=act,
-        ops=operator_plan(cfg, layout_plan=layout_plan, act_bytes=act, sco_host_budget=sco_host_budget,
+        first_grad_params=first_grad_params, checkpointed_layers=checkpointed_layers, local_params=local_params,
+        seq_degree=layout_plan.seq_degree, expert_degree=layout_plan.expert_degree,
+        vocab_degree=layout_plan.vocab_degree, act_bytes=act,
+        ops=operator_plan(cfg, args, layout_plan=layout_plan, act_bytes=act, sco_host_budget=sco_host_budget,
                           device_fraction=device_fraction)))
     host_terms = host_memory_plan(local_params, offload_optimizer=cfg.optimizer.name == OFFLOAD_ADAMW,
                                   host_fraction=cfg.mop.offload_adamw.host_fraction,
@@ -99,13 +100,13 @@ def memory_plans(cfg, *, layout_plan, total_params: int, largest_block_params: i
     return device_terms, host_terms
 
 
-def run_plans(cfg, layout, parts: ModelParts, device_fraction: float | None = None):
+def run_plans(cfg, layout, parts: ModelParts, spec: ModelSpec, device_fraction: float | None = None):
     """`memory_plans` of the built parts: their local shards, what FSDP2 gathers per block and for the
     root (the expert and vocab shards are kept out of it), SCO's resolved budget."""
     kept_out = {id(p) for p in parts.expert_params + parts.vocab_params}
     model = parts.module.model
     return memory_plans(
-        cfg, layout_plan=layout.plan, total_params=zoo.param_counts(cfg.model.flavor)["total"],
+        cfg, spec.args, layout_plan=layout.plan, total_params=spec.total_params,
         largest_block_params=max(fsdp_block_params(b, kept_out) for b in model.layers.values()),
         root_params=fsdp_root_params(model, kept_out),
         first_grad_params=sum(local(p).numel() for p in root_unit_params(model)),

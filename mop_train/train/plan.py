@@ -38,6 +38,7 @@ from mop_train.models.keep_attention import kept_attention_bytes
 from mop_train.models.memory import (attention_saved_bytes, block_gradient_bytes, dense_ffn_gradient_bytes,
                                      ffn_saved_bytes)
 from mop_train.ops.moe_dispatch.memory import routed_activation_bytes
+from mop_train.ops.moe_dispatch.options import DispatchOptions
 from mop_train.ops.offload_adamw.buckets import staging_bytes_bound
 from mop_train.ops.offload_adamw.device_share import device_bytes_per_element
 from mop_train.ops.ring_dtp.memory import ring_dtp_peak_bytes
@@ -49,12 +50,8 @@ GIB = 2**30
 @dataclass(frozen=True)
 class OperatorPlan:
     """The operator settings the plan needs (from [mop.*]; defaults are the operators' own)."""
-    dispatch: str = "local"
-    token_budget: int = 4096
-    max_chunks: int = 10
-    llep_alpha: float = 1.0
-    imbalance_threshold: float = 1.3
-    min_tokens_per_gemm: int = 1024
+    dispatch: DispatchOptions | None = None
+    """The MoE layers' dispatch options (None: "local"); their settings size the routed line."""
     ring_dtp: bool = False
     ring_dtp_mode: str = "auto"
     ring_dtp_schedule: str = "recompute"
@@ -120,12 +117,10 @@ def _block_term(x: MemoryPlanInputs, tokens: int) -> tuple[int, int, str]:
     a, o, act = x.model, x.ops, x.act_bytes
     attention = attention_saved_bytes(a, tokens, act)
     ffn = ffn_saved_bytes(a, tokens, act, moe=True)
-    expert_degree = x.expert_degree if o.dispatch != "local" else 1
+    expert_degree = x.expert_degree if o.dispatch is not None else 1
     routed, routed_grads, how = routed_activation_bytes(
         o.dispatch, tokens=tokens, hidden=a.dim, inter=a.moe_inter_dim, top_k=a.top_k, group_size=expert_degree,
-        local_experts=a.num_experts // expert_degree, act_bytes=act, token_budget=o.token_budget,
-        max_chunks=o.max_chunks, llep_alpha=o.llep_alpha, imbalance_threshold=o.imbalance_threshold,
-        min_tokens_per_gemm=o.min_tokens_per_gemm)
+        local_experts=a.num_experts // expert_degree, act_bytes=act)
     incoming = 2 * tokens * a.dim * act                               # the block's output and residual grads
     attention_phase = attention + block_gradient_bytes(a, tokens, act)
     saved = attention + ffn + routed

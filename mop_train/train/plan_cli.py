@@ -98,7 +98,7 @@ def plan_for_config(cfg, *, world: int, ranks_per_node: int, host_bytes: int | N
     mine = local_param_count(model, layout, dispatch=cfg.mop.moe.dispatch)
     total = sum(p.numel() for p in model.parameters())
     device_terms, host_terms = memory_plans(
-        cfg, layout_plan=layout, total_params=total,
+        cfg, args, layout_plan=layout, total_params=total,
         largest_block_params=max(fsdp_block_params(b, kept_out) for b in model.layers.values()),
         root_params=fsdp_root_params(model, kept_out),
         first_grad_params=local_root_params(model, layout),

@@ -11,6 +11,7 @@ from mop_train.models.attention import rope_cos_sin, rope_inv_freq
 from mop_train.models.memory import attention_saved_bytes, ffn_saved_bytes
 from mop_train.models.model import TransformerBlock
 from mop_train.ops.moe_dispatch.memory import routed_activation_bytes
+from mop_train.ops.moe_dispatch.options import EPOptions, LLEPOptions, PipelinedLLEPOptions
 from mop_train.ops.moe_dispatch.pipelined_llep import max_received_bound
 from mop_train.ops.offload_adamw.buckets import staging_bytes_bound
 from mop_train.ops.ring_dtp.memory import ring_dtp_peak_bytes
@@ -55,7 +56,7 @@ def test_saved_bytes_follow_the_modules(flavor, q_lora):
         moe = layer >= args.n_dense_layers
         planned = attention_saved_bytes(args, n, 4) + ffn_saved_bytes(args, n, 4, moe=moe)
         if moe:
-            planned += routed_activation_bytes("local", tokens=n, hidden=args.dim, inter=args.moe_inter_dim,
+            planned += routed_activation_bytes(None, tokens=n, hidden=args.dim, inter=args.moe_inter_dim,
                                                top_k=args.top_k, group_size=1, local_experts=args.num_experts,
                                                act_bytes=4)[0]
         # Two CPU-only extras: the math attention's [N, N] probabilities (MLA's unequal head widths; CUDA's
@@ -85,7 +86,7 @@ def _terms(x: MemoryPlanInputs) -> dict:
 def test_each_operator_line_is_the_operators_bound():
     x = _inputs(ops=dict(offload_optimizer=True, offload_bucket_params=1_000_000, offload_slots=3,
                          offload_device_fraction=0.25, ring_dtp=True, sco_host_budget=3 * 2**30,
-                         dispatch="pipelined_llep", token_budget=2048, max_chunks=64))
+                         dispatch=PipelinedLLEPOptions(token_budget=2048, max_chunks=64)))
     terms = _terms(x)
     assert terms["optimizer"][0] == staging_bytes_bound(1_000_000, 3) + round(0.25 * x.local_params) * 8
     tokens = x.seq_len // x.seq_degree
@@ -109,9 +110,10 @@ def test_each_operator_line_is_the_operators_bound():
 def test_pipelined_llep_bounds_the_chunk_where_ep_grows_with_tokens():
     args = zoo.get_model_args("small")
     common = dict(hidden=args.dim, inter=args.moe_inter_dim, top_k=args.top_k, group_size=4, local_experts=16,
-                  act_bytes=2, token_budget=4096, max_chunks=1000)
-    _, small_chunk, _ = routed_activation_bytes("pipelined_llep", tokens=40_000, **common)
-    _, large_chunk, _ = routed_activation_bytes("pipelined_llep", tokens=400_000, **common)
+                  act_bytes=2)
+    pipelined = PipelinedLLEPOptions(token_budget=4096, max_chunks=1000)
+    _, small_chunk, _ = routed_activation_bytes(pipelined, tokens=40_000, **common)
+    _, large_chunk, _ = routed_activation_bytes(pipelined, tokens=400_000, **common)
     guaranteed = max_received_bound(4, args.top_k, 4096)
     weight_temp = 16 * args.moe_inter_dim * args.dim
     bound = (guaranteed * (2 * args.dim + 7 * args.moe_inter_dim) + weight_temp) * 2
@@ -120,14 +122,16 @@ def test_pipelined_llep_bounds_the_chunk_where_ep_grows_with_tokens():
     assert small_chunk <= bound and large_chunk <= bound and large_chunk <= 1.1 * small_chunk
     balanced = (int(1.3 * args.top_k * 4000) + 1024) * (2 * args.dim + 7 * args.moe_inter_dim) + weight_temp
     assert small_chunk == balanced * 2                          # N = 40,000: K = 10 chunks of 4,000
-    _, unbalanced, _ = routed_activation_bytes("pipelined_llep", tokens=40_000, **{**common, "group_size": 1})
+    _, unbalanced, _ = routed_activation_bytes(pipelined, tokens=40_000, **{**common, "group_size": 1})
     assert unbalanced == (args.top_k * 4000 * (2 * args.dim + 7 * args.moe_inter_dim)
                           + weight_temp) * 2                    # one rank: the guarantee itself
-    _, ep_small, _ = routed_activation_bytes("ep", tokens=40_000, **common)
-    _, ep_large, _ = routed_activation_bytes("ep", tokens=400_000, **common)
+    _, ep_small, _ = routed_activation_bytes(EPOptions(), tokens=40_000, **common)
+    _, ep_large, _ = routed_activation_bytes(EPOptions(), tokens=400_000, **common)
     assert ep_large == 10 * ep_small
-    with pytest.raises(ValueError, match="dispatch"):
-        routed_activation_bytes("alltoall", tokens=1, **common)
+    # LLEP holds a receiver to max(alpha, threshold) x the mean, plus one GEMM's minimum of helper rows.
+    _, llep, _ = routed_activation_bytes(LLEPOptions(alpha=1.0, imbalance_threshold=1.5, min_tokens_per_gemm=64),
+                                         tokens=40_000, **common)
+    assert llep == (int(1.5 * 40_000 * args.top_k) + 64) * args.dim * 2
 
 
 def test_the_plan_is_the_largest_of_three_moments():

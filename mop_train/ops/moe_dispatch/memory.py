@@ -22,34 +22,34 @@ E_l experts on this rank, c_eff tokens per chunk = ceil(N / K), K = min(ceil(N /
 
 from __future__ import annotations
 
+from mop_train.ops.moe_dispatch.options import DispatchOptions, LLEPOptions, PipelinedLLEPOptions
 from mop_train.ops.moe_dispatch.pipelined_llep import max_received_bound, num_chunks
 
-SCHEDULES = ("local", "ep", "llep", "pipelined_llep")
 
-
-def routed_activation_bytes(dispatch: str, *, tokens: int, hidden: int, inter: int, top_k: int,
-                            group_size: int, local_experts: int, act_bytes: int, token_budget: int = 4096,
-                            max_chunks: int = 10, llep_alpha: float = 1.0, imbalance_threshold: float = 1.3,
-                            min_tokens_per_gemm: int = 1024) -> tuple[int, int, str]:
+def routed_activation_bytes(options: DispatchOptions | None, *, tokens: int, hidden: int, inter: int, top_k: int,
+                            group_size: int, local_experts: int, act_bytes: int) -> tuple[int, int, str]:
     """(saved, transient, how): the bytes one MoE layer's routed experts save for backward on this
-    rank, the most they add while their backward runs, and the formula."""
-    balance = max(llep_alpha, imbalance_threshold)     # LLEP relocates above threshold x the mean
-    if dispatch not in SCHEDULES:
-        raise ValueError(f"dispatch={dispatch!r} is not one of {SCHEDULES}")
+    rank, the most they add while their backward runs, and the formula. `options`: the layer's
+    dispatch options (None: "local"), whose settings (c, K_max, alpha, threshold, m) size the bound."""
     H, I, k = hidden, inter, top_k
-    if dispatch != "pipelined_llep":
-        routes = tokens * k if dispatch != "llep" else min(group_size, balance) * tokens * k
-        routes = int(routes) + (min_tokens_per_gemm if dispatch == "llep" else 0)
+    name = "local" if options is None else options.name
+    if isinstance(options, LLEPOptions):
+        # LLEP relocates above threshold x the mean load, up to alpha x the mean per rank.
+        balance = max(options.alpha, options.imbalance_threshold)
+    if not isinstance(options, PipelinedLLEPOptions):
+        routes = tokens * k
+        if isinstance(options, LLEPOptions):
+            routes = int(min(group_size, balance) * routes) + options.min_tokens_per_gemm
         # The combine's gradient gathered per route: H per route while the weighting runs backward.
         saved, transient = routes * (3 * H + 4 * I), routes * H
         return (saved * act_bytes, transient * act_bytes,
-                f"{dispatch}: {routes:,} routes x (3H + 4I) saved, H in backward"
-                + (" (balanced routing; up to E_p x with hot experts)" if dispatch == "ep" else ""))
-    K, c_eff = num_chunks(max(tokens, 1), token_budget, max_chunks)
+                f"{name}: {routes:,} routes x (3H + 4I) saved, H in backward"
+                + (" (balanced routing; up to E_p x with hot experts)" if name == "ep" else ""))
+    K, c_eff = num_chunks(max(tokens, 1), options.token_budget, options.max_chunks)
     # The budget guarantees E_p * k * c_eff; LLEP's plan then holds a destination to max(alpha,
     # threshold) x the mean k * c_eff (one GEMM's worth of helper rows over it at most).
     guaranteed = max_received_bound(group_size, k, c_eff)
-    chunk_routes = min(guaranteed, int(balance * k * c_eff) + min_tokens_per_gemm)
+    chunk_routes = min(guaranteed, int(balance * k * c_eff) + options.min_tokens_per_gemm)
     saved = tokens * k * H                         # every chunk's received rows
     # One chunk in backward: its recomputed h1, h3, a, their grads and silu'(h1) (7I), the rows'
     # and output's grads (2H); one weight-sized temporary of the grouped dW (CUDA).
