@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mop_train.models.args import MoEModelArgs
+from mop_train.ops.moe_dispatch.options import PipelinedLLEPOptions
 from mop_train.ops.moe_dispatch.pipelined_llep import num_chunks
 from mop_train.train.metrics import PEAK_BF16_TFLOPS
 
@@ -152,8 +153,8 @@ class StepInputs:
     expert_degree: int = 1
     vocab_degree: int = 1
     dispatch: str = "local"
-    token_budget: int = 4096
-    max_chunks: int = 10
+    token_budget: int = PipelinedLLEPOptions.token_budget       # the schedule's own defaults
+    max_chunks: int = PipelinedLLEPOptions.max_chunks
     ring_dtp: bool = False
     checkpointed_layers: int | None = None
     """Blocks under activation checkpointing (None: every block)."""
