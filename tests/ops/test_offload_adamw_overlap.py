@@ -264,7 +264,8 @@ def test_optimizer_wait_runs_before_the_units_other_hooks():
     held = [p for p in forward_order(model, model.units()) if p is not model.blocks[1][0].bias]
     opt = OffloadStreamAdamW(held, **HP, overlap=True, bucket_params=5)
     opt.wait_in_forward(forward_units(model, model.units()))
-    _train(model, opt, 1, 7)
+    model(torch.randn(2, 6)).square().sum().backward()
+    opt.step()                                                    # no wait_for_weights: the hooks wait
     seen.clear()
     model(torch.randn(2, 6))
     lane0 = [r.hi for r in opt.forward_waits._lanes[0]]
@@ -272,6 +273,7 @@ def test_optimizer_wait_runs_before_the_units_other_hooks():
     for block, done in zip(model.blocks, seen):
         last = max(opt._offsets[index[id(p)]] + opt._numels[index[id(p)]] for p in block.parameters() if id(p) in index)
         assert done[0] >= 0 and lane0[done[0]] >= last, (done, lane0, last)
+    assert len(seen) == len(model.blocks) and seen[0] != seen[-1]       # each block waited for more
 
 
 def test_default_units_and_explicit_order():
