@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
@@ -385,6 +386,18 @@ def _fsdp2_worker(rank, world_size, path):
                              options=StateDictOptions(full_state_dict=True))
     for a, b in zip(full_sd["state"].values(), fresh_opt.optimizers[0].state_dict()["state"].values()):
         assert_bitwise_equal(a["exp_avg_sq"].to_local(), b["exp_avg_sq"].to_local(), name="full load")
+    # ... and so do plain full tensors given straight to load_state_dict: each rank takes its own rows
+    plain = {"param_groups": full_sd["param_groups"],
+             "state": {i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in e.items()}
+                       for i, e in full_sd["state"].items()}}
+    fresh, fresh_opt = build(3, OffloadStreamAdamW, ours_kwargs)
+    fresh_opt.optimizers[0].load_state_dict(plain)
+    for a, b in zip(full_sd["state"].values(), fresh_opt.optimizers[0].state_dict()["state"].values()):
+        for key in ("exp_avg", "exp_avg_sq", "master"):
+            assert_bitwise_equal(a[key].to_local(), b[key].to_local(), name=f"rank {rank} plain full {key}")
+    plain["state"][0]["exp_avg"] = plain["state"][0]["exp_avg"][:1]
+    with pytest.raises(ValueError, match="does not fit parameter 0"):
+        fresh_opt.optimizers[0].load_state_dict(plain)
 
 
 @pytest.mark.slow
