@@ -240,11 +240,12 @@ def _check_pipelined_extras(rank, world, seed, tokens, kind, budget):
     # Chunking moves no route to another destination: each rank receives what LLEP sends it.
     assert received["strided"] == received["contiguous"] == llep_stats.chunk_received[0]
     s, c = results["strided"], results["contiguous"]
-    # On CUDA each expert's rows meet in other batches (cuBLAS picks kernels by row count) and
-    # index_add sums a token's routes by atomics: a few fp32 ulps rather than bitwise-close.
+    # Each expert's rows meet in other GEMM batches (the BLAS blocks by row count; cuBLAS picks other
+    # kernels) and on CUDA index_add sums a token's routes by atomics: a few fp32 ulps of the tensor's
+    # scale, not of each element (a seed gave 2.4e-6 on routing-weight grads of magnitude 8.9 on CPU).
     rtol = 1e-6 if device.type == "cpu" else 1e-5
     for name, a, b in zip(("y", "grad x", "grad weights"), s[:3], c[:3]):
-        assert_close(a, b, rtol=rtol, name=f"strided vs contiguous {name} [{kind}]")
+        assert_close_to_scale(a, b, rtol=rtol, name=f"strided vs contiguous {name} [{kind}]")
     for a, b in zip(s[3], c[3]):      # chunk order changes the order of the expert-grad sums
         assert_close(a, b, atol=1e-5 * float(b.abs().max()),
                      name=f"strided vs contiguous expert grads [{kind}]")
