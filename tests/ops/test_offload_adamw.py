@@ -39,6 +39,13 @@ def _grads(step: int, shapes, dtype, seed: int):
     return out
 
 
+def _give_grads(ours, reference, step: int, dtype, seed: int) -> None:
+    """Step `step`'s gradients (`_grads`) on our parameters and, in fp32, on the reference's."""
+    for p, q, g in zip(ours, reference, _grads(step, SHAPES, dtype, seed)):
+        p.grad = g
+        q.grad = None if g is None else g.float()
+
+
 def _params(seed: int, dtype=torch.float32, device="cpu"):
     gen = torch.Generator().manual_seed(fresh_seed(seed))
     return [nn.Parameter(torch.randn(s, generator=gen).to(device=device, dtype=dtype)) for s in SHAPES]
@@ -122,9 +129,7 @@ def test_matches_fp32_adamw_given_the_same_gradients(dtype, host_fraction, monke
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lambda)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, _lambda)
     for step in range(5):
-        for p, q, g in zip(ours_p, ref_p, _grads(step, SHAPES, dtype, seed)):
-            p.grad = g
-            q.grad = None if g is None else g.float()
+        _give_grads(ours_p, ref_p, step, dtype, seed)
         opt.step()
         ref.step()
         sched.step()
@@ -168,9 +173,7 @@ def test_values_set_after_construction_are_the_start(dtype, split, monkeypatch):
     ref_p = [nn.Parameter(p.detach().float().clone()) for p in ours_p]
     ref = reference_adamw(_groups(ref_p), **HP)
     for step in range(4):
-        for p, q, g in zip(ours_p, ref_p, _grads(step, SHAPES, dtype, seed)):
-            p.grad = g
-            q.grad = None if g is None else g.float()
+        _give_grads(ours_p, ref_p, step, dtype, seed)
         opt.step()
         ref.step()
         if step == 0:

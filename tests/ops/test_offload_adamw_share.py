@@ -21,7 +21,7 @@ from mop_train.train.optim import resolve_device_fraction
 from mop_train.units import parse_device_fraction
 from tests.dist_utils import run_distributed
 from tests.ops.test_offload_adamw import (
-    ATOL, HP, RTOL, SHAPES, _assert_same_run, _assert_state_close, _grads, _groups, _lambda, _params, _run, _Tiny,
+    ATOL, HP, RTOL, SHAPES, _assert_same_run, _assert_state_close, _give_grads, _grads, _groups, _lambda, _params, _run, _Tiny,
     _train, dcp_resume_matches_straight_run)
 from tests.utils import assert_bitwise_equal, assert_close, fresh_seed
 
@@ -45,9 +45,7 @@ def _train_with_torch(dtype, seed, **kwargs):
     ref = reference_adamw(_groups(ref_p), **HP)
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, _lambda) for o in (opt, ref)]
     for step in range(5):
-        for p, q, g in zip(ours_p, ref_p, _grads(step, SHAPES, dtype, seed)):
-            p.grad = g
-            q.grad = None if g is None else g.float()
+        _give_grads(ours_p, ref_p, step, dtype, seed)
         opt.step()
         ref.step()
         for sched in scheds:
