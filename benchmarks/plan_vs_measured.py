@@ -31,13 +31,15 @@ def _point(seq_len: int, ops: bool) -> list[str]:
 
 
 POINTS = {f"{kind}-{s // 1024}k": _point(s, kind == "ops")
-          for kind in ("plain", "ops") for s in (8192, 32768, 131072, 262144, 524288)}
+          for kind in ("plain", "ops") for s in (8192, 32768, 131072, 262144, 393216, 524288)}
 """Name -> overrides of CONFIG: "plain" is the config as shipped (local dispatch, AdamW on the device,
 chunked cross-entropy, full activation checkpointing), "ops" every operator on."""
 
-LAYOUTS = {1: [], 2: ["--mop.layout.expert_degree", "2", "--mop.layout.vocab_degree", "2", "--mop.moe.dispatch", "ep"]}
-"""Overrides per world size, applied before the point's (on 2 ranks the experts and the projection
-are sharded; a point's own dispatch wins)."""
+LAYOUTS = {"fsdp": [],
+           "sharded": ["--mop.layout.expert_degree", "2", "--mop.layout.vocab_degree", "2", "--mop.moe.dispatch", "ep"]}
+"""Layout overrides, applied before the point's: "fsdp" keeps the config's (every rank a whole
+sequence, FSDP2 over all ranks), "sharded" shards the experts and the projection over 2 ranks (a
+point's own dispatch wins). The default is "fsdp" on one rank and "sharded" on two."""
 
 
 def planned_gib(overrides: list[str], world: int, host_bytes: int, config: str = CONFIG) -> dict:
@@ -72,10 +74,19 @@ def train_small(name: str, overrides: list[str], *, config: str = CONFIG, nproc:
     return {"rc": rc, "wall_s": time.perf_counter() - start, "records": records, "command": " ".join(cmd)}
 
 
+def _out_of_memory_line(log_path: str) -> str | None:
+    """The allocator's own account of an out-of-memory failure ("Tried to allocate ... of which ...
+    reserved but unallocated"), which tells a real shortfall from fragmentation."""
+    if not os.path.exists(log_path):
+        return None
+    hits = [line.strip() for line in open(log_path, errors="replace") if "Tried to allocate" in line]
+    return hits[0][:600] if hits else None
+
+
 def measure(name: str, overrides: list[str], *, nproc: int, steps: int, timeout_s: float, out: str) -> dict:
     run = train_small(name, overrides, nproc=nproc, steps=steps, timeout_s=timeout_s, out=out)
     records = run.pop("records")
-    return {**run, "steps_logged": len(records),
+    return {**run, "steps_logged": len(records), "out_of_memory": _out_of_memory_line(os.path.join(out, f"{name}.log")),
             "measured_gib": max((r["peak_mem_gib"] for r in records), default=None),
             "tokens_per_s": records[-1]["tokens_per_s"] if records else None}
 
@@ -91,7 +102,8 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nproc", type=int, default=1, choices=sorted(LAYOUTS))
+    ap.add_argument("--nproc", type=int, default=1, choices=(1, 2))
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), help="default: fsdp on one rank, sharded on two")
     ap.add_argument("--points", nargs="+", default=["plain-32k", "plain-128k", "ops-32k", "ops-128k"],
                     choices=sorted(POINTS))
     ap.add_argument("--steps", type=int, default=3)
@@ -107,14 +119,15 @@ def main(argv: list[str] | None = None) -> int:
             r["planned"] = planned_gib(r["overrides"], r["world"], a.host_bytes)
         print(table(rows))
         return 0
+    layout = a.layout or ("fsdp" if a.nproc == 1 else "sharded")
     os.makedirs(a.out, exist_ok=True)
     rows, start = [], time.perf_counter()
     for name in a.points:
         if time.perf_counter() - start > a.budget_s:
             print(f"budget spent: {name} not run", flush=True)
             continue
-        overrides = [*LAYOUTS[a.nproc], *POINTS[name]]
-        row = {"point": name, "world": a.nproc, "overrides": overrides,
+        overrides = [*LAYOUTS[layout], *POINTS[name]]
+        row = {"point": name, "world": a.nproc, "layout": layout, "overrides": overrides,
                "planned": planned_gib(overrides, a.nproc, a.host_bytes)}
         row.update(measure(name, overrides, nproc=a.nproc, steps=a.steps,
                            timeout_s=min(a.point_timeout_s, a.budget_s + 60 - (time.perf_counter() - start)),
@@ -122,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"{name}: rc={row['rc']} measured={row['measured_gib']} planned={row['planned']['device_gib']:.2f} "
               f"GiB in {row['wall_s']:.0f}s", flush=True)
-    with open(os.path.join(a.out, f"plan_vs_measured_{a.nproc}gpu.json"), "w") as f:
+        if row["out_of_memory"]:
+            print(f"  {row['out_of_memory']}", flush=True)
+    with open(os.path.join(a.out, f"plan_vs_measured_{a.nproc}gpu_{layout}.json"), "w") as f:
         json.dump({"rows": rows, "argv": sys.argv, "date": time.strftime("%Y-%m-%d")}, f, indent=1)
     print(table(rows))
     return 0
