@@ -213,6 +213,24 @@ def _ring_cases(rank, world_size, seed):
         assert seen.largest <= bound, f"{mode} {schedule}: allocated {seen.largest} B > bound {bound} B"
 
 
+def _two_vocab_groups(rank, world_size, seed):
+    """Two rings of 2 inside a world of 4 (as a layout with D = 2 builds them): every collective must
+    stay in its own ring; one that falls back to the default group mixes the two problems."""
+    groups = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]  # all ranks create both
+    group, member = groups[rank // 2], rank % 2
+    seed = seed + 100 * (rank // 2)                                  # a different problem in each ring
+    for case, kw in enumerate((dict(mode="move_activations"), dict(mode="move_weights"),
+                               dict(schedule="grad_in_forward", token_chunk=2), dict(impl="reference"))):
+        kw = {"block_size": 4, "impl": "torch", **kw}
+        _check_case(member, group, [7, 4], 37, 16, torch.float32, "none" if kw["impl"] == "reference" else "sum",
+                    seed + case, **kw)
+
+
+@pytest.mark.slow
+def test_rings_inside_a_larger_world():
+    run_distributed(_two_vocab_groups, 4, fresh_seed(2400))
+
+
 class _LargestTensor(TorchDispatchMode):
     """Largest storage freshly allocated by any op while active (views and out=/in-place writes,
     which share an argument's storage, are not allocations)."""
@@ -279,6 +297,9 @@ def test_auto_mode_and_bound_arithmetic():
 
 def test_errors_name_the_argument():
     x, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
+    for bad_x, bad_w in ((x, torch.randn(10, 6)), (x[None], w), (x, w[None])):      # H differs; not 2-D
+        with pytest.raises(ValueError, match=r"hidden must be \[N, H\] and weight_shard \[rows, H\]"):
+            ring_dtp_cross_entropy(bad_x, bad_w, t, vocab_size=10)
     with pytest.raises(ValueError, match="weight_shard has 9 rows"):
         ring_dtp_cross_entropy(x, w[:9], t, vocab_size=10)
     with pytest.raises(ValueError, match="target 12"):

@@ -1,7 +1,8 @@
 """Ring-DTP under every way a loss gets called, both schedules, P = 1 (in process) and 2..4 (gloo):
 a scaled loss, reduction="none" with per-token weights, two calls on the same inputs before one
 backward, evaluation (torch.no_grad, or no input requiring grad: the loss only, no gradient buffers),
-torch.autocast with backward inside and outside it, a second backward, ranks whose upstreams differ,
+torch.autocast with backward inside and outside it, only some leaves wanting a gradient (the hidden on one
+rank, no hidden, no weight), a second backward, ranks whose upstreams differ,
 ranks that disagree on needing gradients, and auto's choice against a memory budget.
 
 fp32 gradients: relative 1e-5 of the largest sum of |terms| (tests.ops.test_ring_dtp._term_scales);
@@ -150,6 +151,32 @@ def _flat(losses, dxs, dw):
     return tuple(torch.cat([t.reshape(-1).float() for t in ts]) for ts in (losses, dxs, [dw]))
 
 
+def _partial_leaves(p: _Rank, tag):
+    """Only some leaves want a gradient: the hidden on rank 0 alone (the others still carry rank 0's
+    dX accumulator around the ring), no hidden at all (a frozen trunk), or no weight (a frozen head)."""
+    wanted = {"hidden on rank 0 only": (p.rank == 0, True), "weights only": (False, True),
+              "hidden only": (True, False)}
+    for schedule in SCHEDULES:
+        for reduction in ("sum", "mean"):
+            ref_loss, ref_dx, ref_dw = p.reference(reduction, UPSTREAM)
+            term_dx, term_dw = _term_scales(p.weight, p.xs, p.ts, p.gouts, reduction, p.rank, True)
+            for what, (want_x, want_w) in wanted.items():
+                name = f"{tag} {schedule} {reduction} {what}"
+                x, w = p.leaves()
+                x.requires_grad_(want_x)
+                w.requires_grad_(want_w)
+                loss = p.loss(x, w, schedule=schedule, reduction=reduction)
+                (loss * UPSTREAM).backward()
+                if not torch.isnan(ref_loss).all():
+                    assert_close(loss.detach(), ref_loss, rtol=1e-5, atol=1e-5 * _scale(ref_loss), name=f"loss {name}")
+                assert (x.grad is not None) == want_x and (w.grad is not None) == want_w, \
+                    f"{name}: gradients where none were asked for, or none where one was"
+                if want_x:
+                    assert_close(x.grad, ref_dx, rtol=1e-5, atol=1e-5 * max(term_dx, _scale(ref_dx)), name=f"dX {name}")
+                if want_w:
+                    assert_close(w.grad, ref_dw, rtol=1e-5, atol=1e-5 * max(term_dw, _scale(ref_dw)), name=f"dW {name}")
+
+
 def _misuse(p: _Rank, tag):
     """A second backward, ranks whose upstreams differ, ranks that disagree on needing gradients."""
     x, w = p.leaves()
@@ -185,6 +212,7 @@ def _cases(rank, world_size, seed):
     _evaluation(p, tag)
     _none_and_auto(p, seed + 1, tag)
     _autocast(_Rank(rank, group, counts, seed + 2), tag)
+    _partial_leaves(_Rank(rank, group, counts, seed + 3), tag)
     _misuse(p, tag)
 
 
