@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 
 import pytest
@@ -106,8 +107,15 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout_s
     ]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout_s)
+    # One deadline for the whole group (joining each rank for timeout_s in turn let a hung world of 4
+    # run 4x over), and a failed rank ends the wait: the others are usually blocked in a collective
+    # with it and would only run into the deadline.
+    deadline = time.monotonic() + timeout_s
+    while any(p.is_alive() for p in procs) and error_queue.empty() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not error_queue.empty():
+        for p in procs:
+            p.join(min(5.0, max(0.0, deadline - time.monotonic())))  # a moment to report a second failure
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
     for p in procs:
         if p.is_alive():
@@ -115,7 +123,8 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout_s
             p.join()
     if not error_queue.empty():
         rank, tb = error_queue.get()
-        raise AssertionError(f"rank {rank} of {world_size} ({backend}) failed:\n{tb}")
+        late = f" (ranks {hung} were still running after {timeout_s}s and were killed)" if hung else ""
+        raise AssertionError(f"rank {rank} of {world_size} ({backend}) failed{late}:\n{tb}")
     if hung:
         raise AssertionError(f"ranks {hung} of {world_size} ({backend}) did not finish within {timeout_s}s (hang?)")
     bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
