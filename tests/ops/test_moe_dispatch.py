@@ -277,6 +277,20 @@ def _subgroup_worker(rank, world):
     n = [11, 14]
     for opts in [EPOptions(), LLEPOptions(**EAGER), PipelinedLLEPOptions(**EAGER, token_budget=4)]:
         check_case(sub_rank, 2, opts, 400 + rank // 2, n, "80/16", False, group=group)
+    # The stats' max over destinations is the group's, not the world's: the two groups carry different
+    # loads, so a max taken over the default group would give the light group the heavy one's figure.
+    tokens = [[23, 19], [3, 2]][rank // 2]
+    for opts in [EPOptions(), LLEPOptions(**EAGER), PipelinedLLEPOptions(**EAGER, token_budget=4)]:
+        weights_full, per_rank = build_case(410 + rank // 2, tokens, "one_expert", 2)
+        x, idx, wts, _ = per_rank[sub_rank]
+        M = E // 2
+        stats = DispatchStats()
+        moe_experts_forward(x, idx, wts, *[w[sub_rank * M:(sub_rank + 1) * M] for w in weights_full], opts,
+                            group=group, stats=stats)
+        received = [None, None]
+        dist.all_gather_object(received, stats.chunk_received, group=group)
+        expected = [max(per_chunk) for per_chunk in zip(*received)]
+        assert stats.chunk_max_received == expected, (opts.name, rank, stats.chunk_max_received, received)
 
 
 def _ep_stats_case(rank, world):
