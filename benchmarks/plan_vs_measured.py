@@ -57,7 +57,7 @@ def planned_gib(overrides: list[str], world: int, host_bytes: int, config: str =
 def train_small(name: str, overrides: list[str], *, config: str = CONFIG, nproc: int, steps: int, timeout_s: float,
                 out: str) -> dict:
     """One `torchrun -m mop_train.train` of `config` + overrides, logging every step to a fresh dump
-    folder and its output to out/NAME.log: {rc, wall_s, records (metrics.jsonl), command}."""
+    folder and its output to out/NAME.log: {rc, wall_s, records (metrics.jsonl), command, log (its path)}."""
     dump = f"/tmp/mop_bench_runs/{name}"
     subprocess.run(["rm", "-rf", dump], check=False)
     cmd = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", "-m", "mop_train.train",
@@ -71,7 +71,8 @@ def train_small(name: str, overrides: list[str], *, config: str = CONFIG, nproc:
             rc = "timeout"
     metrics = os.path.join(dump, "metrics.jsonl")
     records = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
-    return {"rc": rc, "wall_s": time.perf_counter() - start, "records": records, "command": " ".join(cmd)}
+    return {"rc": rc, "wall_s": time.perf_counter() - start, "records": records, "command": " ".join(cmd),
+            "log": log.name}
 
 
 def _out_of_memory_line(log_path: str) -> str | None:
@@ -85,8 +86,8 @@ def _out_of_memory_line(log_path: str) -> str | None:
 
 def measure(name: str, overrides: list[str], *, nproc: int, steps: int, timeout_s: float, out: str) -> dict:
     run = train_small(name, overrides, nproc=nproc, steps=steps, timeout_s=timeout_s, out=out)
-    records = run.pop("records")
-    return {**run, "steps_logged": len(records), "out_of_memory": _out_of_memory_line(os.path.join(out, f"{name}.log")),
+    records, log = run.pop("records"), run.pop("log")
+    return {**run, "steps_logged": len(records), "out_of_memory": _out_of_memory_line(log),
             "measured_gib": max((r["peak_mem_gib"] for r in records), default=None),
             "tokens_per_s": records[-1]["tokens_per_s"] if records else None}
 
