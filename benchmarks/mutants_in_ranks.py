@@ -122,23 +122,31 @@ def cmd_map(a: argparse.Namespace, hook_dir: str) -> int:
         return {"test": test, "rc": rc, "seconds": round(time.perf_counter() - start, 1),
                 "functions": sorted(functions), "tail": out.strip().splitlines()[-1:] if rc != 0 else []}
 
+    rows: list[dict] = []
+
+    def save() -> list[dict]:
+        """Written after every test, so a map cut short by a time limit still holds what it saw."""
+        broken = [r for r in rows if r["rc"] != 0]   # a test that fails unmutated cannot judge a mutant
+        by_function: dict[str, list[str]] = {}
+        for r in rows:
+            if r["rc"] == 0:
+                for fn in r["functions"]:
+                    by_function.setdefault(fn, []).append(r["test"])
+        with open(a.out, "w") as f:
+            json.dump({"marker": a.marker, "tests": {r["test"]: r["seconds"] for r in rows if r["rc"] == 0},
+                       "broken": {r["test"]: [str(r["rc"]), *r["tail"]] for r in broken},
+                       "not_mapped": sorted(set(tests) - {r["test"] for r in rows}),
+                       "by_function": by_function}, f, indent=1)
+        return broken
+
     with cf.ThreadPoolExecutor(a.jobs) as pool:
-        rows = []
         for row in pool.map(one, enumerate(tests)):
             rows.append(row)
             print(f"{str(row['rc']):>7} {row['seconds']:6.1f}s {len(row['functions']):4d} functions  {row['test']}",
                   flush=True)
-    broken = [r for r in rows if r["rc"] not in (0,)]
-    by_function: dict[str, list[str]] = {}
-    for r in rows:
-        if r["rc"] == 0:                       # a test that fails unmutated cannot judge a mutant
-            for fn in r["functions"]:
-                by_function.setdefault(fn, []).append(r["test"])
-    with open(a.out, "w") as f:
-        json.dump({"marker": a.marker, "tests": {r["test"]: r["seconds"] for r in rows if r["rc"] == 0},
-                   "broken": {r["test"]: [str(r["rc"]), *r["tail"]] for r in broken},
-                   "by_function": by_function}, f, indent=1)
-    print(f"{len(rows) - len(broken)} tests mapped {len(by_function)} functions; "
+            save()
+    broken = save()
+    print(f"{len(rows) - len(broken)} tests mapped; "
           f"{len(broken)} failed or were skipped unmutated: {[r['test'] for r in broken]}", flush=True)
     return 1 if broken and a.strict else 0
 
@@ -156,13 +164,26 @@ def cmd_run(a: argparse.Namespace, hook_dir: str) -> int:
         with open(a.out) as f:
             done = {r["mutant"]: r for r in json.load(f)["rows"]}
 
+    def tests_of(m: str) -> list[str]:
+        """The tests that reach m's function, fastest first (-x stops at the first failure), within --cap-s."""
+        reaching = sorted((t for t in mapping["by_function"].get(function_of(m), [])
+                           if not t.startswith(tuple(a.exclude))), key=lambda t: (mapping["tests"][t], t))
+        chosen, seconds = [], 0.0
+        for t in reaching:
+            if chosen and seconds + mapping["tests"][t] > a.cap_s:
+                break
+            chosen.append(t)
+            seconds += mapping["tests"][t]
+        return chosen
+
     def cost(m: str) -> float:
-        return sum(mapping["tests"][t] for t in mapping["by_function"].get(function_of(m), []))
+        return sum(mapping["tests"][t] for t in tests_of(m))
 
     todo = sorted((m for m in wanted if m not in done), key=lambda m: (cost(m), m))
-    unreached = [m for m in todo if not mapping["by_function"].get(function_of(m))]
+    unreached = [m for m in todo if not tests_of(m)]
     for m in unreached:
-        done[m] = {"mutant": m, "verdict": "no test reaches it", "tests": 0, "seconds": 0.0, "killed_by": []}
+        verdict = "only excluded tests reach it" if mapping["by_function"].get(function_of(m)) else "no test reaches it"
+        done[m] = {"mutant": m, "verdict": verdict, "tests": 0, "seconds": 0.0, "killed_by": []}
     todo = [m for m in todo if m not in done]
     print(f"{len(wanted)} survivors/no-test mutants; {len(done)} already judged or unreached; {len(todo)} to run "
           f"against `{mapping['marker']}` tests ({a.jobs} at a time, budget {a.budget_s:.0f} s)", flush=True)
@@ -172,11 +193,12 @@ def cmd_run(a: argparse.Namespace, hook_dir: str) -> int:
     def one(m: str) -> dict | None:
         if time.perf_counter() - start > a.budget_s:
             return None
-        tests = mapping["by_function"][function_of(m)]
+        tests = tests_of(m)
         t0 = time.perf_counter()
         rc, out = _pytest(["-x", *tests], a.mutants, {**env, "MUTANT_UNDER_TEST": m}, a.timeout_s)
         verdict = {0: "survived", 1: "killed"}.get(rc, "timeout" if rc == "timeout" else f"error rc={rc}")
-        return {"mutant": m, "verdict": verdict, "tests": len(tests), "seconds": round(time.perf_counter() - t0, 1),
+        reaching = len(mapping["by_function"][function_of(m)])
+        return {"mutant": m, "verdict": verdict, "tests": len(tests), "tests_reaching": reaching, "seconds": round(time.perf_counter() - t0, 1),
                 "killed_by": _failed_tests(out)[:3], "tail": out.strip().splitlines()[-1:]}
 
     def save() -> None:
@@ -210,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="run each survivor against the tests that reach its function")
     r.add_argument("--map", required=True, help="the JSON written by `map`")
     r.add_argument("--names", help="a file of mutant names to restrict to (one per line)")
+    r.add_argument("--exclude", nargs="*", default=[], help="test id prefixes not to run (e.g. tests/train)")
+    r.add_argument("--cap-s", type=float, default=float("inf"),
+                   help="per mutant, run the fastest reaching tests until their mapped seconds pass this")
     r.add_argument("--budget-s", type=float, default=3600, help="start no mutant after this many seconds")
     for p in (m, r):
         p.add_argument("--mutants", default="mutants", help="mutmut's folder of mutated source")
