@@ -222,6 +222,60 @@ def cmd_run(a: argparse.Namespace, hook_dir: str) -> int:
     return 0
 
 
+KILLED_BY_READER = ("killed-new-test", "killed-existing-test")
+
+
+def cmd_ledger(a: argparse.Namespace) -> int:
+    """One line per mutant the fast tests did not kill: every verdict it got, and the final one."""
+    from mutmut.mutation.diff_apply import get_diff_for_mutant
+
+    status = mutant_status(a.mutants)
+    runs: dict[str, dict[str, dict]] = {}
+    for path in a.runs:
+        with open(path) as f:
+            run = json.load(f)
+        runs[run["marker"]] = {r["mutant"]: r for r in run["rows"]}
+    judged: dict[str, tuple[str, str]] = {}
+    for path in a.judged:
+        with open(path) as f:
+            for line in f.read().splitlines()[1:]:
+                if line.strip():
+                    name, verdict, *reason = line.split("\t")
+                    judged[name.strip()] = (verdict.strip(), " ".join(reason).strip())
+    rows = []
+    for m, code in sorted(status.items()):
+        if not (code == SURVIVED or code in NO_TESTS):
+            continue
+        machine = {marker: by[m] for marker, by in runs.items() if m in by}
+        killed = [f"killed by {r['killed_by'][0] if r['killed_by'] else marker}"
+                  for marker, r in machine.items() if r["verdict"] == "killed"]
+        # a time-out on a loaded machine is not proof of a hang: it stays a time-out unless a reader judged it
+        timed_out = [marker for marker, r in machine.items() if r["verdict"] == "timeout"]
+        verdict, reason = judged.get(m, ("", ""))
+        if killed:
+            final = "killed (rank/gpu tests)"
+        elif verdict in KILLED_BY_READER:
+            final = "killed (read, test named)"
+        elif verdict and verdict != "not-read":
+            final = verdict
+        elif timed_out:
+            final = "timeout"
+        else:
+            final = "unjudged"
+        added = [line[1:].strip() for line in get_diff_for_mutant(m).splitlines()
+                 if line.startswith("+") and not line.startswith("+++")]
+        rows.append([m, "survived" if code == SURVIVED else "no tests",
+                     "; ".join(f"{marker}: {r['verdict']}" for marker, r in machine.items()) or "not run",
+                     killed[0] if killed else reason, verdict, final, (added[0] if added else "")[:100]])
+    with open(a.out, "w") as f:
+        f.write("mutant\tfast tests\trank/gpu tests\tevidence\treader\tfinal\tmutated line\n")
+        f.writelines("\t".join(c.replace("\t", " ") for c in row) + "\n" for row in rows)
+    finals = [r[5] for r in rows]
+    print(f"{len(rows)} mutants not killed by the fast tests: "
+          + ", ".join(f"{v} {finals.count(v)}" for v in sorted(set(finals), key=lambda v: -finals.count(v))))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="step", required=True)
@@ -236,14 +290,20 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--cap-s", type=float, default=float("inf"),
                    help="per mutant, run the fastest reaching tests until their mapped seconds pass this")
     r.add_argument("--budget-s", type=float, default=3600, help="start no mutant after this many seconds")
-    for p in (m, r):
+    g = sub.add_parser("ledger", help="merge the runs and the readers' verdicts into one line per mutant")
+    g.add_argument("--runs", nargs="*", default=[], help="JSON files written by `run`")
+    g.add_argument("--judged", nargs="*", default=[], help="TSV files `mutant<TAB>verdict<TAB>reason` from reading")
+    for p in (m, r, g):
         p.add_argument("--mutants", default="mutants", help="mutmut's folder of mutated source")
+        p.add_argument("--out", required=True)
+    for p in (m, r):
         p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
         p.add_argument("--timeout-s", type=float, default=600, help="per test run")
-        p.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if not os.path.isdir(a.mutants):
         raise SystemExit(f"--mutants {a.mutants!r} is not a folder: run `mutmut run` here first")
+    if a.step == "ledger":
+        return cmd_ledger(a)
     with tempfile.TemporaryDirectory(prefix="mutant_hook_") as hook_dir:
         with open(os.path.join(hook_dir, "sitecustomize.py"), "w") as f:
             f.write(_HOOK)
