@@ -1,11 +1,14 @@
 """SCO against plain non-reentrant checkpointing: bitwise outputs and gradients, greedy selection,
-per-step budgets, the host data path, nested reentrant checkpoints, FSDP2 (2 gloo ranks), and on
-GPU: no default-stream synchronisation, memory back to baseline, a lower peak."""
+per-step budgets, the host data path and its chunked arena, boundaries that must stay on the device,
+dropout under preserve_rng_state, CPU wait accounting, graphs freed early or kept across steps,
+nested reentrant checkpoints, FSDP2 (2 gloo ranks), and on GPU: no default-stream synchronisation,
+memory back to baseline, a lower peak."""
 
 from __future__ import annotations
 
 import copy
 import sys
+import time
 import types
 import weakref
 
@@ -14,9 +17,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mop_train.ops.sco import (SelectiveCheckpointOffload, boundary_bytes, checkpointed,
-                               resolve_host_budget, retained_boundary_bytes, select_offloaded)
-from mop_train.ops.sco.host_buffer import power_of_two_parts
+from mop_train.ops.sco import (CheckpointedLayer, OffloadedCheckpoint, SelectiveCheckpointOffload,
+                               boundary_bytes, checkpointed, resolve_host_budget, retained_boundary_bytes,
+                               select_offloaded)
+from mop_train.ops.sco.host_buffer import HostArena, chunk_plan, power_of_two_parts
 from mop_train.ops.sco.offload import _same_device
 from tests.dist_utils import run_distributed
 from tests.utils import assert_bitwise_equal, fresh_seed
@@ -101,6 +105,7 @@ def test_budget_helpers():
     assert select_offloaded([288, 480, 192, 384, 576], 800) == [0, 1]
     assert select_offloaded([288, 0, 192], 10_000) == [0, 2]
     assert select_offloaded([288, 480], 0) == []
+    assert select_offloaded([1, 3, 1], 2) == [0, 2]  # a 1-byte boundary is still worth moving
     assert retained_boundary_bytes([288, 480, 192, 384, 576], 500) == 480 + 384 + 576
     assert boundary_bytes(4096, 2880, torch.bfloat16) == 4096 * 2880 * 2
     for n in (0, 1, 96, 377_487_360, (1 << 33) + 5):
@@ -131,9 +136,12 @@ def test_available_host_bytes_from_meminfo_psutil_and_cgroup(tmp_path, monkeypat
 
     cgroup = {}
     real_open = open
+    meminfo = tmp_path / "meminfo"
 
     def fake_open(path, *args, **kwargs):
-        if str(path).startswith("/sys/fs/cgroup/"):
+        if str(path) == "/proc/meminfo":  # the default path, served from the stand-in file
+            path = meminfo
+        elif str(path).startswith("/sys/fs/cgroup/"):
             name = str(path).rsplit("/", 1)[1]
             if name not in cgroup:
                 raise FileNotFoundError(path)
@@ -142,11 +150,11 @@ def test_available_host_bytes_from_meminfo_psutil_and_cgroup(tmp_path, monkeypat
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr(budget, "open", fake_open, raising=False)
-    meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       64000000 kB\nMemFree:  1000 kB\nMemAvailable:   12345678 kB\n")
     unlimited = 1 << 62
     assert budget._cgroup_headroom() == unlimited                                   # no cgroup v2 files
     assert budget.available_host_bytes(str(meminfo)) == 12345678 * 1024
+    assert budget.available_host_bytes() == 12345678 * 1024                         # reads /proc/meminfo
     cgroup.update({"memory.max": "max\n", "memory.current": "5000\n"})
     assert budget._cgroup_headroom() == unlimited
     cgroup["memory.max"] = f"{8 << 30}\n"
@@ -442,6 +450,235 @@ def test_zoo_model_blocks_bitwise():
         if sco is not None:
             assert sco.offloaded_layers == [0, 1]
     _assert_all_equal(results[2 * size], results[None], "zoo debug model")
+
+
+def test_chunk_plan_and_host_arena_bytes():
+    """chunk_plan: full chunks of chunk_bytes (any power of two, 1 included), then the remainder's
+    binary expansion; other chunk sizes are refused. Through SCO, boundaries straddle small chunks
+    and come back bitwise; the arena holds uint8 chunks of that plan, so the host bytes it allocates
+    are pinned_bytes, within the budget. Chunks of the CPU cannot be joined by pinned ones."""
+    gen = torch.Generator().manual_seed(fresh_seed(70))
+    for chunk_bytes in (1, 2, 1 << int(torch.randint(3, 12, (), generator=gen))):
+        budget = int(torch.randint(1, 5000, (), generator=gen))
+        plan = chunk_plan(budget, chunk_bytes)
+        full = budget // chunk_bytes
+        assert sum(plan) == budget and plan[:full] == [chunk_bytes] * full, (chunk_bytes, budget, plan)
+        assert plan[full:] == sorted(set(plan[full:]), reverse=True) and all(p < chunk_bytes for p in plan[full:])
+        assert all(p & (p - 1) == 0 for p in plan)
+    for bad in (0, -4, 3, 6, 12, 1000):
+        with pytest.raises(ValueError, match=f"chunk_bytes = {bad} must be a power of two"):
+            chunk_plan(64, bad)
+
+    widths, n = [12, 20, 8, 16], 6
+    sizes = [boundary_bytes(n, w, torch.float32) for w in widths[:-1]]
+    chunk_bytes = 1 << int(torch.randint(4, 7, (), generator=gen))          # 16..64: every boundary straddles
+    budget = sum(sizes) + int(torch.randint(1, 100, (), generator=gen))
+    layers = _widths_stack(widths, seed=71)
+    ref = [checkpointed(copy.deepcopy(m)) for m in layers]
+    sco = SelectiveCheckpointOffload(budget, chunk_bytes=chunk_bytes)
+    ours = [sco.wrap(copy.deepcopy(m)) for m in layers]
+    x, pos, scales = _inputs(n, widths, seed=72)
+    _assert_all_equal(_step(ours, x, pos, scales, 73), _step(ref, x, pos, scales, 73), "small chunks")
+    assert sco.offloaded_layers == [0, 1, 2]
+    chunks = sco._arena.chunks
+    assert [c.numel() for c in chunks] == chunk_plan(budget, chunk_bytes)[:len(chunks)]
+    assert sum(c.untyped_storage().nbytes() for c in chunks) == sco.pinned_bytes
+    assert sum(sizes) <= sco.pinned_bytes <= budget
+
+    arena = HostArena(256, chunk_bytes=64)
+    arena.grow_to(100, pinned=False)
+    with pytest.raises(ValueError, match="^boundaries from a CUDA device and from the CPU cannot share one"):
+        arena.grow_to(200, pinned=True)
+
+
+class DropoutLayer(ToyLayer):
+    """ToyLayer whose output goes through dropout: its recompute draws random numbers."""
+
+    def __init__(self, h_in: int, h_out: int, p: float):
+        super().__init__(h_in, h_out)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x, pos, *, scale):
+        return self.drop(super().forward(x, pos, scale=scale))
+
+
+@pytest.mark.parametrize("preserve", [None, True, False])  # None: each wrapper's default
+def test_dropout_inside_the_checkpoint_follows_preserve_rng_state(preserve):
+    """The RNG is reseeded between forward and backward. preserve_rng_state=True (every wrapper's
+    default) replays the forward's RNG state in the recompute: output and every gradient equal the
+    uncheckpointed layers'. False lets the recompute draw new dropout masks: the gradients differ
+    from the uncheckpointed ones, and SCO's still equal plain checkpointing's."""
+    widths, n = [16, 16, 16, 16], 12
+    torch.manual_seed(fresh_seed(80))
+    layers = [DropoutLayer(a, b, p=0.3) for a, b in zip(widths[:-1], widths[1:])]
+    kw = {} if preserve is None else {"preserve_rng_state": preserve}
+    budget = (len(layers) + 1) * boundary_bytes(n, 16, torch.float32)
+    sco, sco_direct = SelectiveCheckpointOffload(budget), SelectiveCheckpointOffload(budget)
+    stacks = {
+        "plain": [copy.deepcopy(m) for m in layers],
+        "checkpointed": [checkpointed(copy.deepcopy(m), **kw) for m in layers],
+        "CheckpointedLayer": [CheckpointedLayer(copy.deepcopy(m), **kw) for m in layers],
+        "sco.wrap": [sco.wrap(copy.deepcopy(m), **kw) for m in layers],
+        "OffloadedCheckpoint": [OffloadedCheckpoint(copy.deepcopy(m), sco_direct, i, **kw) for i, m in enumerate(layers)],
+    }
+    x, pos, scales = _inputs(n, widths, seed=81)
+    g = torch.randn(n, widths[-1], generator=torch.Generator().manual_seed(fresh_seed(82)))
+    forward_seed, backward_seed = fresh_seed(83), fresh_seed(84)
+    results = {}
+    for name, mods in stacks.items():
+        for t in [x, *scales]:
+            t.grad = None
+        torch.manual_seed(forward_seed)
+        h = _forward(mods, x, pos, scales)
+        torch.manual_seed(backward_seed)  # a recompute that does not replay the forward's draws from here
+        h.backward(g)
+        results[name] = [h.detach(), *_grads(mods, x, scales)]
+    assert sco.offloaded_layers == sco_direct.offloaded_layers == [0, 1, 2]
+    plain = results.pop("plain")
+    for name, got in results.items():
+        assert_bitwise_equal(got[0], plain[0], name=f"{name} output")
+        if preserve is False:
+            _assert_all_equal(got, results["checkpointed"], f"{name} vs checkpointed, new masks")
+            assert not all(torch.equal(a, b) for a, b in zip(got[1:], plain[1:])), f"{name}: masks replayed"
+        else:
+            _assert_all_equal(got, plain, f"{name} vs uncheckpointed, masks replayed")
+
+
+def test_cpu_wait_counts_every_on_demand_fetch():
+    """On CPU wait_s sums the time spent fetching boundaries that were not prefetched. With every host
+    read slowed by `delay`: the first backward fetches only the last call's boundary on demand, the
+    second one over the retained graph fetches all three (nothing is prefetched twice); wait_s is at
+    least one delay per on-demand fetch and at most the time both backwards took."""
+    widths, n, delay = [16, 16, 16, 16], 8, 0.01
+    layers = _widths_stack(widths, seed=85)
+    sco = SelectiveCheckpointOffload(3 * boundary_bytes(n, 16, torch.float32))
+    ours = [sco.wrap(m) for m in layers]
+    x, pos, scales = _inputs(n, widths, seed=86)
+    h = _forward(ours, x, pos, scales)
+    assert sco.offloaded_layers == [0, 1, 2]
+    read_into = sco._arena.read_into
+    sco._arena.read_into = lambda offset, dst: (time.sleep(delay), read_into(offset, dst))[1]
+    g = torch.randn(h.shape, generator=torch.Generator().manual_seed(fresh_seed(87)))
+    started = time.perf_counter()
+    h.backward(g, retain_graph=True)
+    h.backward(g)
+    elapsed = time.perf_counter() - started
+    wait_s = sco.last_step_stats()["wait_s"]
+    assert (1 + 3) * delay <= wait_s <= elapsed, (wait_s, elapsed)
+
+
+def test_graph_dropped_after_a_partial_backward_or_no_backward_frees_its_step():
+    """Two ways a step ends without every boundary being loaded: a backward that stops early
+    (autograd.grad of the last layer's parameters: the boundary it prefetches is never used) and a
+    forward whose output is dropped. Either way, once the graph is gone its host bytes and its step
+    are given back: the next forward offloads the same layers afresh, bitwise as plain checkpointing."""
+    widths, n = [16, 16, 16, 16], 8
+    layers = _widths_stack(widths, seed=88)
+    ref = [checkpointed(copy.deepcopy(m)) for m in layers]
+    sco = SelectiveCheckpointOffload(2 * boundary_bytes(n, 16, torch.float32))
+    ours = [sco.wrap(copy.deepcopy(m)) for m in layers]
+    x, pos, scales = _inputs(n, widths, seed=89)
+    g = torch.randn(n, 16, generator=torch.Generator().manual_seed(fresh_seed(90)))
+    partial = []
+    for mods in (ref, ours):
+        h = _forward(mods, x, pos, scales)
+        partial.append(torch.autograd.grad(h, list(mods[-1].parameters()), g))
+        del h
+    assert sco.offloaded_layers == [0, 1]
+    _assert_all_equal(partial[1], partial[0], "partial backward")
+    for _ in range(2):
+        h = _forward(ours, x, pos, scales)
+        assert sco.offloaded_layers == [0, 1] and sco.host_bytes == 2 * boundary_bytes(n, 16, torch.float32)
+        del h
+    _assert_all_equal(_step(ours, x, pos, scales, 91), _step(ref, x, pos, scales, 91), "after dropped graphs")
+    assert sco.offloaded_layers == [0, 1]
+
+
+def test_old_graph_keeps_its_bytes_and_reads_only_them():
+    """Retained graphs of earlier steps hold arena bytes until they are freed, one boundary at a time.
+    (1) One layer, budget of two boundaries: A is retained, B fills the second slot and is freed; C
+    must not offload (A's bytes are still in use), and A's second backward is bitwise plain's.
+    (2) Two layers: A retained, C's forward offloaded after it; A's second backward reads only A's
+    bytes (nothing of the current step is prefetched for it), then C's backward is bitwise plain's."""
+    n = 8
+    size = boundary_bytes(n, 16, torch.float32)
+    for n_layers, budget in ((1, 2 * size), (2, 4 * size)):
+        widths = [16] * (n_layers + 1)
+        layers = _widths_stack(widths, seed=92 + n_layers)
+        ref = [checkpointed(copy.deepcopy(m)) for m in layers]
+        sco = SelectiveCheckpointOffload(budget)
+        ours = [sco.wrap(copy.deepcopy(m)) for m in layers]
+        inputs = [_inputs(n, widths, seed=94 + i) for i in range(3)]       # steps A, B, C
+        ups = [torch.randn(n, 16, generator=torch.Generator().manual_seed(fresh_seed(97 + i))) for i in range(3)]
+        all_layers = list(range(n_layers))
+        results = []
+        for mods in (ref, ours):
+            got = []
+            xa, pos_a, sa = inputs[0]
+            for m in mods:
+                m.zero_grad(set_to_none=True)
+            ha = _forward(mods, xa, pos_a, sa)
+            ha.backward(ups[0], retain_graph=True)
+            if mods is ours:
+                assert sco.offloaded_layers == all_layers
+            if n_layers == 1:
+                x, pos, sc = inputs[1]
+                _forward(mods, x, pos, sc).backward(ups[1])                 # B: offloaded, then freed
+                if mods is ours:
+                    assert sco.offloaded_layers == all_layers
+            x, pos, sc = inputs[2]
+            for m in mods:
+                m.zero_grad(set_to_none=True)
+            hc = _forward(mods, x, pos, sc)                                  # C: forward only, for now
+            if mods is ours:
+                assert sco.offloaded_layers == ([] if n_layers == 1 else all_layers)
+                events = []
+                read_into = sco._arena.read_into
+                sco._arena.read_into = lambda offset, dst: (events.append(offset), read_into(offset, dst))[1]
+            for t in [xa, *sa]:
+                t.grad = None
+            ha.backward(2 * ups[0])                                          # A again, from its host bytes
+            got.append(_grads(mods, xa, sa))
+            if mods is ours:
+                assert sorted(events) == [i * size for i in all_layers], events
+            for m in mods:
+                m.zero_grad(set_to_none=True)
+            for t in [x, *sc]:
+                t.grad = None
+            hc.backward(ups[2])
+            got.append(_grads(mods, x, sc))
+            results.append(got)
+        for i, (a, b) in enumerate(zip(results[1], results[0])):
+            _assert_all_equal(a, b, f"{n_layers} layers, backward {i} (A again, C)")
+
+
+@pytest.mark.parametrize("kind", ["shared", "transposed", "row_slice", "empty"])
+def test_boundaries_that_stay_on_the_device(kind):
+    """Boundaries SCO must not move: one also passed as another argument (moving it frees nothing),
+    a transposed view or a view at a storage offset (the copy brought back would not have its
+    layout), and empty ones (nothing to move). The layers after the first still offload theirs;
+    output and gradients are bitwise plain checkpointing's."""
+    widths, n = [16, 16, 16, 16], (0 if kind == "empty" else 6)
+    layers = _widths_stack(widths, seed=100)
+    ref = [checkpointed(copy.deepcopy(m)) for m in layers]
+    sco = SelectiveCheckpointOffload(len(layers) * boundary_bytes(6, 16, torch.float32))
+    ours = [sco.wrap(copy.deepcopy(m)) for m in layers]
+    gen = torch.Generator().manual_seed(fresh_seed(101))
+    base_shape = {"transposed": (16, n), "row_slice": (n + 1, 16)}.get(kind, (n, 16))
+    base = torch.randn(base_shape, generator=gen).requires_grad_()
+    _, pos, scales = _inputs(n, widths, seed=102)
+    g = torch.randn(n, 16, generator=gen)
+    results = []
+    for mods in (ref, ours):
+        for t in [base, *scales]:
+            t.grad = None
+        x = {"transposed": lambda: base.t(), "row_slice": lambda: base[1:]}.get(kind, lambda: base * 1)()
+        h = mods[0](x, x if kind == "shared" else pos, scale=scales[0])
+        h = _forward(mods[1:], h, pos, scales[1:])
+        h.backward(g)
+        results.append([h.detach(), base.grad, *_grads(mods, base, scales)[1:]])
+    _assert_all_equal(results[1], results[0], kind)
+    assert sco.offloaded_layers == ([] if kind == "empty" else [1, 2])
 
 
 def _fsdp_case(rank, world_size):
