@@ -8,14 +8,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
 
 from mop_train.ops.offload_adamw import (
-    OffloadStreamAdamW, adamw_reference_step, device_bytes_per_element, fit_device_fraction, host_update, plan_buckets,
-    reference_adamw, staging_bytes_bound)
+    OffloadStreamAdamW, adamw_reference_step, device_bytes_per_element, fit_device_fraction, host_state_bytes,
+    host_update, plan_buckets, reference_adamw, staging_bytes_bound)
 from tests.dist_utils import run_distributed
 from tests.utils import assert_bitwise_equal, assert_close, fresh_seed
 
@@ -113,6 +113,24 @@ def test_reference_math_matches_torch():
         adamw_reference_step(mine, grads, m, v, [step + 1] * len(mine), **HP)
     for i, (a, b) in enumerate(zip(mine, ref_p)):
         assert_close(a, b, rtol=RTOL, atol=ATOL, name=f"param {i}")
+
+
+def test_defaults_and_hyperparameters_are_torch_adamw_s():
+    """With no hyperparameters given, OffloadStreamAdamW and reference_adamw are torch.optim.AdamW with its
+    defaults; with hyperparameters given, they pass every one on."""
+    seed = fresh_seed(17)
+    for kwargs in (dict(), dict(lr=3e-2, betas=(0.8, 0.9), eps=1e-3, weight_decay=0.2)):
+        ours_p, ref_p, torch_p = _params(seed), _params(seed), _params(seed)
+        opts = [OffloadStreamAdamW(ours_p, **kwargs, bucket_params=7), reference_adamw(ref_p, **kwargs),
+                torch.optim.AdamW(torch_p, **kwargs, foreach=False)]
+        for step in range(3):
+            for opt, params in zip(opts, (ours_p, ref_p, torch_p)):
+                for p, g in zip(params, _grads(step, SHAPES, torch.float32, seed)):
+                    p.grad = g
+                opt.step()
+        for i, (a, b, c) in enumerate(zip(ours_p, ref_p, torch_p)):
+            assert_bitwise_equal(b.detach(), c.detach(), name=f"reference_adamw {kwargs} param {i}")
+            assert_close(a, c, rtol=RTOL, atol=ATOL, name=f"OffloadStreamAdamW {kwargs} param {i}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -365,6 +383,7 @@ def _fsdp2_worker(rank, world_size, path):
     _assert_state_close(ours_sd, ref_opt.optimizers[0].state_dict())
     for entry, p in zip(ours_sd["state"].values(), full.parameters()):
         assert entry["exp_avg"].placements == p.placements and entry["master"].shape == p.shape
+        assert not entry["exp_avg"].requires_grad  # the state stays outside autograd
 
     first, first_opt = build(0, OffloadStreamAdamW, ours_kwargs)
     _train(first, first_opt, 3, rank=rank)
@@ -398,6 +417,17 @@ def _fsdp2_worker(rank, world_size, path):
     for a, b in zip(full_sd["state"].values(), fresh_opt.optimizers[0].state_dict()["state"].values()):
         for key in ("exp_avg", "exp_avg_sq", "master"):
             assert_bitwise_equal(a[key].to_local(), b[key].to_local(), name=f"rank {rank} plain full {key}")
+    # ... as do this rank's plain local shards, and DTensors of another placement (redistributed on load)
+    for form, convert in (("plain local", lambda v: v.to_local()),
+                          ("replicated", lambda v: v.redistribute(v.device_mesh, [Replicate()]))):
+        saved = {"param_groups": full_sd["param_groups"],
+                 "state": {i: {k: convert(v) if isinstance(v, DTensor) else v for k, v in e.items()}
+                           for i, e in full_sd["state"].items()}}
+        other, other_opt = build(4, OffloadStreamAdamW, ours_kwargs)
+        other_opt.optimizers[0].load_state_dict(saved)
+        for a, b in zip(full_sd["state"].values(), other_opt.optimizers[0].state_dict()["state"].values()):
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                assert_bitwise_equal(a[key].to_local(), b[key].to_local(), name=f"rank {rank} {form} {key}")
     plain["state"][0]["exp_avg"] = plain["state"][0]["exp_avg"][:1]
     with pytest.raises(ValueError, match="does not fit parameter 0"):
         fresh_opt.optimizers[0].load_state_dict(plain)
@@ -421,6 +451,21 @@ def test_staging_bound_and_bytes_moved():
         assert opt.last_step.h2d_bytes == opt.last_step.d2h_bytes == 12 * numel
         assert opt.last_step.buckets == -(-numel // bucket_params)
         assert opt.step_seconds() >= 0.0
+    fresh = OffloadStreamAdamW(params, bucket_params=7)
+    assert fresh.step_seconds() == 0.0 and fresh.last_step.h2d_bytes == fresh.last_step.buckets == 0  # no step yet
+    # nothing streamed: no slots, only the gradient buffer of the largest device-resident bucket (if any)
+    assert OffloadStreamAdamW(params, bucket_params=7, device_fraction=1.0).staging_bytes == 4 * 7
+    assert OffloadStreamAdamW(params, bucket_params=7, host_fraction=1.0).staging_bytes == 0
+    for kwargs in (dict(), dict(device_fraction=0.4, host_fraction=0.3)):  # reported bytes = allocated bytes
+        opt = OffloadStreamAdamW(params, bucket_params=7, slots=2, **kwargs)
+        staged = [*opt._slot_buffers, opt._grad_buffer]
+        assert sum(t.untyped_storage().nbytes() for t in staged) == opt.staging_bytes
+        assert opt._host.nbytes == host_state_bytes(numel - opt._dev_end) and opt.device_state_bytes == 8 * opt._dev_end
+    gen = torch.Generator().manual_seed(fresh_seed(13))
+    for _ in range(5):  # the planner's pinned gradient bytes of a CPU share are the ones allocated
+        fraction = float(torch.rand(1, generator=gen))
+        opt = OffloadStreamAdamW(params, bucket_params=7, host_fraction=fraction)
+        assert host_update.host_share_bytes(numel, fraction) == opt.host_buffer_bytes > 0, fraction
 
 
 def test_device_fraction_fits_the_staging_bound_exactly():
@@ -501,6 +546,8 @@ def test_bad_arguments_raise_value_error():
         (dict(bucket_params=2.5), r"bucket_params \(2.5\)"),
         (dict(bucket_params=True), r"bucket_params \(True\)"),
         (dict(slots=0), r"slots \(0\)"),
+        (dict(slots=True), r"slots \(True\)"),
+        (dict(slots=2.5), r"slots \(2.5\)"),
         (dict(lr=-1.0), r"lr \(-1.0\)"),
         (dict(betas=(1.0, 0.9)), r"betas \(\(1.0, 0.9\)\)"),
         (dict(eps=-1e-8), r"eps \(-1e-08\)"),
@@ -526,6 +573,32 @@ def test_bad_arguments_raise_value_error():
         opt.resize_staging(10, -2)
     with pytest.raises(ValueError, match=r"sizes \[1\]"):
         opt.load_state_dict({"state": {}, "param_groups": [{"params": [0], **HP}]})
+    opt.resize_staging(4, 2)  # host_fraction left as it is
+    with pytest.raises(ValueError, match=r"host_fraction \(1.5\)"):
+        opt.resize_staging(4, 2, host_fraction=1.5)
+    saved = opt.state_dict()
+    saved["state"][1]["exp_avg"] = saved["state"][1]["exp_avg"][:-1]
+    with pytest.raises(ValueError, match="does not fit parameter 1"):
+        opt.load_state_dict(saved)
+    with pytest.raises(ValueError, match="bucket_params"):
+        plan_buckets([3, 4], 0)
+    with pytest.raises(ValueError, match=r"range \[5, 2\)"):
+        plan_buckets([3, 4], 2, start=5, end=2)
+    with pytest.raises(ValueError, match="meta"):
+        OffloadStreamAdamW([nn.Parameter(torch.empty(2, device="meta"))])
+    for flag in ("maximize", "capturable", "differentiable"):
+        with pytest.raises(ValueError, match=flag):
+            OffloadStreamAdamW([{"params": params, flag: True}])
+    OffloadStreamAdamW(params, lr=0.0, betas=(0.0, 0.0), eps=0.0)  # the edges of the valid ranges
+    weight = nn.Parameter(torch.randn(6))
+    opt = OffloadStreamAdamW([weight])
+    weight.grad = torch.randn(6).to_sparse()
+    with pytest.raises(ValueError, match="sparse gradients"):
+        opt.step()
+    weight.grad = torch.randn(6)
+    weight.data = torch.randn(2, 3)  # the gradient no longer has the parameter's shape
+    with pytest.raises(ValueError, match=r"gradient shape \(6,\) != local parameter shape \(2, 3\)"):
+        opt.step()
 
 
 @pytest.mark.gpu

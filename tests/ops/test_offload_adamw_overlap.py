@@ -132,10 +132,39 @@ def test_each_unit_waits_for_its_own_pieces_once(monkeypatch):
 
 
 def test_overlap_without_hooks_waits_in_step():
-    model = _Net(4)
-    opt = OffloadStreamAdamW(model.parameters(), **HP, overlap=True, bucket_params=5)
-    _train(model, opt, 2, 4)
-    assert not opt.forward_waits.pending()
+    """overlap without hooks, or hooks without overlap (the default): step() itself waits for the last
+    piece of each lane."""
+    for overlap, hooks in ((True, False), (None, True)):
+        model = _Net(4)
+        kwargs = {} if overlap is None else dict(overlap=overlap)
+        opt = OffloadStreamAdamW(forward_order(model, model.units()), **HP, bucket_params=5, host_fraction=0.3,
+                                 **kwargs)
+        if hooks:
+            opt.wait_in_forward(forward_units(model, model.units()))
+        _train(model, opt, 2, 4)
+        waits = opt.forward_waits
+        assert not waits.pending() and not waits.hooked
+        assert waits.log == [(lane, len(pieces) - 1) for lane, pieces in enumerate(waits._lanes) if pieces]
+
+
+@pytest.mark.parametrize("device_fraction,host_fraction", [(1.0, 0.0), (0.0, 1.0)])
+def test_a_piece_wider_than_every_unit_is_waited_for(device_fraction, host_fraction):
+    """One piece holds every parameter (all on the device, or all updated on the CPU): the first unit
+    waits for it; before any step there is nothing to wait for; without hooks step() waits again."""
+    model = _Net(5)
+    opt = _build(model, True, bucket_params=10_000, device_fraction=device_fraction, host_fraction=host_fraction)
+    waits = opt.forward_waits
+    x = torch.randn(3, 6)
+    model(x).square().sum().backward()
+    assert waits.log == []
+    opt.step()
+    lane = 0 if device_fraction else 1
+    assert [len(pieces) for pieces in waits._lanes][lane] == 1 and waits.pending()
+    model(x)
+    assert waits.log == [(lane, 0)] and not waits.pending()
+    waits.remove_hooks()
+    opt.step()
+    assert not waits.hooked and not waits.pending() and waits.log == [(lane, 0)]
 
 
 @pytest.mark.gpu
@@ -245,6 +274,9 @@ def test_exposed_seconds_on_cpu():
     waits = ForwardWaits(Streams(torch.device("cpu")))
     assert waits.exposed_seconds() == 0.0
     lanes = ([Ready(0, 4), Ready(4, 9)], [])
+    waits.arm(lanes, count_wall=True)  # a step that has not reported its host time counts none
+    waits.wait_all()
+    assert waits.exposed_seconds() == 0.0
     for count_wall, expected in ((True, 0.25), (False, 0.0)):
         waits.arm(lanes, count_wall=count_wall)
         waits.set_wall(0.25)

@@ -16,7 +16,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict)
 
 from mop_train.ops.offload_adamw import (
-    AUTO_MARGIN_BYTES, OffloadStreamAdamW, fit_device_fraction, host_update, reference_adamw, staging_bytes_bound)
+    AUTO_MARGIN_BYTES, OffloadStreamAdamW, fit_device_fraction, forward_order, forward_units, host_update, reference_adamw,
+    staging_bytes_bound)
 from mop_train.train.optim import resolve_device_fraction
 from mop_train.units import parse_device_fraction
 from tests.dist_utils import run_distributed
@@ -113,6 +114,36 @@ def test_device_share_resumes_through_dcp(tmp_path):
     dcp_resume_matches_straight_run(tmp_path, kwargs, dict(kwargs, device_fraction=0.8))
 
 
+def test_state_dict_holds_live_views_except_the_straddler():
+    """state_dict() entries are views of the state (later steps show in them) for parameters wholly on
+    the device or wholly on the host, a copy for the one straddling N_d; editing the returned dict does
+    not edit the optimizer's own `state`."""
+    params = _params(23)
+    opt = OffloadStreamAdamW(params, **HP, bucket_params=5, device_fraction=0.4)
+    boundary = opt._dev_end
+    assert _straddles(boundary) and 0 < boundary < sum(NUMELS)
+    gen = torch.Generator().manual_seed(fresh_seed(29))
+
+    def step():
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    step()
+    saved = opt.state_dict()
+    before = {i: {k: v.clone() for k, v in entry.items()} for i, entry in saved["state"].items()}
+    step()
+    now = opt.state_dict()["state"]
+    start = 0
+    for i, n in enumerate(NUMELS):
+        expected = before[i] if start < boundary < start + n else now[i]  # the straddler: a copy
+        for key in ("exp_avg", "exp_avg_sq", "master"):
+            assert_bitwise_equal(saved["state"][i][key], expected[key], name=f"param {i} {key}")
+        start += n
+    latest = opt.state_dict()
+    latest["state"][0].pop("exp_avg")
+    assert "exp_avg" in opt.state[params[0]]
+
+
 def _fsdp2_share_worker(rank, world_size, path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -154,6 +185,27 @@ def _fsdp2_share_worker(rank, world_size, path):
     full.a.set_modules_to_forward_prefetch([full.c])  # (b's 1-row weight leaves rank 1 nothing of b)
     assert waits._prefetched_ranges(full.a) == waits._ranges_of[full.c] and waits._ranges_of[full.c]
     assert waits._prefetched_ranges(full.c) == [] and full not in waits._ranges_of  # the root owns none
+    full.c.set_modules_to_forward_prefetch([full.b])  # rank 1 holds nothing of b: no ranges, nothing to wait for
+    assert waits._prefetched_ranges(full.c) == waits._ranges_of.get(full.b, [])
+    pre, pre_opt = build(3, 0.4)  # ... and makes those waits in its own pre-forward
+    _train(pre, pre_opt, 1, rank=rank)
+    pre_waits, done_at_a = pre_opt.optimizers[0].forward_waits, []
+    pre.a.set_modules_to_forward_prefetch([pre.c])
+    pre.a.register_forward_pre_hook(lambda mod, args: done_at_a.append(list(pre_waits._done)))  # after ours
+    pre(torch.randn(4, 5))
+    for lo, hi in pre_waits._ranges_of.get(pre.c, []):
+        for lane, pieces in enumerate(pre_waits._lanes):
+            hit = [j for j, r in enumerate(pieces) if r.lo < hi and r.hi > lo]
+            assert not hit or max(hit) <= done_at_a[0][lane], (rank, lane, hit, done_at_a)
+    root = nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 2))  # a root unit with parameters of its own:
+    fully_shard(root[0], mesh=mesh)                                      # its wait runs before FSDP2's lazy init
+    fully_shard(root, mesh=mesh)
+    root_opt = OffloadStreamAdamW(forward_order(root), **HP, bucket_params=3, overlap=True)
+    root_opt.wait_in_forward(forward_units(root))
+    root(torch.randn(4, 5)).square().sum().backward()
+    root_opt.step()
+    root(torch.randn(4, 5))
+    assert root_opt.forward_waits.log and not root_opt.forward_waits.pending()
 
     first, first_opt = build(0, 0.4)
     _train(first, first_opt, 3, rank=rank)
