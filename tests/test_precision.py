@@ -17,6 +17,10 @@ def test_policy_from_training_section():
     with pytest.raises(ValueError, match="mixed_precision_param = 'float16'"):
         MixedPrecision.from_training(SimpleNamespace(mixed_precision_param="float16",
                                                      mixed_precision_reduce="float32"))
+    # The error names the setting that is wrong, so the user knows which one to change.
+    with pytest.raises(ValueError, match=r"training.mixed_precision_reduce = 'float16' is not supported"):
+        MixedPrecision.from_training(SimpleNamespace(mixed_precision_param="bfloat16",
+                                                     mixed_precision_reduce="float16"))
 
 
 def _reduce_in_bf16(rank, world_size, seed):
