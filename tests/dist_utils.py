@@ -121,6 +121,7 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout_s
     deadline = time.monotonic() + timeout_s
     while any(p.is_alive() for p in procs) and error_queue.empty() and time.monotonic() < deadline:
         time.sleep(0.05)
+    failed_at = time.monotonic()
     if not error_queue.empty():
         for p in procs:
             p.join(min(5.0, max(0.0, deadline - time.monotonic())))  # a moment to report a second failure
@@ -131,7 +132,8 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout_s
             p.join()
     if not error_queue.empty():
         rank, tb = error_queue.get()
-        late = f" (ranks {hung} were still running after {timeout_s}s and were killed)" if hung else ""
+        waited = time.monotonic() - failed_at
+        late = f" (ranks {hung} were still running {waited:.0f} s after the failure and were killed)" if hung else ""
         raise AssertionError(f"rank {rank} of {world_size} ({backend}) failed{late}:\n{tb}")
     if hung:
         raise AssertionError(f"ranks {hung} of {world_size} ({backend}) did not finish within {timeout_s}s (hang?)")
