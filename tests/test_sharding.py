@@ -1,16 +1,18 @@
 """Group-sharded DTensor weights: row placement, replica gradient sums, and the global grad norm, on
-gloo (CPU meshes, 2 and 4 ranks) and NCCL (CUDA meshes, 2 GPUs, marked gpu); fp32 throughout."""
+gloo (CPU meshes, 2 and 4 ranks) and NCCL (CUDA meshes, 2 GPUs, marked gpu); fp32 throughout. The norm
+and clipping rules themselves are also checked in-process on plain tensors against torch.nn.utils."""
+
+import math
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from mop_train.layout import RankLayout, plan_layout
 from mop_train.parallel.sharding import (chunk_rows, clip_grad_norm_, local, reduce_replica_grads,
-                                         shard_rows)
+                                         shard_rows, total_grad_norm)
 from tests.dist_utils import backend_params, run_distributed, worker_device
-from tests.utils import assert_close, fresh_seed
+from tests.utils import assert_bitwise_equal, assert_close, fresh_seed
 
 
 def test_chunk_rows_matches_torch_chunk_and_spec():
@@ -25,39 +27,139 @@ def test_chunk_rows_matches_torch_chunk_and_spec():
                 assert list(range(start, end)) == expected
 
 
+def _plain_params_with_grads(g, grad_scale=1.0):
+    """Plain tensors (replicated, no mesh) of odd shapes with random grads, and one without a grad."""
+    params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in ((5, 3), (7,), (2, 3, 2))]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * grad_scale
+    return params + [torch.nn.Parameter(torch.randn(4, generator=g))]
+
+
+def _grads(params):
+    return [p.grad for p in params if p.grad is not None]
+
+
+def _copies(params):
+    out = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for c, p in zip(out, params):
+        c.grad = None if p.grad is None else p.grad.clone()
+    return out
+
+
+def test_clip_grad_norm_of_plain_tensors_matches_torch():
+    g = torch.Generator().manual_seed(fresh_seed(11))
+    for norm_type in (2.0, 1.0, 3.0, math.inf):
+        for clip_ratio in (0.3, 4.0):  # max_norm below the norm (clips) and above it (leaves grads alone)
+            ours = _plain_params_with_grads(g)
+            theirs = _copies(ours)
+            max_norm = clip_ratio * torch.nn.utils.get_total_norm(_grads(theirs), norm_type).item()
+            ref = torch.nn.utils.clip_grad_norm_(theirs, max_norm, norm_type)
+            norm = clip_grad_norm_(ours, max_norm, norm_type)
+            assert_close(norm, ref, name=f"norm p={norm_type}")
+            for a, b in zip(ours, theirs):
+                assert (a.grad is None) == (b.grad is None)
+                if a.grad is not None:
+                    assert_close(a.grad, b.grad, name=f"clipped grad p={norm_type} ratio={clip_ratio}")
+    # total_grad_norm defaults to the 2-norm, as torch's does (the training loop relies on the default).
+    params = _plain_params_with_grads(g)
+    assert_close(total_grad_norm(params), torch.nn.utils.get_total_norm(_grads(params)), name="default norm")
+
+
+def test_clip_grad_norm_edge_cases():
+    g = torch.Generator().manual_seed(fresh_seed(12))
+    # max_norm <= 0 disables clipping: the norm is still returned, every grad is left as it was.
+    params = _plain_params_with_grads(g)
+    before = _copies(params)
+    norm = clip_grad_norm_(params, 0.0)
+    assert_close(norm, torch.nn.utils.get_total_norm(_grads(before)), name="norm")
+    for a, b in zip(params, before):
+        if a.grad is not None:
+            assert_bitwise_equal(a.grad, b.grad, name="unclipped grad at max_norm=0")
+    # A norm far below max_norm (even below the 1e-6 guard) never scales a gradient up or flips its sign.
+    params = _plain_params_with_grads(g, grad_scale=1e-8)
+    before = _copies(params)
+    clip_grad_norm_(params, 1.0)
+    for a, b in zip(params, before):
+        if a.grad is not None:
+            assert_close(a.grad, b.grad, rtol=1e-6, atol=0, name="tiny grad")
+    # No gradient at all: the norm of nothing is zero and nothing is touched.
+    no_grads = [torch.nn.Parameter(torch.randn(3, generator=g))]
+    assert total_grad_norm(no_grads).item() == 0.0
+    assert clip_grad_norm_(no_grads, 1.0).item() == 0.0
+    assert no_grads[0].grad is None
+
+
+def _sharded_grad(per_rank, rank, param, mesh, rows):
+    return DTensor.from_local(per_rank[rank][slice(*rows)].clone(), mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
 def _sharded_weights(rank, world_size, seed):
     device = worker_device()  # the layout's meshes take the backend's device type (cuda under NCCL)
     for degree in (d for d in (1, 2, world_size) if world_size % d == 0):
         layout = RankLayout.build(plan_layout(world_size, 1, degree, degree))
+        mesh = layout.vocab_mesh
         g = torch.Generator().manual_seed(fresh_seed(seed))
-        V, H = 9, 6  # 9 rows over 2 or 4 ranks: uneven, and at 4 one chunk is short
+        # 9 rows over 2 or 4 ranks: uneven, and at 4 one chunk is short; 5 rows over 4: one chunk is empty.
+        V, V2, H = 9, 5, 6
         full_w = torch.randn(V, H, generator=g).to(device)
+        full_w2 = torch.randn(V2, H, generator=g).to(device)
         dense = torch.randn(7, H, generator=g).to(device)
-        p = shard_rows(full_w, layout.vocab_mesh)
-        start, end = chunk_rows(V, degree, layout.vocab_rank)
-        assert_close(local(p), full_w[start:end], rtol=0, atol=0, name="local rows")
+        p = shard_rows(full_w, mesh)
+        p2 = shard_rows(full_w2.clone().requires_grad_(), mesh)
+        assert not p.requires_grad and p2.requires_grad, "shard_rows must keep requires_grad"
+        rows, rows2 = chunk_rows(V, degree, layout.vocab_rank), chunk_rows(V2, degree, layout.vocab_rank)
+        assert_close(local(p), full_w[slice(*rows)], rtol=0, atol=0, name="local rows")
         assert_close(p.full_tensor(), full_w, rtol=0, atol=0, name="full tensor")
+        assert_close(p2.full_tensor(), full_w2, rtol=0, atol=0, name="full tensor, 5 rows")
+        # Deferred init: a meta tensor shards without data (nothing to check or exchange).
+        meta = shard_rows(torch.empty(V, H, device="meta"), mesh)
+        assert local(meta).is_meta and local(meta).shape == (rows[1] - rows[0], H)
+        # Each rank keeps the rows of its own tensor: shard_rows exchanges nothing (no run_check broadcast).
+        own = full_w + rank
+        assert_close(local(shard_rows(own, mesh)), own[slice(*rows)], rtol=0, atol=0, name="own rows")
+        with pytest.raises(ValueError, match="^shard_rows expects a plain tensor"):
+            shard_rows(p, mesh)
         d = torch.nn.Parameter(distribute_tensor(dense, layout.mesh, [Shard(0)]))
+        bias = torch.nn.Parameter(torch.randn(H, generator=g).to(device))  # plain: replicated on every rank
         # Each rank contributes its own gradient; the reference sums them over the world.
         per_rank_w = [torch.randn(V, H, generator=g).to(device) for _ in range(world_size)]
+        per_rank_w2 = [torch.randn(V2, H, generator=g).to(device) for _ in range(world_size)]
         per_rank_d = torch.randn(7, H, generator=g).to(device)
-        p.grad = torch.distributed.tensor.DTensor.from_local(
-            per_rank_w[rank][start:end].clone(), layout.vocab_mesh, p.placements, run_check=False,
-            shape=p.shape, stride=p.stride())
+        p.grad = _sharded_grad(per_rank_w, rank, p, mesh, rows)
+        p2.grad = _sharded_grad(per_rank_w2, rank, p2, mesh, rows2)
         d.grad = distribute_tensor(per_rank_d, layout.mesh, [Shard(0)])
-        reduce_replica_grads([p], layout.vocab_replica_group)
+        bias.grad = torch.randn(H, generator=g).to(device)
+        mine = [local(p.grad).clone(), local(p2.grad).clone()]
+        reduce_replica_grads([p, p2, bias], None)  # no group: nothing to sum
+        assert_bitwise_equal(local(p.grad), mine[0], name="grad after reducing over no group")
         replicas = [r for grp in layout.plan.vocab_replica_groups if rank in grp for r in grp]
-        summed = sum(per_rank_w[r] for r in replicas)
-        assert_close(local(p.grad), summed[start:end], name="replica-summed grad")
+        if len(replicas) == 1:  # a group of one: nothing to sum, so no rounding to reduce_dtype either
+            reduce_replica_grads([p, p2, bias], layout.vocab_replica_group, reduce_dtype=torch.bfloat16)
+            assert_bitwise_equal(local(p.grad), mine[0], name="grad after a group of one")
+        # The sum travels in reduce_dtype: in float64 the sum of <= 4 fp32 values is exact, so each
+        # summed grad is that exact sum rounded once to fp32 (an fp32 ring sum rounds at every hop).
+        # The plain bias has the same grad on every rank, so its sum stays replicated.
+        bias_grad = bias.grad.clone()
+        reduce_replica_grads([p, p2, bias], layout.vocab_replica_group, reduce_dtype=torch.float64)
+        summed = sum(per_rank_w[r].double() for r in replicas).float()
+        summed2 = sum(per_rank_w2[r].double() for r in replicas).float()
+        bias_grad = (bias_grad.double() * len(replicas)).float()
+        assert_bitwise_equal(bias.grad, bias_grad, name="replica-summed plain grad")
+        assert_bitwise_equal(local(p.grad), summed[slice(*rows)], name="replica-summed grad")
+        assert_bitwise_equal(local(p2.grad), summed2[slice(*rows2)], name="replica-summed grad, 5 rows")
         # Reference norm: every replica group position holds its own summed rows.
-        full_grad = torch.cat([sum(per_rank_w[r] for r in grp)[slice(*chunk_rows(V, degree, j))]
-                               for j, grp in enumerate(layout.plan.vocab_replica_groups)])
-        ref_norm = torch.sqrt(full_grad.pow(2).sum() + per_rank_d.pow(2).sum())
-        norm = clip_grad_norm_([p, d], max_norm=0.5)
+        full_grads = [torch.cat([sum(per_rank[r] for r in grp)[slice(*chunk_rows(len(per_rank[0]), degree, j))]
+                                 for j, grp in enumerate(layout.plan.vocab_replica_groups)])
+                      for per_rank in (per_rank_w, per_rank_w2)]
+        ref_norm = torch.sqrt(sum(t.pow(2).sum() for t in full_grads + [per_rank_d, bias_grad]))
+        norm = clip_grad_norm_([p, p2, d, bias], max_norm=0.5)
         assert_close(norm, ref_norm, name="global norm")
         scale = min(1.0, 0.5 / (ref_norm.item() + 1e-6))
-        assert_close(local(p.grad), summed[start:end] * scale, name="clipped sharded grad")
+        assert_close(local(p.grad), summed[slice(*rows)] * scale, name="clipped sharded grad")
+        assert_close(local(p2.grad), summed2[slice(*rows2)] * scale, name="clipped sharded grad, 5 rows")
         assert_close(d.grad.full_tensor(), per_rank_d * scale, name="clipped dense grad")
+        assert_close(bias.grad, bias_grad * scale, name="clipped plain grad")
 
 
 @pytest.mark.slow

@@ -18,20 +18,49 @@ from tests.utils import assert_close, assert_no_worse_than_torch, fresh_seed
 
 
 class CausalGQA(torch.nn.Module):
-    def forward(self, q, k, v):
+    """Causal GQA attention, [B, S, h, d] layout; with doc_ids [B, S] also masked to each document."""
+
+    def forward(self, q, k, v, doc_ids=None):
         rep = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        mask = None
+        if doc_ids is not None:
+            S = q.shape[1]
+            causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+            mask = (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]   # [B, 1, S, S]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True)
+                                             attn_mask=mask, is_causal=doc_ids is None)
         return out.transpose(1, 2)
 
 
-def _full(q, k, v, gout):
+def _doc_ids(B, S, g):
+    """Sorted document ids [B, S]: a new document starts at about a third of the positions."""
+    return torch.cumsum((torch.rand(B, S, generator=g) < 0.3).long(), dim=1)
+
+
+def _full(q, k, v, gout, doc_ids=None):
     """Full-sequence attention on one rank: output and grads of q, k, v."""
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = CausalGQA()(*full)
+    out = CausalGQA()(*full, doc_ids)
     out.backward(gout)
     return [out.detach()] + [t.grad for t in full]
+
+
+def _check_group(group, group_rank, D, B, S_per_rank, h, h_kv, d, dv, seed, device, atol, doc=False):
+    """fp32: Ulysses over `group` (D ranks, this one at `group_rank`) equals full attention."""
+    S = S_per_rank * D
+    g = torch.Generator().manual_seed(fresh_seed(seed))
+    q, k, v = (torch.randn(B, S, n, e, generator=g) for n, e in ((h, d), (h_kv, d), (h_kv, dv)))
+    gout = torch.randn(B, S, h, dv, generator=g)
+    doc_ids = _doc_ids(B, S, g).to(device) if doc else None
+    q, k, v, gout = (t.to(device) for t in (q, k, v, gout))
+    sl = slice(group_rank * S_per_rank, (group_rank + 1) * S_per_rank)
+    truth = _full(q, k, v, gout, doc_ids)
+    mine = [t[:, sl].clone().requires_grad_() for t in (q, k, v)]
+    out = UlyssesAttention(CausalGQA(), group)(*mine, doc_ids)
+    out.backward(gout[:, sl])
+    for name, a, b in zip(("out", "grad q", "grad k", "grad v"), [out] + [t.grad for t in mine], truth):
+        assert_close(a, b[:, sl], atol=atol, name=f"{name} D={D} doc={doc}")
 
 
 def _ulysses_matches_full(rank, world_size, seed):
@@ -64,12 +93,38 @@ def _ulysses_matches_full(rank, world_size, seed):
             theirs = _full(*inputs)
             for name, a, b, t in zip(("out", "grad q", "grad k", "grad v"), ours, theirs, truth_bf):
                 assert_no_worse_than_torch(a, b[:, sl], t[:, sl], name=f"{name} bf16 D={world_size}")
+    # A document mask covers the full sequence and reaches the core unchanged.
+    _check_group(dist.group.WORLD, rank, world_size, 2, 3, 2 * world_size, world_size, 4, 4, seed + 1, device,
+                 atol, doc=True)
+    if world_size == 4:
+        # Two sequence groups of 2 that are not the world, with interleaved ranks: every exchange must
+        # stay inside the given group, and a rank's position is its rank in that group.
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        mine = groups[rank % 2]
+        _check_group(mine, dist.get_rank(mine), 2, 2, 3, 4, 2, 4, 6, seed + 2 + rank % 2, device, atol)
+    # Head counts that do not split over the group are refused, each on its own.
+    D = world_size
+    for h, h_kv in ((D + 1, D), (2 * D, 1)):
+        q, k, v = torch.randn(1, 2, h, 4), torch.randn(1, 2, h_kv, 4), torch.randn(1, 2, h_kv, 4)
+        with pytest.raises(ValueError, match=f"UlyssesAttention: q's {h} and k's {h_kv} heads must split over "
+                                             f"the {D} ranks"):
+            UlyssesAttention(CausalGQA(), dist.group.WORLD)(*(t.to(device) for t in (q, k, v)))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend,world_size", backend_params([2, 3, 4]))
 def test_ulysses_equals_full_attention(backend, world_size):
     run_distributed(_ulysses_matches_full, world_size, torch.seed() % 10_000, backend=backend)
+
+
+def test_without_a_group_calls_the_core_directly():
+    g = torch.Generator().manual_seed(fresh_seed(21))
+    B, S, h, h_kv, d = 2, 7, 4, 2, 8
+    q, k, v = torch.randn(B, S, h, d, generator=g), torch.randn(B, S, h_kv, d, generator=g), \
+        torch.randn(B, S, h_kv, d, generator=g)
+    for doc_ids in (None, _doc_ids(B, S, g)):
+        assert_close(UlyssesAttention(CausalGQA(), None)(q, k, v, doc_ids), CausalGQA()(q, k, v, doc_ids),
+                     rtol=0, atol=0, name=f"no group, doc_ids={doc_ids is not None}")
 
 
 def test_head_count_not_divisible_is_a_config_error():
