@@ -250,13 +250,14 @@ def test_zipf_eight_ranks_every_copy_carries_routes():
 
 
 def test_helper_chunk_of_exactly_m_is_taken():
-    """A helper whose spare capacity is exactly m takes a chunk of exactly m (the rule is chunk >= m),
+    """A helper whose spare capacity is exactly m (1 included) takes a chunk of exactly m (chunk >= m),
     on random loads built so the least-loaded helper has spare m and more than m routes remain."""
     gen = torch.Generator().manual_seed(fresh_seed(19))
     cases = 0
     while cases < 30:
         P = int(torch.randint(3, 7, (1,), generator=gen))
-        m = int(torch.randint(2, 30, (1,), generator=gen))
+        # Every fifth case has m = 1: a helper with exactly one spare route must take it.
+        m = 1 if cases % 5 == 0 else int(torch.randint(2, 30, (1,), generator=gen))
         others = torch.randint(0, 50, (P - 1,), generator=gen).tolist()   # experts 1..P-1, one per rank
         helper = 1 + min(range(P - 1), key=lambda g: (others[g], g))      # least eff, lowest rank on ties
         cap = others[helper - 1] + m

@@ -20,8 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
-from mop_train.ops.moe_dispatch import (DispatchStats, EPOptions, LLEPOptions, PipelinedLLEPOptions, dispatch_options,
-                                        max_received_bound, moe_experts_forward)
+from mop_train.ops.moe_dispatch import (DispatchStats, EPOptions, ExpertDispatch, LLEPOptions, PipelinedLLEPOptions,
+                                        dispatch_options, max_received_bound, moe_experts_forward)
+from mop_train.ops.moe_dispatch.llep_plan import llep_plan
 from mop_train.ops.moe_dispatch.local import local_experts_forward
 from mop_train.ops.moe_dispatch.reference import reference_experts_forward
 from mop_train.ops.routing_profiles import PROFILES, routing_profile
@@ -153,6 +154,35 @@ def test_single_rank_schedules_are_local():
     assert_close_to_scale(want[0], reference_experts_forward(x, idx, wts, *weights_full), name="local vs reference")
 
 
+def test_no_tokens_still_give_every_expert_weight_a_gradient():
+    """A rank with no tokens still gives each expert weight a (zero) gradient, as data-parallel
+    reductions of the expert weights expect one from every rank."""
+    weights_full, per_rank = build_case(14, [0], "random", 1)
+    x, idx, wts, _ = per_rank[0]
+    ws = [leaf(w) for w in weights_full]
+    moe_experts_forward(leaf(x), idx, leaf(wts), *ws, None).sum().backward()
+    assert all(w.grad is not None and not w.grad.any() for w in ws)
+
+
+def test_membership_shapes_the_chunks():
+    """'strided' deals tokens round-robin (chunk sizes differ by at most one); 'contiguous' cuts runs of
+    ceil(N/K) tokens (every chunk but the last is full). Read from the routes each chunk computed."""
+    n = 10
+    weights_full, per_rank = build_case(13, [n], "random", 1)
+    x, idx, wts, _ = per_rank[0]
+    for budget, membership in ((4, "strided"), (4, "contiguous"), (1, "contiguous")):
+        stats = DispatchStats()
+        opts = PipelinedLLEPOptions(token_budget=budget, membership=membership)
+        moe_experts_forward(x, idx, wts, *weights_full, opts, stats=stats)
+        sizes = [routes // K_TOP for routes in stats.chunk_received]
+        K = len(sizes)
+        assert K == stats.num_chunks > 1 and sum(sizes) == n, (membership, sizes)
+        if membership == "strided":
+            assert max(sizes) - min(sizes) <= 1, sizes
+        else:
+            assert sizes[:-1] == [-(-n // K)] * (K - 1), (budget, sizes)
+
+
 @pytest.mark.parametrize("cls,settings,needles", [
     (PipelinedLLEPOptions, dict(token_budget=0), ["token_budget = 0", ">= 1"]),
     (PipelinedLLEPOptions, dict(token_budget=2.5), ["token_budget = 2.5", "integer"]),
@@ -174,6 +204,7 @@ def test_bad_options_are_refused_when_built(cls, settings, needles):
 def test_options_pick_the_schedule_and_reject_anything_else():
     weights_full, per_rank = build_case(7, [4], "random", 1)
     x, idx, wts, _ = per_rank[0]
+    PipelinedLLEPOptions(token_budget=1, max_chunks=1, min_tokens_per_gemm=1)   # the smallest legal values
     with pytest.raises(TypeError):
         LLEPOptions(token_budget=4)                     # a setting of another schedule
     with pytest.raises(TypeError):
@@ -297,12 +328,15 @@ def _ep_stats_case(rank, world):
     weights_full, per_rank = build_case(5, [9 + r for r in range(world)], "one_expert", world, worker_device())
     M = E // world
     x, idx, wts, g = per_rank[rank]
-    stats = DispatchStats()
-    moe_experts_forward(x, idx, wts, *[w[rank * M:(rank + 1) * M] for w in weights_full],
-                        EPOptions(), group=dist.group.WORLD, stats=stats)
+    # Through the layer's binding (options, group, stats), as the model calls it.
+    dispatch = ExpertDispatch(EPOptions(), group=dist.group.WORLD)
+    dispatch(x, idx, wts, *[w[rank * M:(rank + 1) * M] for w in weights_full])
+    stats = dispatch.stats
     everything = sum(9 + r for r in range(world)) * K_TOP          # all routes land on rank 0
     assert stats.num_chunks == 1 and stats.last_chunk_max_received == everything
     assert stats.chunk_received == [everything if rank == 0 else 0]
+    # EP computes every route on its owner: nothing relocated, no expert weights moved.
+    assert (stats.relocated_routes, stats.migrated_experts, stats.weight_transfer_bytes) == (0, 0, 0), stats
 
 
 def _no_tokens_anywhere(rank, world):
@@ -347,11 +381,38 @@ def _bf16_case(rank, world):
                                        max_factor=4.0)
 
 
+def _llep_plan_and_bad_ids_case(rank, world):
+    """LLEP's stats report the plan that llep_plan makes from the group's count matrix with the
+    options given (each setting below changes the plan of the defaults), and expert ids outside the
+    group's experts are refused by every rank with a ValueError."""
+    M = E // world
+    tokens = [13 + 3 * r for r in range(world)]
+    for i, settings in enumerate(LLEP_SETTINGS + [dict(min_tokens_per_gemm=2, imbalance_threshold=100.0)]):
+        weights_full, per_rank = build_case(700 + i, tokens, "80/16", world, worker_device())
+        shards = [w[rank * M:(rank + 1) * M] for w in weights_full]
+        x, idx, wts, _ = per_rank[rank]
+        counts = torch.stack([torch.bincount(p[1].reshape(-1).cpu(), minlength=E) for p in per_rank])
+        plan = llep_plan(counts, **settings)
+        stats = DispatchStats()
+        moe_experts_forward(x, idx, wts, *shards, LLEPOptions(**settings), group=dist.group.WORLD, stats=stats)
+        copy_bytes = sum(w[0].numel() * w.element_size() for w in shards)
+        got = (stats.num_chunks, stats.relocated_routes, stats.migrated_experts, stats.weight_transfer_bytes)
+        assert got == (1, plan.relocated_routes, len(plan.transfers), len(plan.transfers) * copy_bytes), \
+            (settings, got, plan)
+    for opts, bad_ids in ((EPOptions(), (E,)), (LLEPOptions(**EAGER), (E, -1))):
+        for bad in bad_ids:
+            wrong = idx.clone()
+            wrong[0, 0] = bad
+            with pytest.raises(ValueError, match="indices hold expert ids"):
+                moe_experts_forward(x, wrong, wts, *shards, opts, group=dist.group.WORLD)
+
+
 def _all_schedules_worker(rank, world):
     _bf16_case(rank, world)
     _no_tokens_anywhere(rank, world)
     _ep_worker(rank, world)
     _ep_stats_case(rank, world)
+    _llep_plan_and_bad_ids_case(rank, world)
     _llep_worker(rank, world)
     _pipelined_worker(rank, world)
     if world == 4:

@@ -54,6 +54,18 @@ class GemmFlops(TorchDispatchMode):
         return out
 
 
+class OpNames(TorchDispatchMode):
+    """The names of the aten ops run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 def make_inputs(seed, n, h, i, e, world=1):
     gen = torch.Generator().manual_seed(fresh_seed(seed))
     ws = [torch.randn(e, *s, generator=gen) / s[1] ** 0.5 for s in ((i, h), (h, i), (i, h))]
@@ -168,37 +180,45 @@ def test_transformer_block_checkpointed():
 
 @pytest.mark.parametrize("h,i", [(8, 12), (6, 10)])
 def test_grouped_weight_grads_match_per_expert(h, i):
-    """ExpertGradSum: grouped (forced on CPU) == per-expert in-place, over chunks with empty experts,
-    and switching paths between chunks keeps the sum."""
+    """ExpertGradSum: grouped (forced on CPU) == per-expert in-place, over chunks with empty experts and
+    a chunk that fills every expert, with raw counts as groups (what `group_offsets` returns where
+    torch._grouped_mm is not used), and switching paths between chunks either way keeps the sum."""
     gen = torch.Generator().manual_seed(fresh_seed(4))
     e = 5
     w = [torch.empty(e, i, h), torch.empty(e, h, i), torch.empty(e, i, h)]
     chunks = []
-    for counts in ([3, 0, 4, 0, 1], [0, 0, 2, 5, 0], [1, 0, 1, 1, 1]):
+    for counts in ([3, 0, 4, 0, 1], [0, 0, 2, 5, 0], [1, 0, 1, 1, 1], [2, 1, 1, 3, 1]):
         R = sum(counts)
         x, go = torch.randn(R, h, generator=gen), torch.randn(R, h, generator=gen)
         dh1, a, dh3 = (torch.randn(R, i, generator=gen) for _ in range(3))
         chunks.append((x, torch.tensor(counts), dh1, go, a, dh3))
-    sums = {}
     aligned = (h * 4) % 16 == 0 and (i * 4) % 16 == 0                # torch._grouped_mm's stride rule
-    for mode in (False, True, "mixed") if aligned else (False,):
-        acc = ExpertGradSum(e, *w, grouped=mode if mode != "mixed" else None)
-        for j, (x, counts, dh1, go, a, dh3) in enumerate(chunks):
-            if mode == "mixed":
-                acc.grouped = j % 2 == 0
-            acc.add(x, group_offsets(x, counts, w[0]), counts, dh1, go, a, dh3)
-        sums[mode] = acc.take()
-    want = [torch.zeros_like(t) for t in w]
-    for x, counts, dh1, go, a, dh3 in chunks:
-        for ex, (xe, d1, ge, ae, d3) in enumerate(zip(*(t.split(counts.tolist()) for t in (x, dh1, go, a, dh3)))):
-            want[0][ex] += d1.t() @ xe
-            want[1][ex] += ge.t() @ ae
-            want[2][ex] += d3.t() @ xe
-    for mode, got in sums.items():
-        for name, a_, b_ in zip(("w1", "w2", "w3"), got, want):
-            assert_close_to_scale(a_, b_, name=f"grouped={mode} d{name}")
-    for got in sums.values():                                       # expert 1 has no rows in any chunk
-        assert all(torch.equal(t[1], torch.zeros_like(t[1])) for t in got)
+    modes = (False, True, "counts as groups", "grouped first", "per-expert first") if aligned else (False,)
+    # Expert 1 gets no rows in the first three chunks (its sum must be exact zeros); the last fills all.
+    for used in (chunks[:3], chunks):
+        sums = {}
+        for mode in modes:
+            acc = ExpertGradSum(e, *w, grouped=mode if isinstance(mode, bool) else True)
+            for j, (x, counts, dh1, go, a, dh3) in enumerate(used):
+                if mode in ("grouped first", "per-expert first"):
+                    acc.grouped = (j % 2 == 0) == (mode == "grouped first")
+                groups = counts if mode == "counts as groups" else group_offsets(x, counts, w[0])
+                with OpNames() as ops:
+                    acc.add(x, groups, counts, dh1, go, a, dh3)
+                assert ("_grouped_mm" in ops.names) == acc.grouped, (mode, j)   # the forced path ran
+            sums[mode] = acc.take()
+        want = [torch.zeros_like(t) for t in w]
+        for x, counts, dh1, go, a, dh3 in used:
+            for ex, (xe, d1, ge, ae, d3) in enumerate(zip(*(t.split(counts.tolist())
+                                                             for t in (x, dh1, go, a, dh3)))):
+                want[0][ex] += d1.t() @ xe
+                want[1][ex] += ge.t() @ ae
+                want[2][ex] += d3.t() @ xe
+        for mode, got in sums.items():
+            for name, a_, b_ in zip(("w1", "w2", "w3"), got, want):
+                assert_close_to_scale(a_, b_, name=f"grouped={mode} d{name} over {len(used)} chunks")
+            if len(used) == 3:
+                assert all(torch.equal(t[1], torch.zeros_like(t[1])) for t in got), mode
 
 
 def _dist_worker(rank, world):
