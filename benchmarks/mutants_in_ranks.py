@@ -276,6 +276,43 @@ def cmd_ledger(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(a: argparse.Namespace, hook_dir: str) -> int:
+    """Re-run a seeded sample of the readers' "killed" claims: the test named in the reason, with the mutant live."""
+    import random
+
+    claims = []
+    for path in a.judged:
+        with open(path) as f:
+            for line in f.read().splitlines()[1:]:
+                name, verdict, *reason = line.split("\t")
+                if verdict.strip() in KILLED_BY_READER:
+                    claims.append((name.strip(), " ".join(reason)))
+    sample = random.Random(a.seed).sample(claims, min(a.sample, len(claims)))
+    env = _env(a.mutants, hook_dir)
+
+    def one(claim: tuple[str, str]) -> dict:
+        name, reason = claim
+        tests = re.findall(r"tests/[\w/]+\.py(?:::[\w\[\]\-.,]+)?", reason)
+        if not tests:
+            return {"mutant": name, "verdict": "no test named", "reason": reason}
+        rc, out = _pytest(["-x", *tests], a.mutants, {**env, "MUTANT_UNDER_TEST": name}, a.timeout_s)
+        verdict = {1: "confirmed", 0: "NOT killed"}.get(rc, "timeout" if rc == "timeout" else f"error rc={rc}")
+        return {"mutant": name, "verdict": verdict, "tests": tests, "killed_by": _failed_tests(out)[:2],
+                "tail": out.strip().splitlines()[-1:]}
+
+    with cf.ThreadPoolExecutor(a.jobs) as pool:
+        rows = []
+        for row in pool.map(one, sample):
+            rows.append(row)
+            print(f"{row['verdict']:>12}  {row['mutant']}  {' '.join(row.get('tests', []))[:120]}", flush=True)
+    with open(a.out, "w") as f:
+        json.dump({"claims": len(claims), "sampled": len(rows), "seed": a.seed, "rows": rows}, f, indent=1)
+    verdicts = [r["verdict"] for r in rows]
+    print(f"{len(claims)} kill claims, {len(rows)} re-run: "
+          + ", ".join(f"{v} {verdicts.count(v)}" for v in sorted(set(verdicts))), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="step", required=True)
@@ -293,10 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("ledger", help="merge the runs and the readers' verdicts into one line per mutant")
     g.add_argument("--runs", nargs="*", default=[], help="JSON files written by `run`")
     g.add_argument("--judged", nargs="*", default=[], help="TSV files `mutant<TAB>verdict<TAB>reason` from reading")
-    for p in (m, r, g):
+    v = sub.add_parser("verify", help="re-run a seeded sample of the readers' kill claims with the mutant live")
+    v.add_argument("--judged", nargs="+", required=True)
+    v.add_argument("--sample", type=int, default=40)
+    v.add_argument("--seed", type=int, default=20261201)
+    for p in (m, r, g, v):
         p.add_argument("--mutants", default="mutants", help="mutmut's folder of mutated source")
         p.add_argument("--out", required=True)
-    for p in (m, r):
+    for p in (m, r, v):
         p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
         p.add_argument("--timeout-s", type=float, default=600, help="per test run")
     a = ap.parse_args(argv)
@@ -307,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="mutant_hook_") as hook_dir:
         with open(os.path.join(hook_dir, "sitecustomize.py"), "w") as f:
             f.write(_HOOK)
-        return cmd_map(a, hook_dir) if a.step == "map" else cmd_run(a, hook_dir)
+        return {"map": cmd_map, "run": cmd_run, "verify": cmd_verify}[a.step](a, hook_dir)
 
 
 if __name__ == "__main__":
