@@ -2,8 +2,10 @@
 a scaled loss, reduction="none" with per-token weights, two calls on the same inputs before one
 backward, evaluation (torch.no_grad, or no input requiring grad: the loss only, no gradient buffers),
 torch.autocast with backward inside and outside it, only some leaves wanting a gradient (the hidden on one
-rank, no hidden, no weight), a second backward, ranks whose upstreams differ,
-ranks that disagree on needing gradients, and auto's choice against a memory budget.
+rank, no hidden, no weight), a second backward, ranks whose upstreams differ (nan, a single valid
+token, none at all), ranks that disagree on needing gradients, auto's choice against a memory budget,
+which payload travels under each mode, two rings inside a larger world; at P = 1 also bad arguments,
+the smallest accepted sizes, and no buffer for a gradient that no leaf wants.
 
 fp32 gradients: relative 1e-5 of the largest sum of |terms| (tests.ops.test_ring_dtp._term_scales);
 bf16 under autocast: no worse than PyTorch's own autocast against the fp64 truth of the same rounded
@@ -12,11 +14,14 @@ inputs, on the whole problem (tests.utils.assert_no_worse_than_torch).
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from mop_train.ops.ring_dtp import reference_cross_entropy, ring_dtp_cross_entropy, ring_dtp_peak_bytes
+from mop_train.ops.ring_dtp.ring import Ring
 from tests.dist_utils import run_distributed
 from tests.ops.test_ring_dtp import COUNTS, _LargestTensor, _check_case, _problem, _scale, _term_scales
 from tests.utils import assert_close, assert_no_worse_than_torch, fresh_seed
@@ -110,8 +115,9 @@ def _none_and_auto(p: _Rank, seed, tag):
     bound = ring_dtp_peak_bytes(p.counts[p.rank], HIDDEN, VOCAB, len(p.counts), dtype=torch.float32,
                                 block_size=BLOCK, n_max=max(p.counts), impl="torch", schedule="grad_in_forward",
                                 token_chunk=2)
+    fewest = p.counts.index(min(p.counts))                                # its bound still counts N_max
     for budget, expected in ((None, "SumBackward0"), (bound, "RingDTPGradInForwardBackward"),
-                             (bound - (p.rank == 0), "SumBackward0")):
+                             (bound - (p.rank == 0), "SumBackward0"), (bound - (p.rank == fewest), "SumBackward0")):
         loss = p.loss(x, w, reduction="sum", memory_budget=budget)
         assert _grad_fn(loss) == expected, f"{tag} budget {budget} (bound {bound}): {_grad_fn(loss)}"
 
@@ -189,15 +195,79 @@ def _misuse(p: _Rank, tag):
     if p.group is None:
         return
     active = [q for q, t in enumerate(p.ts) if bool((t != -100).any())]
+    x, w = p.leaves()
     loss = p.loss(x, w, schedule="grad_in_forward", reduction="sum")
     if len(active) > 1:
         with pytest.raises(ValueError, match="differs across"):
             loss.backward(torch.tensor(1.0 + p.rank))
-    else:                                                                   # one rank's tokens: its upstream
+    elif active:                                                            # one rank's tokens: its upstream
         loss.backward(torch.tensor(1.0 + p.rank))
+        p.check_fp32(loss.detach(), x.grad, w.grad, "sum", 1.0 + active[0], f"{tag} the only active rank's upstream")
+    _upstream_agreement(p, active, tag)
     with pytest.raises(ValueError, match="every rank makes the same call"):
         with torch.set_grad_enabled(p.rank != 0):
             p.loss(x, w, schedule="grad_in_forward", reduction="sum")
+
+
+def _upstream_agreement(p: _Rank, active, tag):
+    """Which ranks' upstreams must agree under grad_in_forward: every rank with a valid token (even a
+    single one); a nan agrees only with nan; and with no valid token anywhere, any upstreams do."""
+    nan = float("nan")
+    cases = [("every rank nan", nan, False)]
+    if len(active) > 1:
+        cases += [("first active rank nan", nan if p.rank == active[0] else 1.0, True),
+                  ("other ranks nan", 1.0 if p.rank == active[0] else nan, True)]
+    for what, upstream, raises in cases:
+        loss = p.loss(*p.leaves(), schedule="grad_in_forward", reduction="sum")
+        if raises:
+            with pytest.raises(ValueError, match="differs across"):
+                loss.backward(torch.tensor(upstream))
+        else:
+            loss.backward(torch.tensor(upstream))
+    targets = p.ts[p.rank]
+    first_valid = torch.full_like(targets, -100)                            # one valid token per active rank
+    keep = (targets != -100).nonzero()[:1, 0]
+    first_valid[keep] = targets[keep]
+    for what, t in (("one valid token per rank", first_valid), ("no valid token anywhere", torch.full_like(targets, -100))):
+        x, w = p.leaves()
+        loss = ring_dtp_cross_entropy(x, w, t, p.group, vocab_size=VOCAB, schedule="grad_in_forward",
+                                      reduction="sum", block_size=BLOCK, impl="torch", token_chunk=2)
+        if len(active) > 1 and what == "one valid token per rank":
+            with pytest.raises(ValueError, match="differs across"):
+                loss.backward(torch.tensor(1.0 + p.rank))
+        elif not active or what == "no valid token anywhere":
+            loss.backward(torch.tensor(1.0 + p.rank))
+            assert not (x.grad.any() or w.grad.any()), f"{tag} {what}: a gradient from ignored tokens"
+
+
+def _moved_payloads(p: _Rank, tag):
+    """What travels the ring: under move_weights the shard (and its dW), never a token's target; under
+    move_activations the tokens with their targets, in forward and in backward."""
+    real_shift = Ring.shift
+    for mode in ("move_weights", "move_activations"):
+        sent = []
+
+        def spy(ring, sends, recvs):
+            sent.extend(t.dtype for t in sends)
+            return real_shift(ring, sends, recvs)
+
+        x, w = p.leaves()
+        with mock.patch.object(Ring, "shift", spy):
+            loss = p.loss(x, w, schedule="recompute", reduction="sum", mode=mode)
+            forward, sent[:] = list(sent), []
+            loss.backward()
+        moved = (torch.int64 in forward, torch.int64 in sent)
+        assert moved == (mode == "move_activations",) * 2, f"{tag} {mode}: targets moved (forward, backward) {moved}"
+        p.check_fp32(loss.detach(), x.grad, w.grad, "sum", 1.0, f"{tag} {mode}")
+
+
+def _rings_of_two(rank, seed):
+    """Two rings of 2 in a world of 4, logits in the hundreds in one only: grad_in_forward's log-sum-exp
+    shift (the max across the ring) must come from its own ring, or the small ring's sums underflow."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]               # every rank creates both
+    _check_case(rank % 2, groups[rank // 2], [7, 4], VOCAB, HIDDEN, torch.float32, "sum", seed + rank // 2,
+                logit_scale=100.0 if rank < 2 else 1.0, schedule="grad_in_forward", token_chunk=2,
+                block_size=BLOCK, impl="torch")
 
 
 def _cases(rank, world_size, seed):
@@ -211,6 +281,10 @@ def _cases(rank, world_size, seed):
     _autocast(_Rank(rank, group, counts, seed + 2), tag)
     _partial_leaves(_Rank(rank, group, counts, seed + 3), tag)
     _misuse(p, tag)
+    if world_size > 1:
+        _moved_payloads(p, tag)
+    if world_size == 4:
+        _rings_of_two(rank, seed + 4)
 
 
 def test_calls_single_device():
@@ -221,3 +295,115 @@ def test_calls_single_device():
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_calls_on_a_ring(world_size):
     run_distributed(_cases, world_size, fresh_seed(4100 + world_size))
+
+
+def _draw(seed, n, vocab, hidden=HIDDEN, ignored=0.2):
+    """One rank's problem at P = 1: tokens [n, H], the weight [V, H], targets with some ignored."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, hidden, generator=gen) * 2
+    w = torch.randn(vocab, hidden, generator=gen) * 2 / hidden ** 0.5
+    t = torch.randint(0, vocab, (n,), generator=gen)
+    t[torch.rand(n, generator=gen) < ignored] = -100
+    return x, w, t
+
+
+def _against_reference(x, w, t, reduction, tag, rtol=1e-5, **kw):
+    """Loss, dX and dW of one call at P = 1 (upstream UPSTREAM) against the fp64 full-logits reference."""
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = ring_dtp_cross_entropy(xs, ws, t, vocab_size=w.shape[0], reduction=reduction, **kw)
+    (loss * UPSTREAM).sum().backward()
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    ref = reference_cross_entropy(x64, w64, t, reduction=reduction)
+    (ref * UPSTREAM).sum().backward()
+    for name, ours, theirs in (("loss", loss, ref), ("dX", xs.grad, x64.grad), ("dW", ws.grad, w64.grad)):
+        assert_close(ours, theirs, rtol=rtol, atol=rtol * max(1.0, _scale(theirs)), name=f"{name} {tag}")
+
+
+def test_bad_arguments_raise_naming_the_argument():
+    """Each bad argument raises ValueError naming it: none slips through to fail later inside the ring."""
+    x, w, t = _draw(fresh_seed(4200), 5, VOCAB)
+    calls = {"vocab_size=0": dict(vocab_size=0),
+             "impl=": dict(impl="cuda"),                                    # an unknown impl, not a default
+             r"targets must be integer \[5\]": dict(targets=t[:4]),
+             "targets must be integer": dict(targets=t.float()),
+             r"hidden must be \[N, H\]": dict(weight=w[:, :, None])}       # H agrees; the shard is 3-D
+    for message, kw in calls.items():
+        with pytest.raises(ValueError, match=message):
+            ring_dtp_cross_entropy(x, kw.pop("weight", w), kw.pop("targets", t), **dict(dict(vocab_size=VOCAB), **kw))
+
+
+def test_smallest_accepted_sizes_and_the_default_impl():
+    """V = 1, block_size = 1 and token_chunk = 1 are valid (the checks stop at 0); impl=None on the CPU is
+    the torch path."""
+    seed = fresh_seed(4201)
+    x, w, t = _draw(seed, 6, 1)
+    _against_reference(x, w, t, "sum", "V=1", impl="torch")
+    x, w, t = _draw(seed + 1, 6, 9)
+    for schedule in SCHEDULES:
+        _against_reference(x, w, t, "sum", f"{schedule} block_size=1", block_size=1, impl="torch", schedule=schedule)
+    _against_reference(x, w, t, "mean", "token_chunk=1", impl="torch", schedule="grad_in_forward", token_chunk=1)
+    _against_reference(x, w, t, "mean", "impl=None", block_size=BLOCK)
+
+
+def test_which_inputs_choose_the_path():
+    """auto never takes grad_in_forward when the weights must move; a frozen trunk (only the shard wants a
+    gradient) gets it whatever the budget; fp64 inputs stay fp64 under autocast, as torch.mm does."""
+    x, w, t = _draw(fresh_seed(4202), 6, VOCAB)
+    loss = ring_dtp_cross_entropy(x.requires_grad_(), w.requires_grad_(), t, vocab_size=VOCAB, reduction="sum",
+                                  mode="move_weights", memory_budget=1 << 40, impl="torch", block_size=BLOCK)
+    assert _grad_fn(loss) == "SumBackward0", f"auto with mode='move_weights': {_grad_fn(loss)}"
+    x.requires_grad_(False)
+    for budget in (None, 0, 1 << 40):
+        x_frozen, w_leaf = x.clone(), w.detach().clone().requires_grad_()
+        (ring_dtp_cross_entropy(x_frozen, w_leaf, t, vocab_size=VOCAB, reduction="sum", memory_budget=budget,
+                                impl="torch", block_size=BLOCK) * UPSTREAM).backward()
+        w64 = w.detach().double().requires_grad_()
+        (reference_cross_entropy(x.double(), w64, t, reduction="sum") * UPSTREAM).backward()
+        assert_close(w_leaf.grad, w64.grad, atol=1e-5 * _scale(w64.grad), name=f"frozen trunk dW, budget {budget}")
+    x64, w64 = x.double(), w.detach().double()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = ring_dtp_cross_entropy(x64, w64, t, vocab_size=VOCAB, reduction="none", impl="torch")
+    ref = reference_cross_entropy(x64, w64, t, reduction="none")
+    assert_close(loss, ref, rtol=1e-6, atol=1e-6 * _scale(ref), name="fp64 loss under autocast")
+
+
+def test_grad_in_forward_edges():
+    """A mean over a single valid token (its owner's scale is 1/1), and an fp32 hidden with a bf16 shard:
+    the products run in fp32, so dX keeps fp32 accuracy (only dW comes back in the shard's bf16)."""
+    x, w, t = _draw(fresh_seed(4203), 6, VOCAB)
+    one = torch.full_like(t, -100)
+    one[3] = t[3].clamp(min=0)
+    _against_reference(x, w, one, "mean", "one valid token", schedule="grad_in_forward", token_chunk=2,
+                       impl="torch", block_size=BLOCK)
+    xs, ws = x.clone().requires_grad_(), w.bfloat16().requires_grad_()
+    (ring_dtp_cross_entropy(xs, ws, t, vocab_size=VOCAB, reduction="sum", schedule="grad_in_forward", token_chunk=2,
+                            impl="torch", block_size=BLOCK) * UPSTREAM).backward()
+    x64, w64 = x.double().requires_grad_(), ws.detach().double().requires_grad_()
+    (reference_cross_entropy(x64, w64, t, reduction="sum") * UPSTREAM).backward()
+    assert xs.grad.dtype == torch.float32 and ws.grad.dtype == torch.bfloat16, (xs.grad.dtype, ws.grad.dtype)
+    assert_close(xs.grad, x64.grad, atol=1e-5 * _scale(x64.grad), name="fp32 dX beside a bf16 shard")
+    assert_close(ws.grad, w64.grad, rtol=1e-2, atol=1e-2 * _scale(w64.grad), name="bf16 dW")
+
+
+def test_allocations_follow_the_wanted_gradients():
+    """Nothing the size of a gradient that no leaf wants: grad_in_forward forms no dX for a frozen trunk and
+    no dW_r for a frozen head (recompute's P = 1 backward forms both in one buffer), and neither schedule
+    forms either when no input requires grad; and impl="reference" is the full-logits path
+    (it forms the [N, V] logits the fused paths never do)."""
+    seed = fresh_seed(4204)
+    many_tokens, few_tokens = _draw(seed, 40, 8), _draw(seed + 1, 3, 64)   # N*H > V*H, then V*H > N*H
+    for (x, w, t), wanted in ((many_tokens, "weight"), (few_tokens, "hidden"), (many_tokens, "nothing")):
+        unwanted = x if wanted != "hidden" else w
+        x, w = x.clone().requires_grad_(wanted == "hidden"), w.clone().requires_grad_(wanted == "weight")
+        for schedule in SCHEDULES if wanted == "nothing" else ("grad_in_forward",):
+            with _LargestTensor() as seen:
+                loss = ring_dtp_cross_entropy(x, w, t, vocab_size=w.shape[0], reduction="sum", schedule=schedule,
+                                              impl="torch", block_size=BLOCK, token_chunk=x.shape[0])  # one chunk
+                if wanted != "nothing":
+                    loss.backward()
+            assert seen.largest < unwanted.numel() * 4, \
+                f"{schedule}, only the {wanted} wants a gradient: allocated {seen.largest} B"
+    x, w, t = many_tokens
+    with _LargestTensor() as seen:
+        ring_dtp_cross_entropy(x, w, t, vocab_size=w.shape[0], impl="reference", block_size=BLOCK)
+    assert seen.largest >= x.shape[0] * w.shape[0] * 4, f"impl='reference' allocated only {seen.largest} B"
