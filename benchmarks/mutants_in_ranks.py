@@ -290,9 +290,24 @@ def cmd_verify(a: argparse.Namespace, hook_dir: str) -> int:
     sample = random.Random(a.seed).sample(claims, min(a.sample, len(claims)))
     env = _env(a.mutants, hook_dir)
 
+    # readers name tests loosely ("test_x", "test_file.py::test_x[gloo-2]"): resolve each to its file
+    defined: dict[str, list[str]] = {}
+    for path in glob.glob(os.path.join(a.mutants, "tests", "**", "test_*.py"), recursive=True):
+        with open(path) as f:
+            for test in re.findall(r"^def (test_\w+)", f.read(), flags=re.M):
+                defined.setdefault(test, []).append(os.path.relpath(path, a.mutants))
+
+    def named_tests(reason: str) -> list[str]:
+        ids = []
+        for file, test, params in re.findall(r"(?:([\w/]+\.py)::)?(test_\w+)(\[[\w\-.,]+\])?", reason):
+            where = [p for p in defined.get(test, []) if not file or p.endswith(file)]
+            if len(where) == 1 and f"{where[0]}::{test}{params}" not in ids:
+                ids.append(f"{where[0]}::{test}{params}")
+        return ids[:2]
+
     def one(claim: tuple[str, str]) -> dict:
         name, reason = claim
-        tests = re.findall(r"tests/[\w/]+\.py(?:::[\w\[\]\-.,]+)?", reason)
+        tests = named_tests(reason)
         if not tests:
             return {"mutant": name, "verdict": "no test named", "reason": reason}
         rc, out = _pytest(["-x", *tests], a.mutants, {**env, "MUTANT_UNDER_TEST": name}, a.timeout_s)
