@@ -234,15 +234,16 @@ def cmd_ledger(a: argparse.Namespace) -> int:
     for path in a.runs:
         with open(path) as f:
             run = json.load(f)
-        runs[run["marker"]] = {r["mutant"]: r for r in run["rows"]}
+        runs.setdefault(run["marker"], {}).update({r["mutant"]: r for r in run["rows"]})   # later files win
     judged: dict[str, tuple[str, str]] = {}
     for path in a.judged:
         with open(path) as f:
             for line in f.read().splitlines()[1:]:
                 if line.strip():
                     name, verdict, *reason = line.split("\t")
-                    judged[name.strip()] = (verdict.strip(), " ".join(reason).strip())
-    rows = []
+                    if verdict.strip() != "not-read" or name.strip() not in judged:   # a reading beats none
+                        judged[name.strip()] = (verdict.strip(), " ".join(reason).strip())
+    rows, contradicted = [], []
     for m, code in sorted(status.items()):
         if not (code == SURVIVED or code in NO_TESTS):
             continue
@@ -254,6 +255,8 @@ def cmd_ledger(a: argparse.Namespace) -> int:
         verdict, reason = judged.get(m, ("", ""))
         if killed:
             final = "killed (rank/gpu tests)"
+            if verdict in ("equivalent", "cpu-equivalent", "text"):
+                contradicted.append(f"{m}: read as {verdict}, but {killed[0]}")
         elif verdict in KILLED_BY_READER:
             final = "killed (read, test named)"
         elif verdict and verdict != "not-read":
@@ -271,6 +274,8 @@ def cmd_ledger(a: argparse.Namespace) -> int:
         f.write("mutant\tfast tests\trank/gpu tests\tevidence\treader\tfinal\tmutated line\n")
         f.writelines("\t".join(c.replace("\t", " ") for c in row) + "\n" for row in rows)
     finals = [r[5] for r in rows]
+    for line in contradicted:   # a reading the tests refuted: the reader's other verdicts deserve a second look
+        print("contradicted:", line)
     print(f"{len(rows)} mutants not killed by the fast tests: "
           + ", ".join(f"{v} {finals.count(v)}" for v in sorted(set(finals), key=lambda v: -finals.count(v))))
     return 0
