@@ -49,10 +49,6 @@ class Ring:
         """The group rank whose payload arrives after one more hop of a payload now from `owner`."""
         return (owner - 1) % self.size
 
-    def token_counts(self, n: int, device: torch.device) -> list[int]:
-        """Every rank's local token count (one all-gather; at P = 1 no communication)."""
-        return [row[0] for row in self.gather_ints([n], device)]
-
     def gather_ints(self, values: list[int], device: torch.device) -> list[list[int]]:
         """Every rank's `values` (the same length on each rank), indexed by group rank: one
         all-gather of a few integers, so that every rank takes the same decisions; none at P = 1."""
