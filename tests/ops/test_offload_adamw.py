@@ -408,26 +408,21 @@ def _fsdp2_worker(rank, world_size, path):
                              options=StateDictOptions(full_state_dict=True))
     for a, b in zip(full_sd["state"].values(), fresh_opt.optimizers[0].state_dict()["state"].values()):
         assert_bitwise_equal(a["exp_avg_sq"].to_local(), b["exp_avg_sq"].to_local(), name="full load")
-    # ... and so do plain full tensors given straight to load_state_dict: each rank takes its own rows
-    plain = {"param_groups": full_sd["param_groups"],
-             "state": {i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in e.items()}
-                       for i, e in full_sd["state"].items()}}
-    fresh, fresh_opt = build(3, OffloadStreamAdamW, ours_kwargs)
-    fresh_opt.optimizers[0].load_state_dict(plain)
-    for a, b in zip(full_sd["state"].values(), fresh_opt.optimizers[0].state_dict()["state"].values()):
-        for key in ("exp_avg", "exp_avg_sq", "master"):
-            assert_bitwise_equal(a[key].to_local(), b[key].to_local(), name=f"rank {rank} plain full {key}")
-    # ... as do this rank's plain local shards, and DTensors of another placement (redistributed on load)
-    for form, convert in (("plain local", lambda v: v.to_local()),
-                          ("replicated", lambda v: v.redistribute(v.device_mesh, [Replicate()]))):
+    # ... and so do plain full tensors given straight to load_state_dict (each rank takes its own rows), this
+    # rank's plain local shards, and DTensors of another placement (redistributed on load)
+    forms = (("plain full", lambda v: v.full_tensor()), ("plain local", lambda v: v.to_local()),
+             ("replicated", lambda v: v.redistribute(v.device_mesh, [Replicate()])))
+    for seed, (form, convert) in enumerate(forms, start=3):
         saved = {"param_groups": full_sd["param_groups"],
                  "state": {i: {k: convert(v) if isinstance(v, DTensor) else v for k, v in e.items()}
                            for i, e in full_sd["state"].items()}}
-        other, other_opt = build(4, OffloadStreamAdamW, ours_kwargs)
+        other, other_opt = build(seed, OffloadStreamAdamW, ours_kwargs)
         other_opt.optimizers[0].load_state_dict(saved)
         for a, b in zip(full_sd["state"].values(), other_opt.optimizers[0].state_dict()["state"].values()):
             for key in ("exp_avg", "exp_avg_sq", "master"):
                 assert_bitwise_equal(a[key].to_local(), b[key].to_local(), name=f"rank {rank} {form} {key}")
+        if form == "plain full":
+            plain, fresh_opt = saved, other_opt
     plain["state"][0]["exp_avg"] = plain["state"][0]["exp_avg"][:1]
     with pytest.raises(ValueError, match="does not fit parameter 0"):
         fresh_opt.optimizers[0].load_state_dict(plain)
