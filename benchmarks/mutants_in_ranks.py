@@ -21,6 +21,7 @@ reports a failed test (exit code 1); the failing test is recorded. Results: benc
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures as cf
 import glob
 import json
@@ -50,6 +51,11 @@ if os.environ.get("MOP_MUTANT_HITS"):
 '''
 
 SURVIVED, NO_TESTS = 0, (5, 33)   # mutmut's exit codes in its .meta files
+
+
+def _tally(values: list[str]) -> str:
+    """"killed 12, survived 3" (most common first)."""
+    return ", ".join(f"{v} {n}" for v, n in collections.Counter(values).most_common())
 
 
 def function_of(mutant: str) -> str:
@@ -217,7 +223,7 @@ def cmd_run(a: argparse.Namespace, hook_dir: str) -> int:
     save()
     verdicts = [r["verdict"] for r in done.values()]
     left = len(todo) - sum(1 for m in todo if m in done)
-    print("verdicts: " + ", ".join(f"{v} {verdicts.count(v)}" for v in sorted(set(verdicts)))
+    print("verdicts: " + _tally(verdicts)
           + (f"; {left} not run (budget)" if left else ""), flush=True)
     return 0
 
@@ -277,7 +283,7 @@ def cmd_ledger(a: argparse.Namespace) -> int:
     for line in contradicted:   # a reading the tests refuted: the reader's other verdicts deserve a second look
         print("contradicted:", line)
     print(f"{len(rows)} mutants not killed by the fast tests: "
-          + ", ".join(f"{v} {finals.count(v)}" for v in sorted(set(finals), key=lambda v: -finals.count(v))))
+          + _tally(finals))
     return 0
 
 
@@ -329,7 +335,7 @@ def cmd_verify(a: argparse.Namespace, hook_dir: str) -> int:
         json.dump({"claims": len(claims), "sampled": len(rows), "seed": a.seed, "rows": rows}, f, indent=1)
     verdicts = [r["verdict"] for r in rows]
     print(f"{len(claims)} kill claims, {len(rows)} re-run: "
-          + ", ".join(f"{v} {verdicts.count(v)}" for v in sorted(set(verdicts))), flush=True)
+          + _tally(verdicts), flush=True)
     return 0
 
 
