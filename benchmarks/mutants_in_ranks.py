@@ -99,8 +99,9 @@ def _failed_tests(output: str) -> list[str]:
     return re.findall(r"^(?:FAILED|ERROR) (\S+)", output, flags=re.M)
 
 
-def collect(mutants_dir: str, marker: str, paths: list[str], env: dict[str, str]) -> list[str]:
-    rc, out = _pytest(["--collect-only", "-m", marker, *paths], mutants_dir, env, 600)
+def collect(mutants_dir: str, marker: str, keyword: str, paths: list[str], env: dict[str, str]) -> list[str]:
+    rc, out = _pytest(["--collect-only", "-m", marker, *(["-k", keyword] if keyword else []), *paths], mutants_dir,
+                      env, 600)
     ids = [line.strip() for line in out.splitlines() if "::" in line and not line.startswith(("FAILED", "ERROR"))]
     if rc not in (0, 5) or not ids:
         raise SystemExit(f"collecting `{marker}` tests in {mutants_dir}/ failed (rc={rc}):\n{out[-3000:]}")
@@ -109,7 +110,7 @@ def collect(mutants_dir: str, marker: str, paths: list[str], env: dict[str, str]
 
 def cmd_map(a: argparse.Namespace, hook_dir: str) -> int:
     env = _env(a.mutants, hook_dir)
-    tests = collect(a.mutants, a.marker, a.paths, env)
+    tests = collect(a.mutants, a.marker, a.keyword, a.paths, env)
     print(f"{len(tests)} `{a.marker}` tests; recording the mutated functions each enters ({a.jobs} at a time)",
           flush=True)
     hits_root = tempfile.mkdtemp(prefix="mutant_hits_")
@@ -121,6 +122,8 @@ def cmd_map(a: argparse.Namespace, hook_dir: str) -> int:
         start = time.perf_counter()
         rc, out = _pytest([test], a.mutants, {**env, "MUTANT_UNDER_TEST": "stats", "MOP_MUTANT_HITS": hits},
                           a.timeout_s)
+        if rc == 0 and " passed" not in out.strip().splitlines()[-1]:
+            rc = "skipped"   # it judges nothing (e.g. an nccl-2 test on one GPU)
         functions = set()
         for path in glob.glob(os.path.join(hits, "*.txt")):
             with open(path) as f:
@@ -344,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="step", required=True)
     m = sub.add_parser("map", help="record which mutated functions each test of a marker enters")
     m.add_argument("--marker", required=True, help='pytest -m expression, e.g. "slow and not gpu" or "gpu"')
+    m.add_argument("-k", "--keyword", default="",
+                   help='pytest -k expression, e.g. "not nccl" on one GPU: a test that skips would judge nothing')
     m.add_argument("--paths", nargs="+", default=["tests"], help="test paths inside mutants/")
     m.add_argument("--strict", action="store_true", help="exit 1 when a test fails unmutated")
     r = sub.add_parser("run", help="run each survivor against the tests that reach its function")
