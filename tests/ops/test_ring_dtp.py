@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import weakref
 
 import pytest
@@ -524,11 +525,14 @@ def test_one_meeting_on_a_shard_window_against_full_logits():
             _one_meeting(gen, n, dtype, tol)
 
 
-def _one_meeting(gen, n, dtype, tol):
+def _one_meeting(gen, n, dtype, tol, device="cpu", impl="torch", block=None):
+    """One meeting drawn from `gen` (on the CPU), run on `device` with `impl`; `block` fixes the
+    block rows (else drawn), and the expected values stay fp64 on the CPU."""
     from mop_train.ops.ring_dtp.local import add_dw, add_dx, block_grad_, block_stats, fold_shard, new_stats, shard_backward
     h, rows = (int(torch.randint(lo, hi, (1,), generator=gen)) for lo, hi in ((4, 16), (5, 30)))
     v = rows + int(torch.randint(2, 30, (1,), generator=gen))
-    offset, block = int(torch.randint(1, v - rows + 1, (1,), generator=gen)), int(torch.randint(2, 7, (1,), generator=gen))
+    offset, drawn = int(torch.randint(1, v - rows + 1, (1,), generator=gen)), int(torch.randint(2, 7, (1,), generator=gen))
+    block = block or drawn
     x, w_full = torch.randn(n, h, generator=gen).to(dtype), torch.randn(v, h, generator=gen).to(dtype)
     w = w_full[offset:offset + rows]
     t = torch.randint(0, v, (n,), generator=gen)
@@ -539,26 +543,31 @@ def _one_meeting(gen, n, dtype, tol):
     want_stats = torch.stack([win.amax(1), torch.exp(win - win.amax(1, keepdim=True)).sum(1),
                               torch.where(hit, z.gather(1, t[:, None]).squeeze(1), 0.0)])
     lse, scale = torch.logsumexp(z, 1).float(), torch.rand(n, generator=gen)
-    g = torch.softmax(z, 1)[:, offset:offset + rows] * scale[:, None].double()
-    g[hit.nonzero().squeeze(1), (t - offset)[hit]] -= scale[hit].double()
-    want_dx, want_dw = g @ w.double(), g.t() @ x.double()
     prior_dx, prior_dw = torch.randn(n, h, generator=gen), torch.randn(rows, h, generator=gen)
+    x, w, t, lse, scale = (a.to(device) for a in (x, w, t, lse, scale))
     stats = new_stats(n, x.device)
-    fold_shard(x, w, offset, t, stats, block_size=block, impl="torch")
+    fold_shard(x, w, offset, t, stats, block_size=block, impl=impl)
     stored = x @ w.t()                                                 # grad_in_forward's [n, V_r] block
+    # Every gradient below starts from logits rounded to dtype (the stored block, or shard_backward's own
+    # recomputation, the same product): judged from those logits, since bf16 logits near 10 already move
+    # exp() by ~4%; and against the upstream's size, as an element scale * (p - 1) with p near 1 keeps only
+    # the absolute accuracy of p
+    g_stored = torch.exp(stored.double().cpu() - lse.double().cpu()[:, None]) * scale.double().cpu()[:, None]
+    g_stored[hit.nonzero().squeeze(1), (t.cpu() - offset)[hit]] -= scale.cpu()[hit].double()
+    want_dx, want_dw = g_stored @ w.double().cpu(), g_stored.t() @ x.double().cpu()
     for name, got in (("fold_shard", stats), ("block_stats", block_stats(stored, t, offset, block_size=block,
-                                                                           impl="torch"))):
+                                                                           impl=impl))):
         assert_close(got, want_stats.float(), rtol=tol, atol=tol * _scale(want_stats), name=f"{name} n={n}")
-    dx, dw = prior_dx.clone(), prior_dw.clone()
-    shard_backward(x, w, offset, t, lse, scale, dx, dw, accumulate_dw=True, block_size=block, impl="torch")
-    written = torch.randn(rows, h, generator=gen).to(dtype)            # stale values the meeting overwrites
-    shard_backward(x, w, offset, t, lse, scale, None, written, accumulate_dw=False, block_size=block, impl="torch")
-    block_grad_(stored, t, offset, lse, scale, block_size=block, impl="torch")
-    gif_dx, gif_dw = prior_dx.clone(), prior_dw.clone()
-    add_dx(gif_dx, stored, w, block_size=block, impl="torch")
-    add_dw(gif_dw, stored, x, block_size=block, impl="torch")
+    dx, dw = prior_dx.to(device, copy=True), prior_dw.to(device, copy=True)
+    shard_backward(x, w, offset, t, lse, scale, dx, dw, accumulate_dw=True, block_size=block, impl=impl)
+    written = torch.randn(rows, h, generator=gen).to(dtype).to(device)  # stale values the meeting overwrites
+    shard_backward(x, w, offset, t, lse, scale, None, written, accumulate_dw=False, block_size=block, impl=impl)
+    block_grad_(stored, t, offset, lse, scale, block_size=block, impl=impl)
+    gif_dx, gif_dw = prior_dx.to(device, copy=True), prior_dw.to(device, copy=True)
+    add_dx(gif_dx, stored, w, block_size=block, impl=impl)
+    add_dw(gif_dw, stored, x, block_size=block, impl=impl)
     atol_dx, atol_dw = (tol * (_scale(want) + 1) for want in (want_dx, want_dw))
-    assert_close(stored, g.to(dtype), rtol=tol, atol=tol * _scale(g), name=f"block_grad_ n={n}")
+    assert_close(stored, g_stored, rtol=tol, atol=tol * max(_scale(g_stored), _scale(scale)), name=f"block_grad_ n={n}")
     for name, got, want, atol in (("dX", dx, prior_dx + want_dx, atol_dx), ("dW", dw, prior_dw + want_dw, atol_dw),
                                   ("dW written", written, want_dw, atol_dw),
                                   ("add_dx", gif_dx, prior_dx + want_dx, atol_dx),
@@ -577,3 +586,297 @@ def test_low_precision_accumulation_past_one_partial_product():
     want = acc.double() + a.double() @ b.double()
     matmul_accumulate(acc, a, b)
     assert_close(acc, want, rtol=1e-5, atol=1e-5 * _scale(want), name="acc")
+
+
+# GPU, one process, one GPU: the CUDA-only branches of the local pieces, the auto schedule's bound on the
+# Triton path, grad_in_forward's one-GEMM gradients, and a ring of two played by two threads.
+
+@pytest.mark.gpu
+def test_gpu_one_meeting_and_single_shard_backward_against_full_logits():
+    """The Triton block kernels on a shard window of several blocks (targets in later blocks: each
+    block's offset is offset + its start), and single_shard_backward on CUDA in both of its dX homes:
+    a plain fp32 accumulator (fp32, or too few rows to borrow) and dW's unwritten rows (bf16)."""
+    from mop_train.ops.ring_dtp.local import borrowed_rows, single_shard_backward
+    torch.cuda.set_device(0)
+    gen = torch.Generator().manual_seed(fresh_seed(83))
+    # fp32 and n != 1 only: with one token (a small random upstream) or in bf16 (logits near 10 rounded)
+    # the helper's block_grad_ check misses its tolerance in a few draws per thousand, resp. per hundred;
+    # the Triton bf16 path is judged in test_gpu_triton_matches_reference
+    for n in (0, *(int(torch.randint(3, 12, (1,), generator=gen)) for _ in range(3))):
+        _one_meeting(gen, n, torch.float32, 1e-5, device="cuda", impl="triton", block=3)  # >= 2 blocks (rows >= 5)
+    for dtype, n, borrowed, tol in ((torch.float32, 9, False, 1e-5), (torch.bfloat16, 31, False, 2e-2),
+                                    (torch.bfloat16, 5, True, 2e-2)):
+        h, v, block = 16, 53, 8
+        assert bool(borrowed_rows(n, h, v, dtype)) == borrowed
+        # logits of a few units: their bf16 rounding moves a probability by well under 2% (at logits
+        # near 15, as unscaled randn gives, it moves them by up to ~3% and the check turns flaky)
+        x, w = (torch.randn(n, h, generator=gen) / 4).to(dtype), torch.randn(v, h, generator=gen).to(dtype)
+        t = torch.randint(0, v, (n,), generator=gen)
+        t[0] = v - 1                                                   # a target in the last block
+        scale = torch.rand(n, generator=gen) + 0.5
+        z = x.double() @ w.double().t()                                # [n, V]
+        g = torch.softmax(z, 1) * scale[:, None].double()
+        g[torch.arange(n), t] -= scale.double()
+        want_dx, want_dw = g @ w.double(), g.t() @ x.double()
+        lse = torch.logsumexp(z, 1).float()
+        dx, dw = single_shard_backward(*(a.cuda() for a in (x, w, t, lse, scale)), block_size=block, impl="triton")
+        tag = f"single_shard_backward {dtype} n={n} borrowed={borrowed}"
+        assert dx.device.type == dw.device.type == "cuda" and dx.dtype == dw.dtype == dtype, tag
+        for name, got, want in (("dX", dx, want_dx), ("dW", dw, want_dw)):
+            assert_close(got.float(), want.float(), rtol=tol, atol=tol * (_scale(want) + 1), name=f"{name} {tag}")
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_output_addmm_and_its_fallback(monkeypatch):
+    """matmul_accumulate in bf16 on CUDA: one fp32-output addmm, its verdict cached per device type
+    ("cuda": True); where that addmm raises, it is tried once ("cuda": False) and the bounded fp32
+    partial products (torch.mm with out_dtype=fp32, rows past one partial product too) add every
+    product exactly once, in fp32, on every later call as well."""
+    from mop_train.ops.ring_dtp import local
+    torch.cuda.set_device(0)
+    gen = torch.Generator().manual_seed(fresh_seed(79))
+    m = 2 * local._LOW_PRECISION_ROWS + int(torch.randint(1, 50, (1,), generator=gen))
+    a, b = torch.randn(m, 48, generator=gen).bfloat16(), torch.randn(48, 40, generator=gen).bfloat16()
+    acc0 = torch.randn(m, 40, generator=gen)
+    product = a.double() @ b.double()                                  # exact products of the bf16 operands
+    real_addmm, tried = torch.addmm, []
+
+    def counted(*args, **kwargs):
+        tried.append("out_dtype" in kwargs)
+        return real_addmm(*args, **kwargs)
+
+    def missing(*args, **kwargs):
+        tried.append("out_dtype" in kwargs)
+        if "out_dtype" in kwargs:
+            raise RuntimeError("addmm: out_dtype is not supported here (simulated)")
+        return real_addmm(*args, **kwargs)
+
+    for fake, verdict in ((counted, True), (missing, False)):
+        monkeypatch.setattr(local, "_FUSED_FP32_ADDMM", {})
+        monkeypatch.setattr(torch, "addmm", fake)
+        tried.clear()
+        acc = acc0.cuda()
+        for calls in (1, 2):
+            local.matmul_accumulate(acc, a.cuda(), b.cuda())
+            want = acc0.double() + calls * product
+            assert_close(acc, want, rtol=1e-5, atol=1e-5 * _scale(want), name=f"acc after {calls} (fused {verdict})")
+            assert local._FUSED_FP32_ADDMM == {"cuda": verdict}, (calls, local._FUSED_FP32_ADDMM)
+            assert tried == [True] * (calls if verdict else 1), (verdict, calls, tried)  # a failure is not retried
+
+
+@pytest.mark.gpu
+def test_gpu_grad_in_forward_forms_each_gradient_in_one_gemm(monkeypatch):
+    """On the Triton path each round's dX and dW_r are one GEMM each over the whole shard (with block
+    columns only on the torch path): per round of c tokens, acc [c, H] += g [c, V] @ W, then
+    dW [V, H] += g^T [V, c] @ X_c, and nothing else goes through matmul_accumulate."""
+    from mop_train.ops.ring_dtp import local
+    torch.cuda.set_device(0)
+    real, calls = local.matmul_accumulate, []
+
+    def spy(acc, a, b):
+        calls.append((tuple(acc.shape), tuple(a.shape)))
+        real(acc, a, b)
+
+    monkeypatch.setattr(local, "matmul_accumulate", spy)
+    n, v, h, chunk = 1536, 5003, 256, 512
+    for dtype in (torch.float32, torch.bfloat16):
+        calls.clear()
+        _check_case_cuda([n], v, h, dtype, "sum", fresh_seed(89), block_size=1024, schedule="grad_in_forward",
+                         token_chunk=chunk)
+        assert calls == [((chunk, h), (chunk, v)), ((v, h), (v, chunk))] * (n // chunk), (dtype, calls)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_schedule_budget_edge_on_the_triton_path():
+    """On CUDA (impl None: triton) auto's test uses the Triton path's bound, which is below the torch
+    path's here: at that bound grad_in_forward is taken, one byte below it recompute."""
+    torch.cuda.set_device(0)
+    gen = torch.Generator().manual_seed(fresh_seed(97))
+    n, h, v, block, chunk = 64, 32, 1000, 256, 64
+    x = torch.randn(n, h, generator=gen).bfloat16().cuda().requires_grad_()
+    w = torch.randn(v, h, generator=gen).cuda().requires_grad_()          # fp32 master shard
+    t = torch.randint(0, v, (n,), generator=gen).cuda()
+    bound = {impl: ring_dtp_peak_bytes(n, h, v, 1, dtype=torch.bfloat16, block_size=block, impl=impl,
+                                       schedule="grad_in_forward", token_chunk=chunk, weight_dtype=torch.float32)
+             for impl in ("triton", "torch")}
+    assert bound["triton"] < bound["torch"], bound
+    for budget, expected in ((bound["triton"], "RingDTPGradInForwardBackward"), (bound["triton"] - 1, "SumBackward0")):
+        loss = ring_dtp_cross_entropy(x, w, t, vocab_size=v, reduction="sum", block_size=block, token_chunk=chunk,
+                                      memory_budget=budget)
+        assert type(loss.grad_fn).__name__ == expected, (budget, bound, loss.grad_fn)
+
+
+_HUB_TIMEOUT = 60.0  # seconds a thread-rank waits for the other before the test fails (a hang)
+
+
+class _OtherRankFailed(RuntimeError):
+    pass
+
+
+class _Hub:
+    """The ranks of one vocab group played by threads of this process on one GPU. The ring's shifts
+    and the group's collectives meet here and are held to NCCL's rules: every buffer exchanged lives
+    on the GPU, and a receive has exactly its send's dtype and element count."""
+
+    def __init__(self, size: int, device: torch.device):
+        self.size, self.device = size, device
+        self.cond = threading.Condition()
+        self.barrier = threading.Barrier(size, timeout=_HUB_TIMEOUT)
+        self.mail, self.shifts, self.slots, self.broken = {}, [0] * size, [None] * size, False
+
+    def check(self, tensors, what: str) -> None:
+        for t in tensors:
+            if t.device != self.device:
+                raise RuntimeError(f"{what}: a {tuple(t.shape)} buffer on {t.device}; NCCL takes {self.device} only")
+
+    def abort(self) -> None:
+        with self.cond:
+            self.broken = True
+            self.cond.notify_all()
+        self.barrier.abort()
+
+    def exchange(self, rank: int, tensor: torch.Tensor) -> list:
+        """Every rank's `tensor`, by rank (the core of both collectives)."""
+        self.slots[rank] = tensor.clone()
+        self._wait()
+        parts = list(self.slots)
+        self._wait()                                                   # all have read before any rewrites
+        return parts
+
+    def _wait(self) -> None:
+        try:
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            raise _OtherRankFailed("the other rank failed or hung") from None
+
+
+class _ThreadGroup:
+    def __init__(self, hub: _Hub, rank: int):
+        self.hub, self.rank = hub, rank
+
+
+class _Arrival:
+    """The work of one shift: wait() copies the previous rank's matching shift into the receives."""
+
+    def __init__(self, hub: _Hub, key, recvs):
+        self.hub, self.key, self.recvs = hub, key, recvs
+
+    def wait(self) -> None:
+        hub = self.hub
+        with hub.cond:
+            if not hub.cond.wait_for(lambda: hub.broken or self.key in hub.mail, timeout=_HUB_TIMEOUT):
+                raise TimeoutError(f"shift {self.key}: nothing arrived")
+            if hub.broken:
+                raise _OtherRankFailed("the other rank failed")
+            payload = hub.mail.pop(self.key)
+        got = [(t.dtype, t.numel()) for t in payload]
+        want = [(t.dtype, t.numel()) for t in self.recvs]
+        if got != want:
+            raise RuntimeError(f"shift {self.key}: receives {want} do not match the sends {got}")
+        for dst, src in zip(self.recvs, payload):
+            dst.copy_(src.reshape(dst.shape))
+
+
+def _thread_shift(ring, sends, recvs):
+    """Ring.shift through the hub: the k-th shift of rank r reaches the k-th shift of rank r+1."""
+    hub = ring.group.hub
+    sends = [t for t in sends if t.numel() > 0]                        # as Ring.shift: empty ones skipped
+    recvs = [t for t in recvs if t.numel() > 0]
+    hub.check(sends + recvs, "shift")
+    with hub.cond:
+        k = hub.shifts[ring.rank]
+        hub.shifts[ring.rank] += 1
+        hub.mail[((ring.rank + 1) % ring.size, k)] = [t.clone() for t in sends]
+        hub.cond.notify_all()
+    return [_Arrival(hub, (ring.rank, k), recvs)]
+
+
+def _thread_all_gather(outs, tensor, group=None, async_op=False):
+    group.hub.check([tensor, *outs], "all_gather")
+    for out, part in zip(outs, group.hub.exchange(group.rank, tensor), strict=True):
+        out.copy_(part)
+
+
+def _thread_all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+    group.hub.check([tensor], "all_reduce")
+    parts = group.hub.exchange(group.rank, tensor)
+    total = parts[0]
+    for part in parts[1:]:
+        total = torch.maximum(total, part) if op == torch.distributed.ReduceOp.MAX else total + part
+    tensor.copy_(total)
+
+
+def _run_thread_ranks(hub: _Hub, fn, *args) -> None:
+    """fn(rank, group, *args) on every rank of `hub`, one thread each; the first real failure is raised."""
+    errors = [None] * hub.size
+
+    def body(rank):
+        try:
+            torch.cuda.set_device(hub.device)
+            fn(rank, _ThreadGroup(hub, rank), *args)
+        except BaseException as err:  # noqa: BLE001 - handed to the test's thread
+            errors[rank] = err
+            hub.abort()
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(hub.size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=3 * _HUB_TIMEOUT)
+    if any(thread.is_alive() for thread in threads):
+        hub.abort()
+        raise AssertionError("a thread-rank hung")
+    failed = [e for e in errors if e is not None]
+    real = [e for e in failed if not isinstance(e, _OtherRankFailed)]
+    if failed:
+        raise (real or failed)[0]
+
+
+def _thread_ring_rank(rank, group, problem, refs, vocab):
+    """One rank of the two-thread ring: eval forwards (both ways of moving) and grad_in_forward, whose
+    backward is applied in this thread (the autograd engine's one CUDA worker would serve one rank at a
+    time, while each rank's backward waits for the other's all-gather)."""
+    weight, xs, ts, _ = problem
+    shard_rows = -(-vocab // 2)
+    lo, hi = min(vocab, rank * shard_rows), min(vocab, (rank + 1) * shard_rows)
+    call = dict(vocab_size=vocab, block_size=4, impl="torch")
+
+    def close(ours, true, name):
+        err, scale = _errors(ours, true)[1], _scale(true)
+        assert err <= 2e-5 * scale, f"rank {rank} {name}: {err} (scale {scale})"
+
+    for mode in ("move_activations", "move_weights"):
+        with torch.no_grad():
+            loss = ring_dtp_cross_entropy(xs[rank], weight[lo:hi], ts[rank], group, mode=mode, reduction="none",
+                                          **call)
+        close(loss, refs["none"][0][rank], f"loss {mode}")
+    x, w = xs[rank].clone().requires_grad_(), weight[lo:hi].clone().requires_grad_()
+    loss = ring_dtp_cross_entropy(x, w, ts[rank], group, schedule="grad_in_forward", token_chunk=2, reduction="sum",
+                                  **call)
+    assert type(loss.grad_fn).__name__ == "RingDTPGradInForwardBackward", loss.grad_fn
+    dx, dw = loss.grad_fn.apply(loss.new_tensor(_SHARED))[:2]
+    ref_loss, ref_dx, ref_dw = refs["sum"]
+    close(loss, ref_loss[rank], "grad_in_forward loss")
+    close(dx, ref_dx[rank], "grad_in_forward dX")
+    close(dw, ref_dw[lo:hi], "grad_in_forward dW")
+
+
+@pytest.mark.gpu
+def test_gpu_ring_of_two_threads_keeps_every_buffer_on_the_gpu(monkeypatch):
+    """A vocab group of 2 on one GPU, its ranks two threads (no second GPU here): the counts'
+    all-gather, the forward's token and accumulator shifts, grad_in_forward's lse all-reduces and
+    travelling dX accumulators, and backward's upstream all-gather all exchange GPU buffers of
+    matching sizes, and the results match the full-logits reference (fp32, relative 2e-5)."""
+    from mop_train.ops.ring_dtp.ring import Ring
+    torch.cuda.set_device(0)
+    vocab, counts = 37, [7, 4]
+    problem = _problem(fresh_seed(101), counts, vocab, 16, torch.float32, "cuda")
+    weight, xs, ts, gouts = problem
+    refs = {"none": _reference(weight, xs, ts, gouts, "none"),
+            "sum": _reference(weight, xs, ts, gouts, "sum", shared=True)}
+    monkeypatch.setattr(Ring, "shift", _thread_shift)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: group.rank)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: group.hub.size)
+    monkeypatch.setattr(torch.distributed, "all_gather", _thread_all_gather)
+    monkeypatch.setattr(torch.distributed, "all_reduce", _thread_all_reduce)
+    _run_thread_ranks(_Hub(2, torch.device("cuda", 0)), _thread_ring_rank, problem, refs, vocab)
