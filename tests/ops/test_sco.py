@@ -2,7 +2,8 @@
 per-step budgets, the host data path and its chunked arena, boundaries that must stay on the device,
 dropout under preserve_rng_state, CPU wait accounting, graphs freed early or kept across steps,
 nested reentrant checkpoints, FSDP2 (2 gloo ranks), and on GPU: no default-stream synchronisation,
-memory back to baseline, a lower peak."""
+memory back to baseline, a lower peak, copies on one side stream into pinned chunks, wait_s timed on
+the stream that waits (in seconds), and an unused prefetch that the compute stream waits for."""
 
 from __future__ import annotations
 
@@ -809,3 +810,179 @@ def test_gpu_peak_drops_by_the_offloaded_boundaries():
     # three boundaries' worth; offloading the rest frees less than the two this model predicts.
     assert peaks[4 * size] <= peaks[0] - 2.5 * size, peaks
     assert peaks[n_layers * size] < peaks[4 * size], peaks
+
+
+# A spin of about 0.3 s on whichever stream is current when it is queued (2**29 clock cycles; the
+# H200 runs at up to 1.98 GHz): long beside the host's few milliseconds between queuing it and the
+# checks below, and always timed with CUDA events rather than assumed.
+_STALL_CYCLES = 1 << 29
+
+
+def _stall():
+    """Queue the spin on the current stream, bracketed by timing events; return them."""
+    before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    before.record()
+    torch.cuda._sleep(_STALL_CYCLES)
+    after.record()
+    return before, after
+
+
+def _gpu_sco(n_layers, n, h, budget_layers, seed):
+    """SCO over `n_layers` ToyLayers [n, h] in bf16 on the GPU, with room for `budget_layers` boundaries."""
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    size = boundary_bytes(n, h, dtype)
+    layers = _gpu_stack(n_layers, h, seed=seed)
+    sco = SelectiveCheckpointOffload(budget_layers * size, device=dev)
+    ours = [sco.wrap(copy.deepcopy(m)).to(dev, dtype) for m in layers]
+    return sco, ours, layers, size
+
+
+@pytest.mark.gpu
+def test_gpu_copies_run_on_one_side_stream_through_pinned_chunks():
+    """Every device<->host copy of a boundary runs on SCO's one side stream of the boundary's device
+    (not on the compute stream), into pinned arena chunks; after a backward over a retained graph no
+    boundary holds a fetched copy or an event; the second backward is bitwise plain checkpointing's too."""
+    dev, dtype, n, h, n_layers = torch.device("cuda"), torch.bfloat16, 1024, 256, 4
+    sco, ours, layers, _ = _gpu_sco(n_layers, n, h, n_layers, seed=70)
+    ref = [checkpointed(copy.deepcopy(m)).to(dev, dtype) for m in layers]
+    streams = {"write": [], "read": []}
+    write, read_into = sco._arena.write, sco._arena.read_into
+
+    def spy_write(offset, src):
+        streams["write"].append(torch.cuda.current_stream(src.device).cuda_stream)
+        write(offset, src)
+
+    def spy_read(offset, dst):
+        streams["read"].append(torch.cuda.current_stream(dst.device).cuda_stream)
+        read_into(offset, dst)
+
+    sco._arena.write, sco._arena.read_into = spy_write, spy_read
+    x, pos, scales = _inputs(n, [h] * (n_layers + 1), seed=71, dtype=dtype, device=dev)
+    g = torch.randn(n, h, generator=torch.Generator().manual_seed(fresh_seed(72)), dtype=dtype).to(dev)
+    results = []
+    for mods in (ref, ours):
+        for t in [x, *scales, *(p for m in mods for p in m.parameters())]:
+            t.grad = None
+        out = _forward(mods, x, pos, scales)
+        out.backward(g, retain_graph=True)
+        first = _grads(mods, x, scales)
+        if mods is ours:
+            assert sco.offloaded_layers == list(range(n_layers))
+            states = [r().state for r in sco._records]                      # the retained graph holds them
+            assert len(states) == n_layers and all(s.offset is not None for s in states)
+            assert all(s.fetched is None and s.ready is None for s in states), \
+                [(s.layer, s.fetched is None, s.ready) for s in states]
+            del states
+        for t in [x, *scales, *(p for m in mods for p in m.parameters())]:
+            t.grad = None
+        out.backward(2 * g)
+        results.append([out.detach(), *first, *_grads(mods, x, scales)])
+        del out
+    _assert_all_equal(results[1], results[0], "retained graph on the GPU")
+    torch.cuda.synchronize()
+    assert list(sco._copy_streams) == [x.device], list(sco._copy_streams)
+    side = sco._copy_streams[x.device].cuda_stream
+    assert side != torch.cuda.current_stream(dev).cuda_stream
+    assert streams["write"] == [side] * n_layers, (side, streams)
+    assert streams["read"] == [side] * (2 * n_layers), (side, streams)  # each boundary read back once a backward
+    assert sco._arena.chunks and all(c.is_pinned() for c in sco._arena.chunks)
+    assert sco.pinned_bytes == sum(c.numel() for c in sco._arena.chunks)
+
+
+@pytest.mark.gpu
+def test_gpu_wait_s_adds_up_a_stalled_copy_in_seconds():
+    """The device->host copy of layer 0's boundary is held back ~0.3 s on the side stream, so the
+    compute stream stalls for it at layer 1: wait_s is the sum of the timed stream waits, in seconds,
+    at least half that stall and at most the wall time of the step."""
+    dev, dtype, n, h, n_layers = torch.device("cuda"), torch.bfloat16, 1024, 256, 4
+    sco, ours, _, _ = _gpu_sco(n_layers, n, h, n_layers, seed=73)
+    x, pos, scales = _inputs(n, [h] * (n_layers + 1), seed=74, dtype=dtype, device=dev)
+    _step(ours, x, pos, scales, 75)                                        # warm-up: pinned chunks, streams
+    stalls = []
+    write = sco._arena.write
+
+    def slow_write(offset, src):
+        if offset == 0:                                                    # layer 0's boundary
+            stalls.append(_stall())                                        # on the stream the copy runs on
+        write(offset, src)
+
+    sco._arena.write = slow_write
+    x, pos, scales = _inputs(n, [h] * (n_layers + 1), seed=76, dtype=dtype, device=dev)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    _step(ours, x, pos, scales, 77)
+    stats = sco.last_step_stats()
+    elapsed = time.perf_counter() - started
+    assert sco.offloaded_layers == list(range(n_layers)) and len(stalls) == 1
+    stalled = stalls[0][0].elapsed_time(stalls[0][1]) / 1000.0
+    waits = list(sco._waits)
+    assert len(waits) >= n_layers and all(isinstance(w, tuple) for w in waits), waits
+    timed = 0.0
+    for start, end in waits:                                               # each stall, ms -> s
+        timed += start.elapsed_time(end) / 1000.0
+    assert stats["wait_s"] == pytest.approx(timed, rel=1e-9, abs=0.0), (stats["wait_s"], timed)
+    assert stalled / 2 <= stats["wait_s"] <= elapsed, (stalled, stats["wait_s"], elapsed)
+
+
+@pytest.mark.gpu
+def test_gpu_wait_is_timed_on_the_stream_that_waits():
+    """Layer 0 runs on a side stream of the caller's, which then spins ~0.3 s; layer 1 runs on the
+    default stream and makes the side stream wait for layer 0's copy (long finished). The wait is timed
+    on the side stream, behind the spin: it lasts next to nothing (not the spin, not negative)."""
+    dev, dtype, n, h = torch.device("cuda"), torch.bfloat16, 1024, 256
+    sco, ours, _, _ = _gpu_sco(2, n, h, 2, seed=78)
+    x, pos, scales = _inputs(n, [h] * 3, seed=79, dtype=dtype, device=dev)
+    _step(ours, x, pos, scales, 80)                                        # warm-up
+    x1 = torch.randn(n, h, generator=torch.Generator().manual_seed(fresh_seed(81)), dtype=dtype).to(dev)
+    side = torch.cuda.Stream(device=dev)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        h0 = ours[0](x, pos, scale=scales[0])
+        before, after = _stall()
+    h1 = ours[1](x1, pos, scale=scales[1])                                 # independent of h0: no stream join
+    stats = sco.last_step_stats()
+    torch.cuda.synchronize()
+    assert sco.offloaded_layers == [0, 1] and len(sco._waits) == 1
+    stalled = before.elapsed_time(after) / 1000.0
+    assert 0.0 <= stats["wait_s"] <= stalled / 2, (stats["wait_s"], stalled)
+    del h0, h1
+
+
+@pytest.mark.gpu
+def test_gpu_unused_prefetch_holds_back_the_compute_stream():
+    """A backward that stops early (autograd.grad of the last layer's parameters) leaves the boundary
+    it prefetched unused, its host->device copy held back ~0.3 s on the side stream. Freeing the graph
+    gives that copy's block back to the compute stream's pool, so the compute stream must first wait for
+    the copy: work queued on it afterwards finishes only after the copy. The next step offloads every
+    layer again and is bitwise plain checkpointing's."""
+    dev, dtype, n, h, n_layers = torch.device("cuda"), torch.bfloat16, 1024, 256, 3
+    sco, ours, layers, _ = _gpu_sco(n_layers, n, h, n_layers, seed=82)
+    ref = [checkpointed(copy.deepcopy(m)).to(dev, dtype) for m in layers]
+    x, pos, scales = _inputs(n, [h] * (n_layers + 1), seed=83, dtype=dtype, device=dev)
+    _step(ours, x, pos, scales, 84)                                        # warm-up
+    g = torch.randn(n, h, generator=torch.Generator().manual_seed(fresh_seed(85)), dtype=dtype).to(dev)
+    want = torch.autograd.grad(_forward(ref, x, pos, scales), list(ref[-1].parameters()), g)
+    out = _forward(ours, x, pos, scales)
+    assert sco.offloaded_layers == list(range(n_layers))
+    prefetched = sco._records[n_layers - 2]().state                        # read back for the last recompute
+    read_into = sco._arena.read_into
+
+    def slow_read(offset, dst):
+        if offset == prefetched.offset:
+            _stall()                                                       # on the stream the copy runs on
+        read_into(offset, dst)
+
+    sco._arena.read_into = slow_read
+    got = torch.autograd.grad(out, list(ours[-1].parameters()), g)
+    _assert_all_equal(list(got), list(want), "partial backward on the GPU")
+    ready = prefetched.ready
+    assert prefetched.fetched is not None and ready is not None           # prefetched, never used
+    del out
+    assert prefetched.fetched is None                                      # the graph is gone, and its copy
+    behind = torch.cuda.Event()
+    behind.record()                                                        # on the compute stream
+    behind.synchronize()
+    assert ready.query(), "the compute stream ran ahead of a copy into a block it was given back"
+    sco._arena.read_into = read_into
+    _assert_all_equal(_step(ours, x, pos, scales, 86), _step(ref, x, pos, scales, 86), "after the partial backward")
+    assert sco.offloaded_layers == list(range(n_layers))
