@@ -21,7 +21,9 @@ from mop_train.models import zoo
 from mop_train.models.attention import rope_cos_sin, rope_inv_freq
 from mop_train.models.model import TransformerBlock
 from mop_train.ops.moe_dispatch import DispatchStats, ExpertDispatch, PipelinedLLEPOptions, moe_experts_forward
+from mop_train.ops.moe_dispatch import local as local_dispatch
 from mop_train.ops.moe_dispatch.chunked_experts import ExpertGradSum
+from mop_train.ops.moe_dispatch.comm import host_to_device
 from mop_train.ops.moe_dispatch.local import group_offsets
 from mop_train.ops.moe_dispatch.reference import reference_experts_forward
 from tests.dist_utils import run_distributed
@@ -292,3 +294,118 @@ def test_grouped_weight_grads_cuda_bf16():
     for name, got, ref in zip(("w1", "w2", "w3"), acc.take(), want):
         assert got.dtype == torch.bfloat16
         assert_close_to_scale(got.float().cpu(), ref, rtol=2e-2, name=f"cuda grouped d{name}")
+
+
+def nan_pool() -> torch.cuda.MemPool:
+    """A private CUDA memory pool whose cached free memory reads NaN (small blocks and one large), so a
+    kernel output that is allocated in it and never written shows up as NaN."""
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        junk = [torch.full((n,), float("nan"), dtype=torch.bfloat16, device="cuda")
+                for n in [1 << 19] * 8 + [32 << 20]]           # 8 x 1 MiB (small pool), 64 MiB (large)
+        del junk
+    return pool
+
+
+@pytest.mark.gpu
+def test_grouped_weight_grads_cuda_idle_experts_exact_zero():
+    """On CUDA bf16 (sm90+) ExpertGradSum picks torch._grouped_mm by itself, and an expert with no rows
+    in a chunk adds exactly nothing, also if its slice of the grouped output were left unwritten (the
+    memory it is allocated from reads NaN; the sum zeroes those slices itself): an expert no chunk
+    reached reads exact zeros, the others match the fp32 per-expert sum. With no chunk at all, take()
+    gives zeros on the weights' device."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("torch._grouped_mm needs sm90+")
+    gen = torch.Generator().manual_seed(fresh_seed(6))
+    e, h, i = 6, 64, 96
+    w = [torch.empty(e, i, h, device="cuda", dtype=torch.bfloat16),
+         torch.empty(e, h, i, device="cuda", dtype=torch.bfloat16),
+         torch.empty(e, i, h, device="cuda", dtype=torch.bfloat16)]
+    for got, ref in zip(ExpertGradSum(e, *w).take(), w):
+        assert (got.device, got.dtype, got.shape) == (ref.device, ref.dtype, ref.shape)
+        assert not got.any()
+    pool = nan_pool()
+    acc = ExpertGradSum(e, *w)
+    want = [torch.zeros(t.shape) for t in w]
+    # Every expert but 1 is idle in one chunk and busy in another; expert 1 gets no rows at all.
+    with torch.cuda.use_mem_pool(pool):
+        for counts in ([5, 0, 17, 0, 3, 9], [0, 0, 2, 11, 0, 6], [4, 0, 0, 1, 7, 0]):
+            counts = torch.tensor(counts)
+            R = int(counts.sum())
+            x, go = torch.randn(R, h, generator=gen), torch.randn(R, h, generator=gen)
+            dh1, a, dh3 = (torch.randn(R, i, generator=gen) for _ in range(3))
+            cuda = [t.cuda().bfloat16() for t in (x, dh1, go, a, dh3)]
+            groups = group_offsets(cuda[0], counts, w[0])
+            with OpNames() as ops:
+                acc.add(cuda[0], groups, counts, *cuda[1:])
+            assert "_grouped_mm" in ops.names, sorted(ops.names)              # chosen without forcing
+            # The idle experts' slices are zeroed by the sum itself: torch._grouped_mm's output for an
+            # empty group is unspecified (torch 2.11 on sm90 happens to write zeros there).
+            assert ops.names & {"index_fill_", "index_put_", "masked_fill_", "fill_", "zero_"}, sorted(ops.names)
+            for ex, (xe, d1, ge, ae, d3) in enumerate(zip(*(t.bfloat16().float().split(counts.tolist())
+                                                           for t in (x, dh1, go, a, dh3)))):
+                want[0][ex] += d1.t() @ xe
+                want[1][ex] += ge.t() @ ae
+                want[2][ex] += d3.t() @ xe
+        sums = acc.take()
+    for name, got, ref in zip(("w1", "w2", "w3"), sums, want):
+        assert got.dtype == torch.bfloat16 and got.device == w[0].device
+        assert not got[1].any(), f"d{name}: the expert with no rows is not exactly zero"
+        assert_close_to_scale(got.float().cpu(), ref, rtol=2e-2, name=f"cuda grouped d{name}, idle experts")
+    del cuda, groups, sums, acc                                   # the pool's tensors before the pool
+    del pool
+
+
+@pytest.mark.gpu
+def test_host_copies_and_group_offsets_without_host_sync():
+    """Counts, offsets and ids reach the GPU as queued copies: under set_sync_debug_mode("error"),
+    host_to_device and group_offsets (counts on the host, or on x's GPU) make no host sync, and the
+    offsets are the int32 cumulative counts on x's device. host_to_device to another device is a plain
+    copy there; where the CUDA kernel is not used (fp32, fp16) group_offsets gives the counts on the CPU."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("torch._grouped_mm needs sm90+")
+    gen = torch.Generator().manual_seed(fresh_seed(7))
+    counts = torch.tensor([3, 0, 17, 0, 1, 9, 0])
+    x = torch.randn(int(counts.sum()), 64, generator=gen).to("cuda", torch.bfloat16)
+    w = torch.empty(7, 96, 64, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randperm(50, generator=gen)[:5]
+    dev_counts = counts.to("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got_ids = host_to_device(ids, "cuda")
+        from_host = group_offsets(x, counts, w)
+        from_dev = group_offsets(x, dev_counts, w)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got_ids.device == x.device and torch.equal(got_ids.cpu(), ids)
+    want = torch.cumsum(counts, 0).to(torch.int32)
+    for tag, got in (("host counts", from_host), ("device counts", from_dev)):
+        assert (got.device, got.dtype) == (x.device, torch.int32), tag
+        assert torch.equal(got.cpu(), want), tag
+    for device in ("cpu", "meta"):
+        got = host_to_device(ids, device)
+        assert (got.device.type, got.dtype, got.shape) == (device, ids.dtype, ids.shape)
+    assert torch.equal(host_to_device(ids, "cpu"), ids)
+    for dtype in (torch.float32, torch.float16):
+        for c in (counts, dev_counts):
+            got = group_offsets(x.to(dtype), c, w.to(dtype))
+            assert (got.device.type, got.dtype) == ("cpu", torch.int64), (dtype, c.device)
+            assert torch.equal(got, counts), (dtype, c.device)
+
+
+@pytest.mark.gpu
+def test_grouped_mm_support_asks_x_own_gpu(monkeypatch):
+    """Whether torch._grouped_mm may run is asked of the GPU x lives on, not of the current device (on a
+    host of several GPUs they can differ): with the current device patched to an index no GPU has, the
+    sm90 check is asked about x.device.index, once, for bf16 x."""
+    gen = torch.Generator().manual_seed(fresh_seed(8))
+    x = torch.randn(5, 64, generator=gen).to("cuda", torch.bfloat16)
+    w = torch.empty(3, 96, 64, device="cuda", dtype=torch.bfloat16)
+    asked = []
+    with monkeypatch.context() as m:
+        m.setattr(local_dispatch, "_sm90_or_newer", lambda index: asked.append(index) or True)
+        m.setattr(torch.cuda, "current_device", lambda: 12345)
+        supported = local_dispatch._grouped_mm_supported(x, w)
+    assert supported
+    assert asked == [x.device.index]
