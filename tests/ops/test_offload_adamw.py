@@ -653,3 +653,166 @@ def test_cuda_staging_memory_within_bound(host_fraction):
     torch.cuda.synchronize()
     bound = staging_bytes_bound(bucket, slots, host_share=host_fraction > 0)
     assert torch.cuda.max_memory_allocated() - before <= bound + 4096
+
+
+# ---- the CPU-updated share (host_update.py) and the page-locked host buffers on CUDA ----------------
+_SLEEP = 1 << 29  # torch.cuda._sleep cycles: about 0.27 s at the H200's 1.98 GHz, 100x what step() takes
+
+
+def _cuda_pair(seed: int, dtype, **kwargs):
+    """Our optimizer on CUDA parameters and torch's fused AdamW on fp32 copies of them."""
+    ours_p = _params(seed, dtype, "cuda")
+    ref_p = [nn.Parameter(p.detach().float().clone()) for p in ours_p]  # never alias ours
+    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2, **kwargs)
+    return ours_p, opt, ref_p, torch.optim.AdamW(_groups(ref_p), **HP, fused=True)
+
+
+def _assert_matches_fused(ours_p, opt, ref_p, ref):
+    ours = opt.state_dict()
+    for i, (p, q) in enumerate(zip(ours_p, ref_p)):
+        assert_close(ours["state"][i]["master"], q, rtol=RTOL, atol=ATOL, name=f"master {i}")
+        assert_bitwise_equal(p.detach(), ours["state"][i]["master"].cuda().to(p.dtype), name=f"weight {i}")
+    _assert_state_close(ours, ref.state_dict())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [6, 1 << 20], ids=["chunks", "one-chunk"])
+def test_cuda_host_share_waits_for_its_gradients(chunk, monkeypatch):
+    """Gradients still being written on the compute stream when step() is called (behind a long
+    kernel) are the ones the CPU share updates with: the downloads wait for the step's start, and
+    the CPU waits for each chunk's downloads (several chunks, the first of one segment; or one)."""
+    monkeypatch.setattr(host_update, "CHUNK", chunk)
+    seed = fresh_seed(45)
+    ours_p, opt, ref_p, ref = _cuda_pair(seed, torch.bfloat16, host_fraction=1.0)
+    chunks = opt._host_update.chunks
+    if chunk > 81:
+        assert len(chunks) == 1
+    else:  # 14 chunks; the first lies inside parameter 0
+        assert len(chunks) == 14 and len(chunks[0].segments) == 1
+    for step in range(4):
+        grads = [None if g is None else g.cuda() for g in _grads(step, SHAPES, torch.bfloat16, seed)]
+        for p, q, g in zip(ours_p, ref_p, grads):
+            p.grad = None if g is None else (g * -2).add_(1)  # stale values until the kernel is done
+            q.grad = None if g is None else g.float()
+        torch.cuda._sleep(_SLEEP)
+        for p, g in zip(ours_p, grads):
+            if g is not None:
+                p.grad.copy_(g)  # the final gradients, on the compute stream after the long kernel
+        opt.step()
+        ref.step()
+    _assert_matches_fused(ours_p, opt, ref_p, ref)
+
+
+@pytest.mark.gpu
+def test_cuda_host_share_copies_on_its_own_streams_without_host_syncs(monkeypatch):
+    """The CPU share on CUDA: step() never blocks the host on a copy (sync debug mode "error"); the
+    downloads and uploads run on their own streams (they finish while the compute stream is still
+    busy behind a long kernel queued after the step's start); when the uploads are held back, the
+    compute stream still reads the new weights after step() and wait_for_writeback() waits for them;
+    step_seconds() times the uploads (0 < it <= the wall time around step() on the compute stream)."""
+    monkeypatch.setattr(host_update, "CHUNK", 6)
+    seed = fresh_seed(47)
+    ours_p, opt, ref_p, ref = _cuda_pair(seed, torch.float32, host_fraction=1.0)
+    host, streams, compute = opt._host_update, opt._streams, torch.cuda.current_stream()
+    download = host.download
+
+    def download_behind_a_busy_compute_stream(*args):
+        torch.cuda._sleep(_SLEEP)  # on the compute stream, after the step's start event
+        download(*args)
+
+    for step in range(5):
+        for p, q, g in zip(ours_p, ref_p, _grads(step, SHAPES, torch.float32, seed)):
+            p.grad = None if g is None else g.cuda()
+            q.grad = None if g is None else g.cuda()
+        if step == 1:
+            host.download = download_behind_a_busy_compute_stream
+        if step == 2:
+            with torch.cuda.stream(streams.up):
+                torch.cuda._sleep(_SLEEP)  # the uploads queue behind this
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        after.record()
+        if step == 1:
+            del host.download
+            opt.wait_for_writeback()  # returns once the uploads are done
+            assert not compute.query(), "the downloads or uploads waited for the compute stream's kernel"
+        if step == 2:
+            weights = [p.detach().clone() for p in ours_p]  # read on the compute stream right after step()
+            opt.wait_for_writeback()
+            assert streams.up.query(), "wait_for_writeback() returned while an upload was still queued"
+            torch.cuda.synchronize()
+            for i, (w, p) in enumerate(zip(weights, ours_p)):
+                assert_bitwise_equal(w, p.detach(), name=f"weight {i} read after step()")
+        after.synchronize()
+        assert 0.0 < opt.step_seconds() <= before.elapsed_time(after) / 1e3
+        ref.step()
+    _assert_matches_fused(ours_p, opt, ref_p, ref)
+
+
+@pytest.mark.gpu
+def test_cuda_host_buffers_are_registered_until_released(monkeypatch):
+    """Host buffers are page-locked (cudaHostRegister) while they are used and unregistered when
+    released: directly, and the CPU share's gradient buffer once its HostUpdate is dropped (a new
+    host_fraction); a refused registration raises, naming the bytes and the CUDA error."""
+    import mmap
+
+    from mop_train.ops.offload_adamw.buckets import (allocate_host_buffer, allocate_host_state, release_when_idle,
+                                                     unregister_host_state)
+    from mop_train.ops.offload_adamw.streams import Streams
+    buffer, registered = allocate_host_buffer(5000, pin=True)
+    assert registered and buffer.is_pinned()
+    release_when_idle(buffer.data_ptr(), Streams(torch.device("cuda")))
+    assert not buffer.is_pinned()
+    state, registered = allocate_host_state(81, pin=True)
+    assert registered and state.is_pinned() and state.shape == (3, 81)
+    unregister_host_state(state.data_ptr())
+    assert not state.is_pinned()
+
+    params = _params(fresh_seed(53), torch.bfloat16, "cuda")
+    opt = OffloadStreamAdamW(params, bucket_params=7, slots=2, host_fraction=0.5)
+    grads = opt._host_update._grad_views[0]  # keeps the old buffer's memory alive
+    assert grads.is_pinned()
+    opt.resize_staging(7, 2, host_fraction=0.25)  # drops the previous HostUpdate
+    assert not grads.is_pinned()
+    assert opt._host_update._grad_views[0].is_pinned()
+
+    cudart = torch.cuda.cudart()
+
+    class Refusing:
+        def __getattr__(self, name):
+            return getattr(cudart, name)
+
+        @staticmethod
+        def cudaHostRegister(ptr, size, flags):
+            return 2  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(torch.cuda, "cudart", Refusing)
+    span = -(-5000 // mmap.PAGESIZE) * mmap.PAGESIZE
+    with pytest.raises(RuntimeError, match=rf"cudaHostRegister of {span} host bytes failed \(cudaError 2\); "
+                                           "free host memory"):
+        allocate_host_buffer(5000, pin=True)
+
+
+@pytest.mark.gpu
+def test_cuda_straddler_state_is_a_host_copy():
+    """On CUDA, the state of the parameter that straddles the device share's end is a host copy of
+    its two pieces (device head, host tail); wholly resident state stays a live view on the device."""
+    seed = fresh_seed(49)
+    ours_p, opt, ref_p, ref = _cuda_pair(seed, torch.float32, device_fraction=0.4)
+    assert opt._dev_end == 32  # flat offsets 0, 15, 22, 23, 23, 56, 68: parameter 4 holds [23, 56)
+    for step in range(3):
+        for p, q, g in zip(ours_p, ref_p, _grads(step, SHAPES, torch.float32, seed)):
+            p.grad = None if g is None else g.cuda()
+            q.grad = None if g is None else g.cuda()
+        opt.step()
+        ref.step()
+    state = opt.state_dict()["state"]
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        assert state[4][key].device.type == "cpu", key
+        assert state[0][key].is_cuda and state[6][key].device.type == "cpu", key
+    _assert_matches_fused(ours_p, opt, ref_p, ref)
