@@ -4,12 +4,14 @@ on CUDA, the same against the non-overlapped step and a forward that starts befo
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn as nn
 
 from mop_train.ops.offload_adamw import OffloadStreamAdamW, forward_order, forward_units, host_update
-from mop_train.ops.offload_adamw.forward_waits import ForwardWaits, Ready
+from mop_train.ops.offload_adamw.forward_waits import ForwardWaits, Ready, _fsdp_streams
 from mop_train.ops.offload_adamw.streams import Streams
 from tests.ops.test_offload_adamw import HP, _assert_same_run
 from tests.utils import assert_bitwise_equal, fresh_seed
@@ -236,6 +238,135 @@ def _fsdp_overlap_worker(rank, world_size, device_fraction):
 def test_cuda_fsdp2_overlap_same_bits(device_fraction):
     from tests.dist_utils import run_distributed
     run_distributed(_fsdp_overlap_worker, 1, device_fraction, backend="nccl")
+
+
+@pytest.fixture
+def nccl_group(monkeypatch):
+    """A 1-rank NCCL process group in this process, joined as run_distributed's ranks join theirs
+    (FSDP2 on one GPU, with the waits traced in the test's own process)."""
+    import torch.distributed as dist
+    from tests.dist_utils import _free_port, _init
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    _init("nccl", 0, 1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_cuda_fsdp2_waits_hold_back_the_all_gather_streams(nccl_group, monkeypatch):
+    """FSDP2 units: every piece the forward waits for is also waited for by FSDP2's all-gather streams
+    (copy-in and all-gather: they read a unit's sharded weights before its forward, and before the
+    unit's own wait has held back the compute stream); overlap gives the bits of overlap = false."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh("cuda", (1,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    waited, wait_event = [], torch.cuda.Stream.wait_event
+
+    def spy(stream, event):
+        waited.append((stream, event))
+        wait_event(stream, event)
+    monkeypatch.setattr(torch.cuda.Stream, "wait_event", spy)
+    seed = fresh_seed(71)
+    runs = []
+    for overlap in (False, True):
+        model = _Net(seed, device="cuda", width=64)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        assert _fsdp_streams(model) == [] and _fsdp_streams(nn.Linear(2, 2)) == []  # before lazy init
+        opt = OffloadStreamAdamW(forward_order(model), **HP, bucket_params=300, slots=2, device_fraction=0.2,
+                                 host_fraction=0.3, overlap=overlap)
+        opt.wait_in_forward(forward_units(model))
+        waits = opt.forward_waits
+        for step in range(4):
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(fresh_seed(72 + step)))
+            opt.zero_grad()
+            waited.clear()
+            model(x.cuda()).float().square().sum().backward()
+            if overlap and step:  # the forward waited for the last step's pieces
+                ctx = model._get_fsdp_state()._comm_ctx
+                gather = [ctx.all_gather_copy_in_stream, ctx.all_gather_stream]
+                assert all(_fsdp_streams(unit) == gather for unit in (model, *model.blocks))
+                events = [waits._lanes[lane][j].event for lane, j in waits.log]
+                assert {lane for lane, _ in waits.log} == {0, 1} and not waits.pending()
+                current = torch.cuda.current_stream()
+                for (lane, j), event in zip(waits.log, events):
+                    by = [stream for stream, e in waited if e is event]
+                    for stream in (current, *gather):
+                        assert any(b == stream for b in by), f"piece {j} of lane {lane}: {stream} did not wait"
+            opt.step()
+        opt.wait_for_weights()
+        runs.append([p.to_local().detach().clone() for p in model.parameters()])
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert_bitwise_equal(a, b, name=f"param {i}")
+
+
+_SPIN = 500_000_000  # GPU clock cycles: >= 0.25 s at the H200's top clock, far past the host's queueing
+_HOLD = 0.2          # seconds the host holds the compute stream back in a step
+
+
+def _written_late(stream, dst, src, spin=_SPIN):
+    """On `stream`: spin `spin` clock cycles, then dst <- src; returns the event after the write."""
+    with torch.cuda.stream(stream):
+        if spin:
+            torch.cuda._sleep(spin)
+        dst.copy_(src)
+    return stream.record_event()
+
+
+@pytest.mark.gpu
+def test_cuda_waits_hold_back_the_streams_and_time_the_stalls():
+    """The waits are stream waits: after wait_ranges the current stream and the streams passed (FSDP2's
+    all-gather streams, in the hooks) read the piece's final weights, after wait_all the current stream
+    reads every piece's; exposed_seconds() is the time the current stream stalled in them (positive,
+    within the wall time around them), counted from `since` when given (the host's time included)."""
+    gen = torch.Generator().manual_seed(fresh_seed(61))
+    old, new = (torch.randn(3, 4096, generator=gen).cuda() for _ in range(2))
+    weights = old.clone()
+    streams = Streams(torch.device("cuda", torch.cuda.current_device()))
+    waits = ForwardWaits(streams)
+    side, others = torch.cuda.Stream(), [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda._sleep(1)
+    weights.clone()  # the kernels are loaded before the host's queueing is raced against a spin
+    torch.cuda.synchronize()
+    wall = time.perf_counter()
+    lanes = ([Ready(0, 4, _written_late(side, weights[0], new[0])),
+              Ready(4, 8, _written_late(side, weights[1], new[1]))],
+             [Ready(8, 12, _written_late(side, weights[2], new[2], spin=0))])
+    waits.arm(lanes, count_wall=False)
+    waits.wait_ranges([(1, 3)], others)  # lane 0's piece 0 alone
+    first = [weights[0].clone()]
+    for stream in others:
+        with torch.cuda.stream(stream):
+            first.append(weights[0].clone())
+    assert waits.log == [(0, 0)] and waits.pending()
+    waits.wait_all()
+    final = weights.clone()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - wall
+    for i, got in enumerate(first):
+        assert_bitwise_equal(got, new[0], name=f"piece 0 read on stream {i}")
+    assert_bitwise_equal(final, new, name="weights after wait_all")
+    assert waits.log == [(0, 0), (0, 1), (1, 0)] and not waits.pending()
+    stalls = waits.exposed_seconds()
+    assert 0.0 < stalls <= wall + 1e-3, (stalls, wall)
+    # counted from `since` (the step's start): the host's time before the wait is a stall too
+    done = _written_late(side, weights[0], old[0], spin=0)
+    side.synchronize()
+    wall = time.perf_counter()
+    since = streams.record(timing=True)
+    since.synchronize()
+    time.sleep(_HOLD)
+    waits.arm(([Ready(0, 12, done)], []), count_wall=False)
+    waits.wait_all(since=since)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - wall
+    exposed = waits.exposed_seconds()
+    assert 0.9 * _HOLD <= exposed <= wall + 1e-3, (exposed, wall)
 
 
 def _tiling(gen, lo, hi):
