@@ -240,10 +240,15 @@ def cmd_ledger(a: argparse.Namespace) -> int:
 
     status = mutant_status(a.mutants)
     runs: dict[str, dict[str, dict]] = {}
-    for path in a.runs:
+    for path in a.runs + a.checking:
         with open(path) as f:
             run = json.load(f)
         runs.setdefault(run["marker"], {}).update({r["mutant"]: r for r in run["rows"]})   # later files win
+    # runs made with the readers' new tests in place: a survivor there refutes a reader's kill claim
+    survived_checks = set()
+    for path in a.checking:
+        with open(path) as f:
+            survived_checks |= {r["mutant"] for r in json.load(f)["rows"] if r["verdict"] == "survived"}
     judged: dict[str, tuple[str, str]] = {}
     for path in a.judged:
         with open(path) as f:
@@ -264,8 +269,14 @@ def cmd_ledger(a: argparse.Namespace) -> int:
         verdict, reason = judged.get(m, ("", ""))
         if killed:
             final = "killed (rank/gpu tests)"
-            if verdict in ("equivalent", "cpu-equivalent", "text"):
+            killed_off_gpu = any(r["verdict"] == "killed" and "gpu" not in marker.replace("not gpu", "")
+                                 for marker, r in machine.items())
+            # "cpu-equivalent" predicts a kill by a GPU test, and only there
+            if verdict in ("equivalent", "text") or (verdict == "cpu-equivalent" and killed_off_gpu):
                 contradicted.append(f"{m}: read as {verdict}, but {killed[0]}")
+        elif verdict in KILLED_BY_READER and m in survived_checks:
+            final = "weakness (kill claim refuted)"
+            contradicted.append(f"{m}: read as {verdict} ({reason[:80]}), but it survived the tests that reach it")
         elif verdict in KILLED_BY_READER:
             final = "killed (read, test named)"
         elif verdict and verdict != "not-read":
@@ -360,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--budget-s", type=float, default=3600, help="start no mutant after this many seconds")
     g = sub.add_parser("ledger", help="merge the runs and the readers' verdicts into one line per mutant")
     g.add_argument("--runs", nargs="*", default=[], help="JSON files written by `run`")
+    g.add_argument("--checking", nargs="*", default=[],
+                   help="JSON files written by `run` after the readers' tests landed (read after --runs): a "
+                        "survivor there refutes a kill claim")
     g.add_argument("--judged", nargs="*", default=[], help="TSV files `mutant<TAB>verdict<TAB>reason` from reading")
     v = sub.add_parser("verify", help="re-run a seeded sample of the readers' kill claims with the mutant live")
     v.add_argument("--judged", nargs="+", required=True)
