@@ -264,6 +264,27 @@ def test_pipelined_checkpointed_block_multi_rank(world):
     run_distributed(_dist_worker, world)
 
 
+def _cuda_expert_weights(e, h, i):
+    """w1, w2, w3 of e experts on CUDA in bf16 (their values are never read: only shape and device)."""
+    return [torch.empty(e, i, h, device="cuda", dtype=torch.bfloat16),
+            torch.empty(e, h, i, device="cuda", dtype=torch.bfloat16),
+            torch.empty(e, i, h, device="cuda", dtype=torch.bfloat16)]
+
+
+def _cuda_chunk(gen, counts, h, i, want):
+    """One chunk's rows (x, dh1, go, a, dh3) drawn on the CPU and returned on CUDA in bf16, after adding
+    their fp32 per-expert dW (of the bf16-rounded values) to `want` [w1, w2, w3]."""
+    R = int(counts.sum())
+    x, go = torch.randn(R, h, generator=gen), torch.randn(R, h, generator=gen)
+    dh1, a, dh3 = (torch.randn(R, i, generator=gen) for _ in range(3))
+    for ex, (xe, d1, ge, ae, d3) in enumerate(zip(*(t.bfloat16().float().split(counts.tolist())
+                                                   for t in (x, dh1, go, a, dh3)))):
+        want[0][ex] += d1.t() @ xe
+        want[1][ex] += ge.t() @ ae
+        want[2][ex] += d3.t() @ xe
+    return [t.cuda().bfloat16() for t in (x, dh1, go, a, dh3)]
+
+
 @pytest.mark.gpu
 def test_grouped_weight_grads_cuda_bf16():
     """On CUDA bf16 (sm90+: torch._grouped_mm) the grouped dW, with empty experts and unaligned row
@@ -272,25 +293,15 @@ def test_grouped_weight_grads_cuda_bf16():
         pytest.skip("torch._grouped_mm needs sm90+")
     gen = torch.Generator().manual_seed(fresh_seed(5))
     e, h, i = 7, 64, 96
-    w = [torch.empty(e, i, h, device="cuda", dtype=torch.bfloat16),
-         torch.empty(e, h, i, device="cuda", dtype=torch.bfloat16),
-         torch.empty(e, i, h, device="cuda", dtype=torch.bfloat16)]
+    w = _cuda_expert_weights(e, h, i)
     acc = ExpertGradSum(e, *w)
     want = [torch.zeros(t.shape) for t in w]
     for counts in ([3, 0, 17, 0, 1, 9, 0], [0, 0, 2, 5, 0, 0, 33]):
         counts = torch.tensor(counts)
-        R = int(counts.sum())
-        x, go = torch.randn(R, h, generator=gen), torch.randn(R, h, generator=gen)
-        dh1, a, dh3 = (torch.randn(R, i, generator=gen) for _ in range(3))
-        cuda = [t.cuda().bfloat16() for t in (x, dh1, go, a, dh3)]
+        cuda = _cuda_chunk(gen, counts, h, i, want)
         groups = group_offsets(cuda[0], counts, w[0])
         assert groups.dtype == torch.int32                                   # the grouped path
         acc.add(cuda[0], groups, counts, *cuda[1:])
-        for ex, (xe, d1, ge, ae, d3) in enumerate(zip(*(t.bfloat16().float().split(counts.tolist())
-                                                       for t in (x, dh1, go, a, dh3)))):
-            want[0][ex] += d1.t() @ xe
-            want[1][ex] += ge.t() @ ae
-            want[2][ex] += d3.t() @ xe
     for name, got, ref in zip(("w1", "w2", "w3"), acc.take(), want):
         assert got.dtype == torch.bfloat16
         assert_close_to_scale(got.float().cpu(), ref, rtol=2e-2, name=f"cuda grouped d{name}")
@@ -318,9 +329,7 @@ def test_grouped_weight_grads_cuda_idle_experts_exact_zero():
         pytest.skip("torch._grouped_mm needs sm90+")
     gen = torch.Generator().manual_seed(fresh_seed(6))
     e, h, i = 6, 64, 96
-    w = [torch.empty(e, i, h, device="cuda", dtype=torch.bfloat16),
-         torch.empty(e, h, i, device="cuda", dtype=torch.bfloat16),
-         torch.empty(e, i, h, device="cuda", dtype=torch.bfloat16)]
+    w = _cuda_expert_weights(e, h, i)
     for got, ref in zip(ExpertGradSum(e, *w).take(), w):
         assert (got.device, got.dtype, got.shape) == (ref.device, ref.dtype, ref.shape)
         assert not got.any()
@@ -331,10 +340,7 @@ def test_grouped_weight_grads_cuda_idle_experts_exact_zero():
     with torch.cuda.use_mem_pool(pool):
         for counts in ([5, 0, 17, 0, 3, 9], [0, 0, 2, 11, 0, 6], [4, 0, 0, 1, 7, 0]):
             counts = torch.tensor(counts)
-            R = int(counts.sum())
-            x, go = torch.randn(R, h, generator=gen), torch.randn(R, h, generator=gen)
-            dh1, a, dh3 = (torch.randn(R, i, generator=gen) for _ in range(3))
-            cuda = [t.cuda().bfloat16() for t in (x, dh1, go, a, dh3)]
+            cuda = _cuda_chunk(gen, counts, h, i, want)
             groups = group_offsets(cuda[0], counts, w[0])
             with OpNames() as ops:
                 acc.add(cuda[0], groups, counts, *cuda[1:])
@@ -342,11 +348,6 @@ def test_grouped_weight_grads_cuda_idle_experts_exact_zero():
             # The idle experts' slices are zeroed by the sum itself: torch._grouped_mm's output for an
             # empty group is unspecified (torch 2.11 on sm90 happens to write zeros there).
             assert ops.names & {"index_fill_", "index_put_", "masked_fill_", "fill_", "zero_"}, sorted(ops.names)
-            for ex, (xe, d1, ge, ae, d3) in enumerate(zip(*(t.bfloat16().float().split(counts.tolist())
-                                                           for t in (x, dh1, go, a, dh3)))):
-                want[0][ex] += d1.t() @ xe
-                want[1][ex] += ge.t() @ ae
-                want[2][ex] += d3.t() @ xe
         sums = acc.take()
     for name, got, ref in zip(("w1", "w2", "w3"), sums, want):
         assert got.dtype == torch.bfloat16 and got.device == w[0].device
