@@ -12,7 +12,8 @@ Time: CUDA events, median of repeats after warm-up; peak: max_memory_allocated a
 
     python benchmarks/document_mask.py                      # H200: S = 8K, 32K, 128K
     python benchmarks/document_mask.py --smoke              # CPU, tiny (forward only, checks it runs)
-JSON goes to $OUT/document_mask.json if OUT is set, else benchmarks/results/document_mask.json.
+JSON goes to $OUT/document_mask.json if OUT is set, else benchmarks/results/document_mask.json
+(document_mask_smoke.json for --smoke).
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ def main():
     os.makedirs(out_dir, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
                 date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), backward=backward, mean_doc=args.mean_doc)
-    with open(os.path.join(out_dir, "document_mask.json"), "w") as f:
+    # a smoke run never overwrites a recorded GPU result
+    with open(os.path.join(out_dir, "document_mask_smoke.json" if args.smoke else "document_mask.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"\n{'method':<22} {'S':>7} {'docs':>5} {'time s':>9} {'peak GiB':>9}")
     for r in rows:

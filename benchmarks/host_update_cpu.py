@@ -12,7 +12,8 @@ and bf16 weights leaving through one:
 
     python benchmarks/host_update_cpu.py              # GPU machine: 100M elements
     python benchmarks/host_update_cpu.py --smoke      # CPU, tiny (no copies)
-JSON goes to $OUT/host_update_cpu.json if OUT is set, else benchmarks/results/host_update_cpu.json.
+JSON goes to $OUT/host_update_cpu.json if OUT is set, else benchmarks/results/host_update_cpu.json
+(host_update_cpu_smoke.json for --smoke).
 """
 
 from __future__ import annotations
@@ -167,7 +168,8 @@ def main():
                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "host_update_cpu.json"), "w") as f:
+    # a smoke run never overwrites a recorded result
+    with open(os.path.join(out_dir, "host_update_cpu_smoke.json" if args.smoke else "host_update_cpu.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"\nthreads {result['threads']}, copies alone {result['copies_alone_gb_per_s'] or 0:.1f} GB/s (both ways)")
     print(f"{'variant':<12} {'idle ns/param':>13} {'busy ns/param':>13} {'copies GB/s':>11}")

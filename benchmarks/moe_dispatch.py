@@ -22,7 +22,8 @@ without running it, since an OOM on one rank would hang the others in a collecti
     torchrun --nproc_per_node=1 benchmarks/moe_dispatch.py          # one GPU (single-rank figures)
     python benchmarks/moe_dispatch.py --experts 48 24 6 --time-budget 500   # one GPU, per-rank shapes
     python benchmarks/moe_dispatch.py --smoke                       # CPU, 2 gloo ranks, tiny shapes
-JSON goes to $OUT/moe_dispatch.json if OUT is set, else benchmarks/results/moe_dispatch.json.
+JSON goes to $OUT/moe_dispatch.json if OUT is set, else benchmarks/results/moe_dispatch.json
+(moe_dispatch_smoke.json for --smoke).
 """
 
 from __future__ import annotations
@@ -284,7 +285,7 @@ def report(rows, args, world, device):
                 world_size=world, torch=torch.__version__, args=vars(args))
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "moe_dispatch.json")
+    path = os.path.join(out_dir, "moe_dispatch_smoke.json" if args.smoke else "moe_dispatch.json")  # smoke never overwrites
     with open(path, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(f"\n{meta['device']} x{world}, H={args.hidden} I={args.inter} k={args.top_k} "

@@ -19,7 +19,8 @@ Times are wall clock between device synchronisations, median of repeats after on
     python benchmarks/optimizer_step.py                 # one GPU: 1B and 2.6B params
     python benchmarks/optimizer_step.py --overlap --skip sweep,torch_cpu,deepspeed,fsdp2_offload   # overlap rows only
     python benchmarks/optimizer_step.py --smoke         # CPU, tiny sizes, overlap rows included (checks that it runs)
-JSON goes to $OUT/optimizer_step.json if OUT is set, else benchmarks/results/optimizer_step.json.
+JSON goes to $OUT/optimizer_step.json if OUT is set, else benchmarks/results/optimizer_step.json
+(optimizer_step_smoke.json for --smoke).
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ def bench_overlap(params, points, repeats, device, forward_s, smoke):
               f"(measured {row['exposed_measured_seconds']:.4f} s), device state "
               f"{opt.device_state_bytes / 2**30:.2f} GiB", flush=True)
         opt.forward_waits.remove_hooks()
-        del opt
+        opt = None  # the closures share this cell: their last reference goes too (del would read as undefined)
         free_host_memory()
     return rows
 
@@ -265,7 +266,7 @@ def bench_cpu_optimizer(params, make_optimizer, repeats, device):
             p.data.copy_(m.detach(), non_blocking=True)
 
     sec = median_time(step, device, repeats)
-    del opt, masters
+    opt = masters = None  # the closure shares these cells
     free_host_memory()
     return sec
 
@@ -326,7 +327,7 @@ def bench_fsdp2_offload(total, repeats, device):
         out["numel"] = sum(p.numel() for p in model.parameters())
         out["offload_iteration_s" if offload else "fwd_bwd_s"] = median_time(
             iteration if offload else fwd_bwd, device, repeats)
-        del model, opt
+        model = opt = None  # the closures share these cells
         free_host_memory()
     out["seconds"] = out["offload_iteration_s"] - out["fwd_bwd_s"]
     return out
@@ -388,7 +389,7 @@ def main():
                   argv=sys.argv[1:], sizes={})
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "optimizer_step.json")
+    path = os.path.join(out_dir, "optimizer_step_smoke.json" if args.smoke else "optimizer_step.json")  # smoke never overwrites
 
     def save():
         with open(path, "w") as f:
