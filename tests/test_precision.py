@@ -39,5 +39,6 @@ def _reduce_in_bf16(rank, world_size, seed):
     torch.testing.assert_close(param.grad, sum(grads), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_replica_sum_travels_in_reduce_dtype():
     run_distributed(_reduce_in_bf16, 2, fresh_seed(7200))
