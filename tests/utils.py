@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 
 import torch
@@ -80,3 +82,19 @@ def assert_no_worse_than_torch(ours: torch.Tensor, theirs: torch.Tensor, truth: 
         ours_max <= max_factor * torch_max + max(4e-3 * scale, slack), (
             f"{name}: our low-precision error (rms {ours_rms:.3e}, max {ours_max:.3e}) exceeds PyTorch's "
             f"(rms {torch_rms:.3e}, max {torch_max:.3e}); scale {scale:.3e}")
+
+
+@contextlib.contextmanager
+def no_host_syncs():
+    """CUDA work inside raises if it makes the host wait for the device (set_sync_debug_mode("error")).
+
+    Garbage collection is held off meanwhile: an object of an earlier test collected inside (an
+    OffloadStreamAdamW's finalizer synchronizes its streams) would raise there, in a finalizer, where
+    the error is only printed and its cleanup is left half done."""
+    gc.disable()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        gc.enable()

@@ -27,7 +27,7 @@ from mop_train.ops.moe_dispatch.comm import host_to_device
 from mop_train.ops.moe_dispatch.local import group_offsets
 from mop_train.ops.moe_dispatch.reference import reference_experts_forward
 from tests.dist_utils import run_distributed
-from tests.utils import assert_close_to_scale, fresh_seed
+from tests.utils import assert_close_to_scale, fresh_seed, no_host_syncs
 
 K_TOP = 3
 
@@ -372,13 +372,10 @@ def test_host_copies_and_group_offsets_without_host_sync():
     ids = torch.randperm(50, generator=gen)[:5]
     dev_counts = counts.to("cuda")
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_syncs():
         got_ids = host_to_device(ids, "cuda")
         from_host = group_offsets(x, counts, w)
         from_dev = group_offsets(x, dev_counts, w)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert got_ids.device == x.device and torch.equal(got_ids.cpu(), ids)
     want = torch.cumsum(counts, 0).to(torch.int32)
     for tag, got in (("host counts", from_host), ("device counts", from_dev)):

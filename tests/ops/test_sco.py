@@ -7,6 +7,7 @@ the stream that waits (in seconds), and an unused prefetch that the compute stre
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 import time
@@ -24,7 +25,7 @@ from mop_train.ops.sco import (CheckpointedLayer, OffloadedCheckpoint, Selective
 from mop_train.ops.sco.host_buffer import HostArena, chunk_plan, power_of_two_parts
 from mop_train.ops.sco.offload import _same_device
 from tests.dist_utils import run_distributed
-from tests.utils import assert_bitwise_equal, fresh_seed
+from tests.utils import assert_bitwise_equal, fresh_seed, no_host_syncs
 
 
 class ToyLayer(nn.Module):
@@ -756,15 +757,11 @@ def test_gpu_bitwise_no_default_stream_sync_memory_baseline():
             torch.cuda.empty_cache()
             baseline = torch.cuda.memory_allocated()
             sco.begin_step()
-            if step > 0:
-                torch.cuda.set_sync_debug_mode("error")
-            try:
+            with no_host_syncs() if step > 0 else contextlib.nullcontext():
                 hid = x
                 for mod, s in zip(ours, scales):
                     hid = mod(hid, pos, scale=s)
                 hid.backward(g)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
             got = [hid.detach(), x.grad, *(s.grad for s in scales), *(p.grad for m in ours for p in m.parameters())]
             _assert_all_equal(got, want, f"gpu budget {budget} step {step}")
             assert sco.offloaded_layers == select_offloaded([size] * len(layers), budget)
