@@ -424,14 +424,35 @@ def test_default_reduction_is_the_mean_over_valid_tokens():
 _INTERPRETED = """
 import sys, torch
 sys.path.insert(0, {root!r})
+from mop_train.ops.ring_dtp import kernels, local
 from tests.ops.test_ring_dtp import _check_case
 from tests.utils import fresh_seed
+launches = {{}}
+def counted(name, kernel):
+    def launch(*args, **kwargs):
+        launches[name] = launches.get(name, 0) + 1
+        return kernel(*args, **kwargs)
+    return launch
+for name in ("lse_update_", "softmax_grad_"):   # the torch path gives the same values: count the kernels
+    setattr(kernels, name, counted(name, getattr(kernels, name)))
 seed = fresh_seed(11)
 for dtype, reduction in ((torch.float32, "none"), (torch.bfloat16, "sum")):
+    launches.clear()
     _check_case(0, None, [5], 23, 8, dtype, reduction, seed, block_size=7, impl="triton")
+    assert launches.get("lse_update_") and launches.get("softmax_grad_"), ("recompute", launches)
+gemms = []
+def whole_shard_gemm(acc, a, b, real=local.matmul_accumulate):
+    gemms.append((tuple(acc.shape), tuple(a.shape)))
+    real(acc, a, b)
+local.matmul_accumulate = whole_shard_gemm
 for dtype, reduction in ((torch.float32, "sum"), (torch.bfloat16, "mean")):
+    launches.clear()
+    gemms.clear()
     _check_case(0, None, [5], 23, 8, dtype, reduction, seed, block_size=7, impl="triton",
                 schedule="grad_in_forward", token_chunk=2)
+    assert launches.get("lse_update_") and launches.get("softmax_grad_"), ("grad_in_forward", launches)
+    # with Triton, dX += g [c, V] @ W and dW [V, H] += g^T @ X are one GEMM each over all V = 23 rows
+    assert gemms and all(23 in (a[1], acc[0]) for acc, a in gemms), gemms
 print("ok")
 """
 
@@ -439,7 +460,8 @@ print("ok")
 @pytest.mark.slow
 def test_triton_kernels_in_interpreter():
     """The Triton block kernels (online LSE, in-place softmax gradient) on CPU via TRITON_INTERPRET=1,
-    on recompute's blocks and on grad_in_forward's stored [c, V_r] blocks."""
+    on recompute's blocks and on grad_in_forward's stored [c, V_r] blocks; each schedule must launch
+    both kernels (its torch fallback would give the same values)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", _INTERPRETED.format(root=root)], env=env, cwd=root,
