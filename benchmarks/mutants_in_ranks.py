@@ -270,8 +270,8 @@ def cmd_ledger(a: argparse.Namespace) -> int:
         if killed:
             final = "killed (rank/gpu tests)"
             killed_off_gpu = any(r["verdict"] == "killed" and "gpu" not in marker.replace("not gpu", "")
-                                 for marker, r in machine.items())
-            # "cpu-equivalent" predicts a kill by a GPU test, and only there
+                                 and "interpreter" not in marker for marker, r in machine.items())
+            # "cpu-equivalent" predicts a kill by a GPU test (or Triton's interpreter of the GPU path), only there
             if verdict in ("equivalent", "text") or (verdict == "cpu-equivalent" and killed_off_gpu):
                 contradicted.append(f"{m}: read as {verdict}, but {killed[0]}")
         elif verdict in KILLED_BY_READER and m in survived_checks:
