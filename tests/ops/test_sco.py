@@ -389,8 +389,11 @@ def test_boundary_must_be_first_positional_tensor():
         SelectiveCheckpointOffload(1 << 20, device="meta").wrap(ToyLayer(4, 4))(x, pos, scale=torch.ones(4))
     cuda = lambda i=None: torch.device("cuda", i) if i is not None else torch.device("cuda")  # noqa: E731
     for actual, expected, same in ((cuda(0), cuda(), True), (cuda(1), cuda(1), True), (cuda(1), cuda(0), False),
-                                   (torch.device("cpu"), cuda(), False), (torch.device("cpu"), torch.device("cpu"), True)):
+                                   (torch.device("cpu"), cuda(), False), (torch.device("cpu"), torch.device("cpu"), True),
+                                   (torch.device("cpu"), torch.device("cpu", 0), True)):
         assert _same_device(actual, expected) is same, (actual, expected)
+    with torch.no_grad():  # "cpu:0" names the CPU the inputs are on (a tensor made there reports "cpu")
+        SelectiveCheckpointOffload(1 << 20, device="cpu:0").wrap(ToyLayer(4, 4))(x, pos, scale=torch.ones(4))
 
 
 def test_boundary_saved_outside_the_checkpoint_machinery():

@@ -354,4 +354,5 @@ class SelectiveCheckpointOffload:
 def _same_device(actual: torch.device, expected: torch.device) -> bool:
     if actual.type != expected.type:
         return False
-    return expected.index is None or actual.index == expected.index
+    # torch has one CPU device: a tensor made on "cpu:0" reports "cpu"
+    return actual.type == "cpu" or expected.index is None or actual.index == expected.index
