@@ -207,7 +207,9 @@ def cmd_run(a: argparse.Namespace, hook_dir: str) -> int:
         rc, out = _pytest(["-x", *tests], a.mutants, {**env, "MUTANT_UNDER_TEST": m}, a.timeout_s)
         verdict = {0: "survived", 1: "killed"}.get(rc, "timeout" if rc == "timeout" else f"error rc={rc}")
         reaching = len(mapping["by_function"][function_of(m)])
-        return {"mutant": m, "verdict": verdict, "tests": len(tests), "tests_reaching": reaching, "seconds": round(time.perf_counter() - t0, 1),
+        # "survived" means survived `ran`: with --cap-s that can be fewer than the tests reaching the function
+        return {"mutant": m, "verdict": verdict, "tests": len(tests), "tests_reaching": reaching,
+                "ran": tests, "seconds": round(time.perf_counter() - t0, 1),
                 "killed_by": _failed_tests(out)[:3], "tail": out.strip().splitlines()[-1:]}
 
     def save() -> None:
