@@ -550,26 +550,35 @@ def test_dropout_inside_the_checkpoint_follows_preserve_rng_state(preserve):
 
 
 def test_cpu_wait_counts_every_on_demand_fetch():
-    """On CPU wait_s sums the time spent fetching boundaries that were not prefetched. With every host
-    read slowed by `delay`: the first backward fetches only the last call's boundary on demand, the
-    second one over the retained graph fetches all three (nothing is prefetched twice); wait_s is at
-    least one delay per on-demand fetch and at most the time both backwards took."""
-    widths, n, delay = [16, 16, 16, 16], 8, 0.01
+    """On CPU wait_s sums the time spent fetching boundaries that were not prefetched. The first
+    backward fetches only the last call's boundary on demand and prefetches the other two; the second
+    one, over the retained graph, fetches all three on demand (nothing is prefetched twice). With each
+    on-demand read slowed by `delay` and each prefetch read by `prefetch_delay`: wait_s is at least one
+    delay per on-demand fetch, at most the time both backwards took, and holds no prefetch."""
+    widths, n, delay, prefetch_delay = [16, 16, 16, 16], 8, 0.01, 0.25
     layers = _widths_stack(widths, seed=85)
     sco = SelectiveCheckpointOffload(3 * boundary_bytes(n, 16, torch.float32))
     ours = [sco.wrap(m) for m in layers]
     x, pos, scales = _inputs(n, widths, seed=86)
     h = _forward(ours, x, pos, scales)
     assert sco.offloaded_layers == [0, 1, 2]
-    read_into = sco._arena.read_into
-    sco._arena.read_into = lambda offset, dst: (time.sleep(delay), read_into(offset, dst))[1]
+    read_into, reads = sco._arena.read_into, []
+
+    def slow_read(offset, dst):
+        reads.append(offset)
+        time.sleep(prefetch_delay if len(reads) in (2, 3) else delay)   # reads 2 and 3 are the prefetches
+        read_into(offset, dst)
+
+    sco._arena.read_into = slow_read
     g = torch.randn(h.shape, generator=torch.Generator().manual_seed(fresh_seed(87)))
     started = time.perf_counter()
     h.backward(g, retain_graph=True)
     h.backward(g)
     elapsed = time.perf_counter() - started
     wait_s = sco.last_step_stats()["wait_s"]
+    assert len(reads) == 3 + 3, reads
     assert (1 + 3) * delay <= wait_s <= elapsed, (wait_s, elapsed)
+    assert wait_s < prefetch_delay, (wait_s, "a prefetch was counted as a wait")
 
 
 def test_graph_dropped_after_a_partial_backward_or_no_backward_frees_its_step():

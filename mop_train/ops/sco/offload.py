@@ -280,17 +280,18 @@ class SelectiveCheckpointOffload:
             if state.offset is None:
                 self._prefetch_previous(state)
                 return state.device_tensor
-            started = time.perf_counter()
             on_demand = state.fetched is None
             if on_demand:
+                started = time.perf_counter()
                 self._fetch(state)
+                fetch_s = time.perf_counter() - started   # before the prefetch, which is not this wait
             self._prefetch_previous(state)
             tensor, state.fetched = state.fetched, None
             if state.ready is not None:
                 self._wait(torch.cuda.current_stream(tensor.device), state.ready)
                 state.ready = None
             elif on_demand:
-                self._waits.append(time.perf_counter() - started)
+                self._waits.append(fetch_s)
             return tensor
 
     def _prefetch_previous(self, state: _BoundaryState) -> None:
