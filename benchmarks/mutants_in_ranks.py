@@ -242,15 +242,13 @@ def cmd_ledger(a: argparse.Namespace) -> int:
 
     status = mutant_status(a.mutants)
     runs: dict[str, dict[str, dict]] = {}
+    survived_checks = set()   # survivors of runs made with the readers' new tests: they refute kill claims
     for path in a.runs + a.checking:
         with open(path) as f:
             run = json.load(f)
         runs.setdefault(run["marker"], {}).update({r["mutant"]: r for r in run["rows"]})   # later files win
-    # runs made with the readers' new tests in place: a survivor there refutes a reader's kill claim
-    survived_checks = set()
-    for path in a.checking:
-        with open(path) as f:
-            survived_checks |= {r["mutant"] for r in json.load(f)["rows"] if r["verdict"] == "survived"}
+        if path in a.checking:
+            survived_checks |= {r["mutant"] for r in run["rows"] if r["verdict"] == "survived"}
     judged: dict[str, tuple[str, str]] = {}
     for path in a.judged:
         with open(path) as f:
