@@ -129,6 +129,23 @@ class Attention:
 
 
 @dataclass
+class Tiling:
+    """Sequence tiling of a block's per-token stages (mop_train.ops.tiling): at long context their
+    intermediates are one tile's, not S/D tokens'. Exact (bitwise forward and input gradients on CPU,
+    weight gradients summed in fp32); each tiled stage runs its forward once more in backward."""
+
+    ffn_tokens: int | Literal["auto"] = 0
+    """Tokens per tile of the dense FFN and the shared expert: 0 (untiled), a count, or "auto" (the
+    largest multiple of 1024 whose tile working set fits mop_train.ops.tiling.memory.AUTO_TILE_BYTES;
+    untiled when a rank's tokens fit in one tile)."""
+
+    block_tokens: int | Literal["auto"] = 0
+    """Tokens per tile of attention's norm, projections and RoPE (before the core) and its output
+    projection (after): 0 (untiled), a count, or "auto" (as ffn_tokens). The core's q, k, v, output
+    and log-sum-exp stay whole."""
+
+
+@dataclass
 class Data:
     text_column: str = "text"
     """Column holding each document's text (jsonl / parquet / hub sources)."""
@@ -174,6 +191,7 @@ class Mop:
     sco: SCO = field(default_factory=SCO)
     offload_adamw: OffloadAdamW = field(default_factory=OffloadAdamW)
     attention: Attention = field(default_factory=Attention)
+    tiling: Tiling = field(default_factory=Tiling)
 
 
 @dataclass
@@ -222,6 +240,8 @@ def _type_ok(value: Any, tp: Any) -> bool:
 def _describe_type(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_describe_type(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp)).replace("typing.", "")
 
 
@@ -426,6 +446,10 @@ def validate(cfg, *, source: str = "config") -> None:
         _require(importlib.util.find_spec("wandb") is not None,
                  f"{source}: metrics.enable_wandb = true but wandb is not installed; "
                  "pip install 'mop-train[wandb]' (or wandb), or set metrics.enable_wandb = false")
+    for key in ("ffn_tokens", "block_tokens"):
+        tile = getattr(mop.tiling, key)
+        _require(tile == "auto" or (isinstance(tile, int) and tile >= 0),
+                 f"{source}: mop.tiling.{key} = {tile!r} must be 0 (untiled), a token count >= 1 or \"auto\"")
     rel = mop.reliability
     _require(rel.max_consecutive_skips >= 1,
              f"{source}: mop.reliability.max_consecutive_skips = {rel.max_consecutive_skips} must be >= 1")
