@@ -10,7 +10,7 @@
 `train` and `plan` take the job's TOML as a positional path or as `--job.config_file X.toml`
 (torchtitan's spelling), anywhere among their own options; `--section.key` overrides follow.
 
-`plan --auto` chooses the layout degrees and operator settings (mop_train.train.auto_plan) for the
+`plan --auto` chooses the layout degrees and operator settings (mop_train.plan.auto) for the
 longest context or the most tokens/s at one context, keeping the keys given as overrides, and prints
 them with their plan (exit 1 with the closest configuration when nothing fits).
 
@@ -82,7 +82,7 @@ def _train(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from mop_train.config import load_job_config
     from mop_train.models import zoo
-    from mop_train.train.plan_cli import plan_job
+    from mop_train.plan.report import plan_job
     from mop_train.units import parse_bytes
 
     from torchtitan.tools.logging import logger
@@ -96,7 +96,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError("--objective, --seq-len and --headroom belong to the search: add --auto")
     job = _job_argv(args)
     if args.auto:   # the config's values of searched keys must not make the given ones invalid
-        from mop_train.train.auto_settings import fixed_keys, search_base_flags
+        from mop_train.plan.settings import fixed_keys, search_base_flags
         job[2:2] = search_base_flags(fixed_keys(args.overrides))
     cfg = load_job_config(job, model_flavors=zoo.names())
     gpu_bytes = parse_bytes(args.gpu_memory, key="--gpu-memory") if args.gpu_memory else None
@@ -180,8 +180,8 @@ def _plan_auto(args, cfg, job: list[str], *, gpu_bytes, host_bytes, ranks_per_no
 
     from mop_train.config import load_job_config
     from mop_train.models import zoo
-    from mop_train.train.auto_plan import AutoPlanner, NothingFits, format_result
-    from mop_train.train.auto_settings import fixed_keys
+    from mop_train.plan.auto import AutoPlanner, NothingFits, format_result
+    from mop_train.plan.settings import fixed_keys
     from mop_train.units import parse_bytes
 
     if gpu_bytes is None or host_bytes is None:

@@ -9,7 +9,7 @@ initialised whole (same RNG stream on every rank, so the shards are slices of th
 whatever the layout); the loss is chosen (chunked cross-entropy or Ring-DTP); `parallelize` applies
 Ulysses cores, kept attention, expert and vocab shards, checkpointing (SCO's wrapper when it has a
 host budget) and FSDP2; a large model is then initialised shard by shard. The memory plans
-(mop_train.train.job_plan) are checked against the host, OffloadStreamAdamW's device share is
+(mop_train.plan.job) are checked against the host, OffloadStreamAdamW's device share is
 resolved from them, and the checkpointer resumes the run when the dump folder holds a checkpoint
 (or a fresh run starts from `checkpoint.initial_load_path`: DCP, or Hugging Face safetensors through
 mop_train.hf.load). Rank 0 records the model in `{dump_folder}/mop_model.json` (mop_train.hf.run_record)
@@ -39,13 +39,13 @@ from mop_train.parallel.parallelize import (ParallelizeOptions, check_layout_fit
                                             parallelize)
 from mop_train.parallel.precision import MixedPrecision
 from mop_train.parallel.sharding import local
+from mop_train.plan.job import plan_from_parts
+from mop_train.plan.terms import check_host_memory, format_plan
 from mop_train.train.checkpoint import TrainState, build_checkpointer
 from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir, tokenizer_folder
-from mop_train.train.job_plan import run_plans
 from mop_train.train.loss import IGNORE_INDEX, LanguageModelLoss, chunked_cross_entropy_sum
 from mop_train.train.optim import (OFFLOAD_ADAMW, build_lr_schedulers, build_optimizers, describe_offload,
                                    free_device_bytes, resolve_device_fraction)
-from mop_train.train.plan import check_host_memory, format_plan
 from mop_train.units import parse_bytes
 
 
@@ -203,7 +203,8 @@ def build_run(cfg, device: torch.device) -> Run:
     free_bytes = free_device_bytes(plan_terms, device)
     device_share = _offload_device_share(cfg, parts, free_bytes)
     if device_share:  # the printed plan holds the optimizer state that stays on the device
-        plan_terms, host_terms = run_plans(cfg, layout, parts, spec, device_fraction=device_share)
+        plan_terms, host_terms = plan_from_parts(cfg, layout.plan, parts, spec.args, spec.total_params,
+                                                 device_fraction=device_share)
     optimizers = build_optimizers([parts.module], cfg.optimizer, cfg.mop.offload_adamw,
                                   world_size=dist.get_world_size(), device_fraction=device_share)
     if cfg.mop.offload_adamw.overlap:
@@ -259,7 +260,7 @@ def _check_plans(cfg, layout, parts: ModelParts, spec: ModelSpec):
     """The per-rank device and pinned host plans; stops the launch when the host's ranks do not fit."""
     from mop_train.ops.sco.budget import available_host_bytes
 
-    plan_terms, host_terms = run_plans(cfg, layout, parts, spec)
+    plan_terms, host_terms = plan_from_parts(cfg, layout.plan, parts, spec.args, spec.total_params)
     check_host_memory(host_terms, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                       available_bytes=available_host_bytes())
     dist.barrier()  # every rank has read the free host memory before any rank pins its share
