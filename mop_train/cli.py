@@ -162,10 +162,16 @@ def _export(args: argparse.Namespace) -> int:
         raise ValueError(f"no mop_model.json of the run above {args.checkpoint} (written at launch into the run's "
                          f"job.dump_folder); pass --flavor, the run's model.flavor")
     tokenizer = args.tokenizer or (record.tokenizer_folder if record is not None else None)
+    if not args.no_verify:
+        from mop_train.train import integrity
+
+        problems = integrity.verify(args.checkpoint, rank=0, world=1)
+        if problems:
+            raise ValueError(f"checkpoint {args.checkpoint} failed verification: " + "; ".join(problems[:3])
+                             + "; export a complete checkpoint (or pass --no-verify to export it anyway)")
     report = export_checkpoint(args.checkpoint, args.out, model_args, dtype=DTYPES.get(args.dtype),
                                max_shard_bytes=parse_bytes(args.max_shard_size, key="--max-shard-size"),
-                               tokenizer_folder=None if tokenizer == "none" else tokenizer,
-                               verify=not args.no_verify)
+                               tokenizer_folder=None if tokenizer == "none" else tokenizer)
     print(f"wrote {args.out}: config.json, {len(report.files)} safetensors file(s) with "
           f"model.safetensors.index.json ({report.total_bytes / 2**20:.1f} MiB of tensors; at most "
           f"{report.peak_bytes / 2**20:.1f} MiB held at once)"

@@ -16,9 +16,9 @@ Every stored piece is read exactly once (`report.chunk_reads`). Host memory held
 bound, measured as `report.peak_bytes`): the tensors of one output file (<= max_shard_bytes, or the
 one larger tensor) + the stored pieces those tensors touch (in the checkpoint's dtype) that are not
 used up yet; a stored piece is at most one rank's shard of one tensor, which that rank held.
-Before reading, the checkpoint is checked against its manifest (integrity.verify: one streamed
-pass over each file; `verify=False` skips it). The router's gate and correction bias stay fp32 whatever `dtype`
-(names.FP32_KEPT). torchtitan 0.2.2's `DeepSeekV3StateDictAdapter.to_hf` is the model for the
+`mop-train export` first checks the checkpoint against its manifest (train/integrity.py: one
+streamed pass over each file; --no-verify skips it). The router's gate and correction bias stay
+fp32 whatever `dtype` (names.FP32_KEPT). torchtitan 0.2.2's `DeepSeekV3StateDictAdapter.to_hf` is the model for the
 names; its whole-state-dict conversion is what the grouped reads replace.
 
 Legend: E experts, I expert width, H hidden.
@@ -121,14 +121,11 @@ def plan_files(tensors: list[HFTensor], nbytes: dict[str, int], max_shard_bytes:
 
 
 def export_checkpoint(checkpoint: str, out: str, args: MoEModelArgs, *, dtype: torch.dtype | None = None,
-                      max_shard_bytes: int = 2 << 30, tokenizer_folder: str | None = None,
-                      verify: bool = True) -> ExportReport:
+                      max_shard_bytes: int = 2 << 30, tokenizer_folder: str | None = None) -> ExportReport:
     """Write the HF folder `out` (new or empty) from the DCP checkpoint folder `checkpoint`."""
     check_exportable(args)
     if os.path.isdir(out) and os.listdir(out):
         raise ValueError(f"--out {out} exists and is not empty; export into a new folder")
-    if verify:
-        _verify(checkpoint)
     chunks, tensors = DCPChunks(checkpoint), hf_tensors(args)
     check_mapping(args, tensors)
     shapes = our_shapes(args)
@@ -173,15 +170,6 @@ def export_checkpoint(checkpoint: str, out: str, args: MoEModelArgs, *, dtype: t
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _verify(checkpoint: str) -> None:
-    from mop_train.train import integrity
-
-    problems = integrity.verify(checkpoint, rank=0, world=1)
-    if problems:
-        raise ValueError(f"checkpoint {checkpoint} failed verification: " + "; ".join(problems[:3])
-                         + "; export a complete checkpoint (or pass --no-verify to export it anyway)")
 
 
 def _token_id(tokenizer_json: str, config: dict, name: str) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -162,7 +163,7 @@ def test_cli_export_reads_the_run_record_and_copies_the_tokenizer(tmp_path, caps
     assert "GQA family has no HF export" in capsys.readouterr().err
 
 
-def test_export_refuses_a_damaged_checkpoint(tmp_path):
+def test_export_refuses_a_damaged_checkpoint(tmp_path, capsys):
     args = debug_args()
     step = save_dcp(random_model(args, fresh_seed(70)), str(tmp_path / "step-1"))
     shard = next(n for n in os.listdir(step) if n.endswith(".distcp"))
@@ -171,7 +172,7 @@ def test_export_refuses_a_damaged_checkpoint(tmp_path):
         byte = f.read(1)
         f.seek(100)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(ValueError, match="failed verification.*SHA-256"):
-        export_checkpoint(step, str(tmp_path / "hf"), args)
+    assert main(["export", "--checkpoint", step, "--out", str(tmp_path / "hf"), "--flavor", "debug"]) == 2
+    assert re.search("failed verification.*SHA-256", capsys.readouterr().err)
     with pytest.raises(ValueError, match="has shape"):
-        export_checkpoint(step, str(tmp_path / "hf2"), zoo.get_model_args("small"), verify=False)
+        export_checkpoint(step, str(tmp_path / "hf2"), zoo.get_model_args("small"))
