@@ -92,7 +92,7 @@ def _local_box(value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """(this rank's tensor to write into, its offset in the global tensor)."""
     if isinstance(value, DTensor):
         _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-        return value._local_tensor, tuple(offset)
+        return value.to_local(), tuple(offset)       # under no_grad: the local shard itself, not a copy
     return value, (0,) * value.dim()
 
 
