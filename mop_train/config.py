@@ -356,7 +356,8 @@ HONOURED = {
     "parallelism": ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
                     "context_parallel_degree", "expert_parallel_degree"),
     "checkpoint": ("enable", "folder", "interval", "initial_load_path", "initial_load_model_only",
-                   "last_save_model_only", "last_save_in_hf", "export_dtype", "keep_latest_k", "load_step",
+                   "initial_load_in_hf", "last_save_model_only", "last_save_in_hf", "export_dtype",
+                   "keep_latest_k", "load_step",
                    "exclude_from_loading", "enable_first_step_checkpoint", "enable_ft_dataloader_checkpoints"),
     "activation_checkpoint": ("mode", "selective_ac_option", "preserve_rng_state"),
     "comm": ("init_timeout_seconds", "train_timeout_seconds"),
@@ -453,6 +454,23 @@ def validate(cfg, *, source: str = "config") -> None:
     rel = mop.reliability
     _require(rel.max_consecutive_skips >= 1,
              f"{source}: mop.reliability.max_consecutive_skips = {rel.max_consecutive_skips} must be >= 1")
+    _check_initial_load(cfg.checkpoint, source)
     t = cfg.training
     _require(t.seq_len >= 1, f"{source}: training.seq_len = {t.seq_len} must be >= 1")
     _require(t.local_batch_size >= 1, f"{source}: training.local_batch_size = {t.local_batch_size} must be >= 1")
+
+
+def _check_initial_load(ck, source: str) -> None:
+    """torchtitan ignores initial_load_path without checkpoint.enable, and asserts on the HF
+    combinations it cannot load: say so before launch instead."""
+    _require(not ck.initial_load_path or ck.enable,
+             f"{source}: checkpoint.initial_load_path = {ck.initial_load_path!r} is read only with "
+             f"checkpoint.enable = true (torchtitan would ignore it); set checkpoint.enable = true")
+    if not ck.initial_load_in_hf:
+        return
+    _require(bool(ck.initial_load_path),
+             f"{source}: checkpoint.initial_load_in_hf = true needs checkpoint.initial_load_path = the Hugging Face "
+             f"folder (config.json + model*.safetensors, e.g. what `mop-train export` wrote)")
+    _require(ck.initial_load_model_only,
+             f"{source}: checkpoint.initial_load_in_hf = true loads weights only; set "
+             f"checkpoint.initial_load_model_only = true (safetensors hold no optimizer or data state)")

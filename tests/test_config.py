@@ -116,3 +116,21 @@ def test_command_line_values_name_the_flag_and_the_file(tmp_path):
         for needle in needles:
             assert needle in str(info.value), f"{needle!r} missing from: {info.value}"
     assert load_job_config(["--job.config_file", path], model_flavors=["debug"]).model.name == "mop"
+
+
+def test_initial_load_in_hf_is_honoured_and_checked(tmp_path):
+    """torchtitan's HF-initial-load keys are read (mop_train.hf.load); the combinations torchtitan would
+    ignore or assert on are refused before launch, naming the key."""
+    cfg = load_job_config(["--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path),
+                           "--checkpoint.initial_load_in_hf"])
+    assert cfg.checkpoint.initial_load_in_hf and cfg.checkpoint.initial_load_path == str(tmp_path)
+    for argv, needle in ((["--checkpoint.enable", "--checkpoint.initial_load_in_hf"], "needs checkpoint.initial_load_path"),
+                         (["--checkpoint.initial_load_path", str(tmp_path)], "checkpoint.enable = true"),
+                         (["--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path),
+                           "--checkpoint.initial_load_in_hf", "--checkpoint.no-initial_load_model_only"],
+                          "initial_load_model_only = true"),
+                         (["--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path),
+                           "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_in_hf_quantized"],
+                          "checkpoint.initial_load_in_hf_quantized")):
+        with pytest.raises(ValueError, match=needle):
+            load_job_config(argv)

@@ -27,7 +27,7 @@ from mop_train.models.args import MoEModelArgs
 from mop_train.models.attention_backends import AttentionCall, sdpa_choice
 from mop_train.models.document_mask import _check as document_attention_check
 from mop_train.models.document_mask import default_impl, document_attention
-from mop_train.models.keep_attention import can_keep, explicit_attention
+from mop_train.models.keep_attention import KeepableCore, can_keep, explicit_attention
 from mop_train.ops.tiling import PLAIN, TileOps, tiled_rows
 
 
@@ -53,7 +53,7 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2).to(x.dtype)
 
 
-class ScaledDotProductAttention(nn.Module):
+class ScaledDotProductAttention(KeepableCore):
     """Causal core attention: q [B, S, h, d_qk], k [B, S, h_kv, d_qk], v [B, S, h_kv, d_v]
     -> [B, S, h, d_v]. Scale 1/sqrt(d_qk). GQA (h_kv < h) is handled here, not by the caller.
     With doc_ids [B, S] a query also sees only its own document (`document_attention` with
@@ -68,9 +68,8 @@ class ScaledDotProductAttention(nn.Module):
     """
 
     def __init__(self, document_impl: str | None = None):
-        super().__init__()
+        super().__init__()                                              # keep = False
         self.document_impl = document_impl
-        self.keep = False
         self.backend: str | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -1,6 +1,6 @@
 """What one decoder block keeps for its backward, per token position, from the model's own shapes.
 
-The planner (mop_train.train.plan) asks these for the activations of the block that is being
+The planner (mop_train.plan.terms) asks these for the activations of the block that is being
 recomputed and differentiated; the routed experts' share comes from the dispatch schedule
 (mop_train.ops.moe_dispatch.memory), since it depends on how routes reach experts.
 
