@@ -33,7 +33,7 @@ from mop_train.hf.run_record import write_run_record
 from mop_train.layout import RankLayout, plan_layout
 from mop_train.models import zoo
 from mop_train.models.args import MoEModelArgs
-from mop_train.models.model import MoETransformer
+from mop_train.models.model import MoETransformer, model_tiles
 from mop_train.ops.offload_adamw import forward_units
 from mop_train.parallel.parallelize import (ParallelizeOptions, check_layout_fits, check_titan_parallelism,
                                             parallelize)
@@ -283,6 +283,7 @@ def describe_run(cfg, run: Run, device, host_terms, plan_terms, *, free_device_b
     plans, OffloadStreamAdamW's share, and where the run resumes from."""
     spec, layout, parts, t = run.spec, run.layout, run.parts, cfg.training
     args, micro_batches = spec.args, run.micro_batches
+    tiles = model_tiles(parts.model)
     lines = [
         f"model {spec.flavor}: {spec.total_params:,} parameters ({spec.active_params:,} active per token), "
         f"{args.n_layers} blocks, H={args.dim}, V={args.vocab_size}",
@@ -294,7 +295,8 @@ def describe_run(cfg, run: Run, device, host_terms, plan_terms, *, free_device_b
         f"dispatch {cfg.mop.moe.dispatch}, loss "
         f"{'ring_dtp' if uses_ring_dtp(cfg, layout) else 'chunked cross-entropy'}"
         + (", document mask on" if cfg.mop.data.document_mask else "")
-        + (", attention kept across the recompute" if cfg.mop.attention.keep else ""),
+        + (", attention kept across the recompute" if cfg.mop.attention.keep else "")
+        + (f", {tiles.label()}" if tiles.ffn_tokens or tiles.block_tokens else ""),
         format_plan(plan_terms),
         format_plan(host_terms, title="per-rank pinned host memory")]
     offload_line = describe_offload(run.optimizers, free_device_bytes=free_device_bytes)
