@@ -16,8 +16,9 @@ stands in for kernels. `classify` names its kind from those names and the GEMM's
   copies          memcpy, memset, and copy / cast / cat kernels outside attention and the loss
   optimizer       under Optimizer.step, or adam kernels
   attention       flash / fmha / efficient / cudnn attention, SDPA and its math ops
-  vocab_loss      the output projection (a GEMM with a vocabulary-wide dim: V or V/P) and the loss
-                  (cross-entropy, log-softmax, NLL, log-sum-exp, Ring-DTP)
+  vocab_loss      the output projection (a GEMM with a vocabulary-wide dim: V, V/P, or Ring-DTP's block
+                  when no token or hidden dim equals it) and the loss (cross-entropy, log-softmax,
+                  NLL, log-sum-exp, Ring-DTP's kernels and backward)
   expert_gemm     grouped GEMMs (torch._grouped_mm, grouped kernels, the expert dispatch's frames)
   dense_gemm      every other GEMM (attention and dense-FFN projections, shared experts, router)
   elementwise     the rest: norms, RoPE, activations, routing (top-k, sort, scatter), reductions
@@ -50,8 +51,10 @@ _RE = {k: re.compile(v, re.IGNORECASE) for k, v in {
     "collective": r"nccl|gloo:|c10d::",
     "memcpy": r"^Memcpy|^Memset|^cudaMemcpy",
     "optimizer": r"Optimizer\.step|adam|offload_adamw",
-    "attention": r"flash|fmha|attention|sdpa|scaled_dot_product|_attn_|keep_attention",
-    "loss": r"cross_entropy|log_softmax|nll_loss|logsumexp|ring_dtp|RingDTP|train/loss\.py|chunked_cross_entropy",
+    "attention": r"flash|fmha|attention|sdpa|scaled_dot_product|_attn_",
+    "attention_scope": r"scaled_dot_product|attention_backends|keep_attention|_attn_",  # not attention.py's projections
+    "loss": r"cross_entropy|log_softmax|nll_loss|logsumexp|ring_dtp|RingDTP|lse_update|softmax_grad|train/loss\.py"
+            r"|chunked_cross_entropy",
     "embedding": r"embedding",
     "expert": r"grouped|GroupedMm|moe_dispatch|experts_forward|grouped_swiglu|llep",
     "gemm": r"gemm|gemv|cutlass|cublas|nvjet|xmma|wgmma|^aten::(mm|bmm|addmm|baddbmm|matmul|linear|_grouped_mm)$",
@@ -74,7 +77,7 @@ def classify(name: str, ancestors: list[str], shapes=None, vocab_dims: frozenset
         return "copies"
     if hit("optimizer"):
         return "optimizer"
-    if hit("attention"):
+    if hit("attention", names[:2]) or hit("attention_scope"):
         return "attention"
     gemm = hit("gemm", names[:2])  # the kernel itself or the op that launched it
     if not hit("embedding") and (hit("loss") or (gemm and vocab_dims & set(_flat(shapes)))):
@@ -266,9 +269,13 @@ def profile_run(argv: list[str], *, out: str, wait: int, warmup: int, active: in
             prof.step()
     args, p = run.spec.args, cfg.mop.layout.vocab_degree
     tokens = cfg.training.seq_len * cfg.training.local_batch_size * run.micro_batches * world // cfg.mop.layout.seq_degree
+    vocab = {args.vocab_size, math.ceil(args.vocab_size / p)}
+    rows = cfg.training.seq_len * cfg.training.local_batch_size // cfg.mop.layout.seq_degree
+    if (cfg.mop.ring_dtp.enable or p > 1) and cfg.mop.ring_dtp.block_size not in (rows, rows * p, args.dim):
+        vocab.add(cfg.mop.ring_dtp.block_size)  # Ring-DTP's GEMMs are [N, H] x [H, block]
     dist.destroy_process_group()
     return {"trace": trace, "step_s": step_s, "tokens_per_step": tokens, "rank": rank,
-            "vocab_dims": sorted({args.vocab_size, math.ceil(args.vocab_size / p)})}
+            "vocab_dims": sorted(vocab)}
 
 
 def main(argv=None) -> None:

@@ -84,7 +84,7 @@ def test_throughput_runs_every_torchtitan_setting_prunes_keeps_failures_and_repo
 
 
 def test_one_flop_count_for_both_sides(tmp_path):
-    b = bench(tmp_path, ["--phases", "tps", "--tps-points", "32768x1"])
+    b = bench(tmp_path, ["--phases", "tps", "--tps-points", "32768x1", "--series", "torchtitan", "ours-best"])
     h = run_phases(b)
     a = zoo.get_model_args("small")
     f = flops_per_token(a, 32768, active_params=zoo.param_counts("small")["active"])
@@ -93,6 +93,7 @@ def test_one_flop_count_for_both_sides(tmp_path):
         assert v["model_tflops"] == round(v["tokens_per_s"] * f / 1e12, 1)
         assert v["mfu_pct"] == round(100 * v["tokens_per_s"] * f / 1e12 / 790, 1)
     assert h["flop_count"]["per_token"]["32768"] == f and "causal half" in h["flop_count"]["note"]
+    assert {p["series"] for p in b.points} == {"torchtitan", "ours-best"}, "--series limits the tps phase"
     table = report.format_points(b.points, model="small", peak_tflops=790)
     assert table.splitlines()[0].startswith(report.FLOP_NOTE) and "790" in table.splitlines()[0]
 

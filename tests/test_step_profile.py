@@ -41,6 +41,11 @@ CASES = [  # (kernel name, launching op and its ancestors, launching op's input 
     ("triton_red_fused__to_copy_mul_rsqrt_0", ["Torch-Compiled Region"], None, "elementwise"),
     ("void at::native::vectorized_elementwise_kernel<4, silu_kernel>", ["aten::silu"], None, "elementwise"),
     ("c10d::allreduce_", ["gloo:all_reduce"], None, "communication"),
+    ("nvjet_tst_128x256", ["aten::mm", "aten::linear", "mop_train/models/attention.py(120): forward"],
+     [[4096, 7168], [7168, 3072]], "dense_gemm"),
+    ("void at::native::elementwise_kernel<add>", ["aten::add", "aten::_scaled_dot_product_attention_math"], None,
+     "attention"),
+    ("_lse_update_kernel", ["mop_train/ops/ring_dtp/kernels.py(80): lse_update"], None, "vocab_loss"),
 ]
 
 
