@@ -219,3 +219,13 @@ def test_bad_brackets_and_points_are_refused(flag, capsys):
     with pytest.raises(SystemExit):
         e2e.parse_args(flag)
     assert "e.g." in capsys.readouterr().err
+
+
+def test_ours_runs_at_torchtitans_longest_context(tmp_path):
+    b = bench(tmp_path, ["--phases", "reach-titan", "tps-at-titan-max", "--reach-bracket", "torchtitan=32768:131072"])
+    h = run_phases(b)
+    longest = h["titan_longest_seq"]
+    assert longest == h["reach"]["torchtitan"]["largest_ok"] and longest is not None
+    at = h["tps_at_titan_longest"]
+    assert set(at) == {"torchtitan", "ours-best", "ours-all"} and at["ours-best"]["fastest"]["tokens_per_s"] == 1.25e4
+    assert {x[0] for x in b.launched if x[2] == longest and x[4] == 4} == {"ours-best", "ours-all"}
