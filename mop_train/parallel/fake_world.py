@@ -306,5 +306,9 @@ def apply_routing_profile(model, profile: str, *, expert_position: int, expert_d
     """Force every MoE layer of `model` to route by `profile`; a skewed profile's hot experts are
     the experts of expert-group position `expert_position` onward (this rank's, in a fake world)."""
     for moe in model.moe_layers():
+        try:
+            routing_profile(profile, 1, moe.router.num_experts, moe.router.top_k)
+        except ValueError as err:
+            raise ValueError(f"mop.moe.routing_profile = {profile!r}: {err}") from None
         offset = expert_position * (moe.router.num_experts // expert_degree)
         moe.forced_routing = profile_routing(moe.router, profile, offset)

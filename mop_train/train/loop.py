@@ -213,7 +213,8 @@ def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards:
     train_state, checkpointer, optimizers = run.train_state, run.checkpointer, run.optimizers
     micro_batches = run.micro_batches
     batches = iter(run.dataloader)
-    window_start, window_tokens, timeout_set = time.perf_counter(), 0, False
+    window_start, window_tokens = time.perf_counter(), 0
+    timeout_set = in_fake_world()  # a fake world's collectives never wait: no timeout to set
     while train_state.step < steps:
         train_state.step += 1
         step = train_state.step

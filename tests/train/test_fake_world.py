@@ -230,3 +230,125 @@ def test_fake_rank_dispatch_and_ring_figures_equal_the_real_rank(tmp_path, W, D,
         layer = expected["layers"][0]
         assert layer["relocated_routes"] > 0 and layer["migrated_experts"] > 0, layer   # relocation was exercised
         assert dispatch == "llep" or layer["num_chunks"] > 1, layer                     # and chunking
+
+
+# ---------------------------------------------------------------------------------------------
+# The paper's 64-rank layout on CPU
+# ---------------------------------------------------------------------------------------------
+
+def _identical_world_receipts(N: int, E: int, k: int, P: int, K: int, rank: int, plan) -> list[int]:
+    """Routes `rank` receives per chunk when all P sources route N tokens by the balanced profile:
+    source s's j-th route (token order) to expert e sits at position s * c_e + j of e's route list,
+    and goes to the rank whose plan range holds that position; a route's chunk is its token's."""
+    from mop_train.ops.routing_profiles import routing_profile
+
+    indices, _ = routing_profile("balanced", N, E, k)
+    per_expert: dict[int, list[int]] = {}
+    for token in range(N):
+        for e in indices[token].tolist():
+            per_expert.setdefault(e, []).append(token % K)            # strided chunk of the route's token
+    got = [0] * K
+    for e, chunks in per_expert.items():
+        ranges = [(lo, hi, g) for ee, g, lo, hi in plan.ranges if ee == e]
+        for s in range(P):
+            for j, chunk in enumerate(chunks):
+                pos = s * len(chunks) + j
+                if next(g for lo, hi, g in ranges if lo <= pos < hi) == rank:
+                    got[chunk] += 1
+    return got
+
+
+def _paper_layout_step(W, rank, argv, N, budget):
+    from mop_train.ops.moe_dispatch.llep_plan import llep_plan
+    from mop_train.ops.routing_profiles import routing_profile
+    from mop_train.parallel.fake_world import init_fake_world
+
+    init_fake_world(W, rank, torch.device("cpu"))
+    record = _record_step(argv + ["--comm.mode", "fake_backend"], None, model_args=DEBUG_WIDE)
+    assert record["groups"] == {"seq": 16, "expert": 64, "vocab": 8, "expert_replica": 1, "vocab_replica": 8}
+    assert record["loss_finite"] and not record["skipped"]
+    E, k, P = DEBUG_WIDE.num_experts, DEBUG_WIDE.top_k, 64
+    K = -(-N // budget)
+    counts = torch.bincount(routing_profile("balanced", N, E, k)[0].reshape(-1), minlength=E)
+    plan = llep_plan(counts.expand(P, E).contiguous(), min_tokens_per_gemm=4)
+    expected = _identical_world_receipts(N, E, k, P, K, rank, plan)
+    sent = [k * len(range(i, N, K)) for i in range(K)]
+    assert plan.relocated_routes > 0                                     # the hot-ish experts relocate
+    for layer in record["layers"]:
+        assert layer["num_chunks"] == K and layer["chunk_sent"] == sent, layer
+        assert layer["chunk_received"] == expected, (layer["chunk_received"], expected)
+        assert layer["relocated_routes"] == plan.relocated_routes and layer["migrated_experts"] == len(plan.transfers)
+        assert layer["received_bound"] == P * k * -(-N // K)
+    assert record["rounds"]["meetings"] == 2 * 8                         # each token set meets every shard, twice
+
+
+@pytest.mark.slow
+def test_paper_layout_w64_d16_ep64_p8_runs_one_rank_with_an_identical_worlds_sizes(tmp_path):
+    N, budget = 48, 16                                                   # tokens per rank, token budget c
+    argv = _argv(str(tmp_path / "w64"), 64, 16, 64, 8, "pipelined_llep", 16 * N,
+                 ["--mop.moe.token_budget", str(budget), "--mop.moe.min_tokens_per_gemm", "4"])
+    run_alone(_paper_layout_step, 64, 37, argv, N, budget)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI: the log, and what it refuses
+# ---------------------------------------------------------------------------------------------
+
+def _fake_cli(args: list[str], env_extra: dict, timeout: float = 300):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1", **env_extra}
+    for name in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        if name not in env_extra:
+            env.pop(name, None)
+    return subprocess.run([sys.executable, "-m", "mop_train.train", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_cli_fake_run_says_on_every_line_that_losses_are_meaningless(tmp_path):
+    folder = str(tmp_path / "cli")
+    args = _argv(folder, 8, 2, 4, 2, "ep", 64, ["--comm.mode", "fake_backend", "--training.steps", "2",
+                                                 "--metrics.log_freq", "1"])
+    proc = _fake_cli(args, {"WORLD_SIZE": "8", "RANK": "6"})
+    check_ok(proc)
+    note = "fake world W=8 rank 6: losses are meaningless in this mode"
+    step_lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(step_lines) == 2 and all(note in line for line in step_lines), proc.stdout[-2000:]
+    assert proc.stdout.count(note) >= 4                                  # the launch banner and the end too
+    records = read_metrics(folder)
+    assert [r["step"] for r in records] == [1, 2] and all(note in r["fake_world"] for r in records)
+    assert all(r["moe_num_chunks"] == 1 and not r["skipped"] for r in records)
+    refused = _fake_cli(args + ["--checkpoint.enable"], {"WORLD_SIZE": "8", "RANK": "6"})
+    assert refused.returncode == 2 and "checkpoint.enable" in refused.stderr, refused.stderr[-2000:]
+
+
+def test_config_refuses_what_a_fake_world_cannot_stand_in_for():
+    from mop_train.config import load_job_config
+
+    base = ["--job.config_file", DEBUG_CONFIG, "--comm.mode", "fake_backend", "--checkpoint.no-enable"]
+    load_job_config(base + ["--mop.moe.routing_profile", "80/16"])       # accepted
+    for extra, named in ((["--checkpoint.enable"], "checkpoint.enable"),
+                         (["--mop.reliability.check_a2a_splits"], "mop.reliability.check_a2a_splits"),
+                         (["--metrics.save_for_all_ranks"], "metrics.save_for_all_ranks"),
+                         (["--checkpoint.initial_load_path", "/x"], "checkpoint.initial_load_path")):
+        with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+            load_job_config(base + extra)
+    with pytest.raises(ValueError, match="comm.mode = 'local_tensor'"):
+        load_job_config(["--job.config_file", DEBUG_CONFIG, "--comm.mode", "local_tensor"])
+    for bad in ("hot", "80/0", "120/4", "80/4/2"):
+        with pytest.raises(ValueError, match="routing_profile"):
+            load_job_config(["--job.config_file", DEBUG_CONFIG, "--mop.moe.routing_profile", bad])
+
+
+def test_fake_world_from_env_names_what_is_missing():
+    from mop_train.parallel.fake_world import fake_world_from_env
+
+    assert fake_world_from_env({"WORLD_SIZE": "64", "RANK": "63"}) == (64, 63)
+    for env, named in (({"RANK": "0"}, "WORLD_SIZE"), ({"WORLD_SIZE": "8"}, "RANK"),
+                       ({"WORLD_SIZE": "8", "RANK": "8"}, "RANK"), ({"WORLD_SIZE": "8", "RANK": "x"}, "RANK"),
+                       ({"WORLD_SIZE": "8", "RANK": "0", "TORCHELASTIC_RUN_ID": "1"}, "without torchrun")):
+        with pytest.raises(ValueError, match=named):
+            fake_world_from_env(env)
