@@ -170,10 +170,10 @@ def _identical_ranks_recv_counts(flat, order, plan, C, chunk, num_chunks, P, ran
     E = C.shape[1]
     rows = []
     for source in range(P):
-        key = _route_keys(flat, order, plan, C, chunk, source, P)
-        mine = key[(key // E) % P == rank]
+        key = _route_keys(flat, order, plan, C, chunk, source, P)               # (chunk, dest, expert)
+        to_me = ((key // E) % P == rank).to(torch.int64)                         # no host sync
         rows.append(torch.zeros(num_chunks * P * E, dtype=torch.int64, device=flat.device)
-                    .index_add_(0, mine, torch.ones_like(mine)).view(num_chunks, P, E)[:, rank])
+                    .index_add_(0, key, to_me).view(num_chunks, P, E)[:, rank])  # [K, E]
     return torch.stack(rows)
 
 
