@@ -70,6 +70,12 @@ class MoE:
     bias_update_rate: float = 1e-3
     """Auxiliary-loss-free balancing: step size of the per-expert routing bias update (0 disables)."""
 
+    routing_profile: str = ""
+    """Force every MoE layer's routes to a profile of mop_train.ops.routing_profiles ("balanced", or
+    "r/h": r% of tokens on h hot experts, e.g. "80/16"); the router still computes its weights. "" lets
+    the router choose; with comm.mode = "fake_backend", "" means "balanced". A skewed profile's hot
+    experts are those of expert-group position 0 onward (in a fake world: the emulated rank's)."""
+
 
 @dataclass
 class RingDTP:
@@ -360,7 +366,7 @@ HONOURED = {
                    "keep_latest_k", "load_step",
                    "exclude_from_loading", "enable_first_step_checkpoint", "enable_ft_dataloader_checkpoints"),
     "activation_checkpoint": ("mode", "selective_ac_option", "preserve_rng_state"),
-    "comm": ("init_timeout_seconds", "train_timeout_seconds"),
+    "comm": ("init_timeout_seconds", "train_timeout_seconds", "mode"),
     "debug": ("seed", "deterministic", "deterministic_warn_only"),
 }
 """torchtitan keys the loop reads, per section (the degrees under `parallelism` only as 1, checked
@@ -451,6 +457,8 @@ def validate(cfg, *, source: str = "config") -> None:
         tile = getattr(mop.tiling, key)
         _require(tile == "auto" or (isinstance(tile, int) and tile >= 0),
                  f"{source}: mop.tiling.{key} = {tile!r} must be 0 (untiled), a token count >= 1 or \"auto\"")
+    _validate_routing_profile(moe.routing_profile, source)
+    validate_comm_mode(cfg, source)
     rel = mop.reliability
     _require(rel.max_consecutive_skips >= 1,
              f"{source}: mop.reliability.max_consecutive_skips = {rel.max_consecutive_skips} must be >= 1")
@@ -474,3 +482,40 @@ def _check_initial_load(ck, source: str) -> None:
     _require(ck.initial_load_model_only,
              f"{source}: checkpoint.initial_load_in_hf = true loads weights only; set "
              f"checkpoint.initial_load_model_only = true (safetensors hold no optimizer or data state)")
+def _validate_routing_profile(profile: str, source: str) -> None:
+    from mop_train.ops.routing_profiles import PROFILES
+
+    if profile in ("", "balanced"):
+        return
+    parts = profile.split("/")
+    ok = len(parts) == 2 and all(p.isdigit() for p in parts) and int(parts[0]) <= 100 and int(parts[1]) >= 1
+    _require(ok, f"{source}: mop.moe.routing_profile = {profile!r} is not a routing profile; use \"\" (the "
+                 f"router decides), \"balanced\", or \"r/h\" (r% of tokens on h hot experts), e.g. one of {PROFILES}")
+
+
+FAKE_BACKEND_REFUSED = (
+    ("checkpoint.enable", lambda cfg: cfg.checkpoint.enable,
+     "DCP saves gather every rank's plan and shards", "--checkpoint.no-enable"),
+    ("checkpoint.initial_load_path", lambda cfg: bool(cfg.checkpoint.initial_load_path),
+     "a load reads every rank's shards", "remove it"),
+    ("mop.reliability.check_a2a_splits", lambda cfg: cfg.mop.reliability.check_a2a_splits,
+     "it compares the splits of ranks that do not exist", "--mop.reliability.no-check_a2a_splits"),
+    ("metrics.save_for_all_ranks", lambda cfg: cfg.metrics.save_for_all_ranks,
+     "one process is one rank", "remove it"),
+)
+"""What `comm.mode = "fake_backend"` cannot stand in for: (key, is set, why, the fix)."""
+
+
+def validate_comm_mode(cfg, source: str = "config") -> None:
+    """comm.mode: "default", or "fake_backend" (one rank of a W-rank job in one process, collectives
+    standing in for identical ranks: mop_train.parallel.fake_world) without the settings it cannot
+    stand in for. torchtitan's "local_tensor" is not implemented."""
+    mode = cfg.comm.mode
+    _require(mode in ("default", "fake_backend"),
+             f"{source}: comm.mode = {mode!r} is not implemented by mop_train (it would run every rank in one "
+             f"process); use \"default\" or \"fake_backend\" (one rank of the job: WORLD_SIZE=W RANK=r)")
+    if mode != "fake_backend":
+        return
+    for key, is_set, why, fix in FAKE_BACKEND_REFUSED:
+        _require(not is_set(cfg), f"{source}: {key} cannot run under comm.mode = \"fake_backend\" ({why}); "
+                                  f"{fix}")

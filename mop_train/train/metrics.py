@@ -173,6 +173,8 @@ def format_line(r: dict) -> str:
     if "moe_num_chunks" in r:
         line += (f"  moe K {r['moe_num_chunks']} relocated {r['moe_relocated_routes']:,} "
                  f"max_recv/chunk {r['moe_max_received_per_chunk']:,}")
+    if r.get("fake_world"):
+        line += f"  [{r['fake_world']}]"
     return line
 
 
