@@ -138,6 +138,7 @@ def _schedules_worker(rank, world_size, seed):
         compiled_options = dataclasses.replace(options, compile=CompileOptions(True, True, "aot_eager"))
         eager, _ = _parallelized(seed, layout, options, 1 << 20 if sco else 0)
         compiled, compiled_sco = _parallelized(seed, layout, compiled_options, 1 << 20 if sco else 0)
+        torch._dynamo.reset()                                       # each case compiles afresh
         graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         for _ in range(2):
             # Each sequence group its own sequences; the D ranks of a group take its S/D slices.
