@@ -26,6 +26,7 @@ from torchtitan.config import ConfigManager
 from torchtitan.config import JobConfig as TitanJobConfig
 
 from mop_train.ops.moe_dispatch.options import LLEPOptions, PipelinedLLEPOptions, dispatch_options
+from mop_train.parallel.compile import COMPONENTS as COMPILE_COMPONENTS
 from mop_train.units import parse_bytes, parse_device_fraction
 
 
@@ -332,7 +333,10 @@ def load_job_config(argv: list[str] | None = None, *, model_flavors: list[str] |
     argv += ["--job.custom_config_module", CUSTOM_CONFIG_MODULE]
     if not _in_toml(data, "model.name") and not _given_on_command_line(argv, "model.name"):
         argv += ["--model.name", MODEL_NAME]   # torchtitan's default ("llama3") is not ours
-    cfg = ConfigManager().parse_args(argv)
+    try:
+        cfg = ConfigManager().parse_args(argv)
+    except AssertionError as err:  # torchtitan's own __post_init__ checks (validation.steps, ...)
+        raise ValueError(f"{path or 'command line'}: {err}") from None
 
     def origin(dotted: str) -> str:
         if _given_on_command_line(argv, dotted):
@@ -368,11 +372,17 @@ HONOURED = {
     "activation_checkpoint": ("mode", "selective_ac_option", "preserve_rng_state"),
     "comm": ("init_timeout_seconds", "train_timeout_seconds", "mode"),
     "debug": ("seed", "deterministic", "deterministic_warn_only"),
+    "validation": ("enable", "dataset", "dataset_path", "local_batch_size", "seq_len", "freq", "steps",
+                   "dataloader"),
+    "profiling": ("enable_profiling", "save_traces_folder", "profile_freq", "profiler_active", "profiler_warmup",
+                  "enable_memory_snapshot", "save_memory_snapshot_folder"),
+    "compile": ("enable", "components", "backend"),
 }
 """torchtitan keys the loop reads, per section (the degrees under `parallelism` only as 1, checked
-at launch). Any other torchtitan key, and every key of a section not listed (compile, quantize
-(float8, mx), profiling, validation, fault_tolerance, memory_estimation, experimental), must keep
-torchtitan's default: `check_honoured` refuses it rather than ignore it."""
+at launch). Any other torchtitan key, and every key of a section not listed (quantize (float8, mx),
+fault_tolerance, memory_estimation, experimental), must keep torchtitan's default: `check_honoured`
+refuses it rather than ignore it. [validation], [profiling] and [compile] are checked by
+`validate_run_tools`."""
 
 
 def check_honoured(cfg, origin) -> None:
@@ -466,6 +476,7 @@ def validate(cfg, *, source: str = "config") -> None:
     t = cfg.training
     _require(t.seq_len >= 1, f"{source}: training.seq_len = {t.seq_len} must be >= 1")
     _require(t.local_batch_size >= 1, f"{source}: training.local_batch_size = {t.local_batch_size} must be >= 1")
+    validate_run_tools(cfg, source=source)
 
 
 def _check_initial_load(ck, source: str) -> None:
@@ -482,6 +493,8 @@ def _check_initial_load(ck, source: str) -> None:
     _require(ck.initial_load_model_only,
              f"{source}: checkpoint.initial_load_in_hf = true loads weights only; set "
              f"checkpoint.initial_load_model_only = true (safetensors hold no optimizer or data state)")
+
+
 def _validate_routing_profile(profile: str, source: str) -> None:
     from mop_train.ops.routing_profiles import PROFILES
 
@@ -519,3 +532,42 @@ def validate_comm_mode(cfg, source: str = "config") -> None:
     for key, is_set, why, fix in FAKE_BACKEND_REFUSED:
         _require(not is_set(cfg), f"{source}: {key} cannot run under comm.mode = \"fake_backend\" ({why}); "
                                   f"{fix}")
+
+
+def validate_run_tools(cfg, *, source: str = "config") -> None:
+    """[validation], [profiling] and [compile] (torchtitan's keys) against what the loop can do
+    (the device-dependent checks run at build time: a memory snapshot or inductor on CPU)."""
+    v, p, c = cfg.validation, cfg.profiling, cfg.compile
+    if v.enable:
+        _require(v.dataset not in ("c4_validation", "c4"),
+                 f"{source}: validation.dataset = {v.dataset!r} (torchtitan's default, a hub download) is not "
+                 f"read by mop_train; set validation.dataset = \"embedded\" (the embedded corpus's held-out "
+                 f"split) or \"jsonl\" / \"parquet\" / \"text\" / \"hub\" with validation.dataset_path")
+        for key in ("freq", "local_batch_size", "seq_len"):
+            _require(getattr(v, key) >= 1, f"{source}: validation.{key} = {getattr(v, key)} must be >= 1")
+        _require(v.steps >= 1 or v.steps == -1, f"{source}: validation.steps = {v.steps} must be >= 1 (batches "
+                 f"per validation) or -1 (one pass over the whole validation set)")
+    if p.enable_profiling:
+        _require(p.profiler_active >= 1 and p.profiler_warmup >= 0,
+                 f"{source}: profiling.profiler_active = {p.profiler_active} must be >= 1 and "
+                 f"profiling.profiler_warmup = {p.profiler_warmup} >= 0")
+        _require(p.profile_freq >= p.profiler_active + p.profiler_warmup,
+                 f"{source}: profiling.profile_freq = {p.profile_freq} must be >= profiler_warmup + profiler_active "
+                 f"= {p.profiler_warmup + p.profiler_active} (each cycle of profile_freq steps warms up, then "
+                 f"records its last steps); raise profile_freq")
+    if p.enable_profiling or p.enable_memory_snapshot:
+        _require(p.profile_freq >= 1, f"{source}: profiling.profile_freq = {p.profile_freq} must be >= 1")
+    if c.enable:
+        bad = [x for x in c.components if x not in COMPILE_COMPONENTS]
+        _require(not bad and c.components, f"{source}: compile.components = {c.components!r}: each must be one "
+                 f"of {', '.join(COMPILE_COMPONENTS)} (and at least one, with compile.enable = true)")
+        import torch._dynamo
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        _require(c.backend in backends, f"{source}: compile.backend = {c.backend!r} is not a torch.compile backend "
+                 f"here; valid: {', '.join(backends)}")
+        ring_dtp = cfg.mop.layout.vocab_degree > 1 or cfg.mop.ring_dtp.enable
+        _require(not ("loss" in c.components and ring_dtp),
+                 f"{source}: compile.components = {c.components!r} compiles the loss, but the loss is Ring-DTP "
+                 f"(mop.layout.vocab_degree = {cfg.mop.layout.vocab_degree}, mop.ring_dtp.enable = "
+                 f"{str(cfg.mop.ring_dtp.enable).lower()}): its fused kernels and ring collectives cannot be "
+                 f"compiled; set compile.components = [\"model\"]")
