@@ -191,9 +191,7 @@ def train(cfg, device: torch.device, stop: StopFlag, *, model_args=None) -> None
                                                               eos_id=run.eos_id))
         metrics = MetricLogger(cfg.metrics, cfg.job.dump_folder, rank=0 if logs else rank, device=device,
                                run_config=cfg.to_dict())
-        args = run.spec.args
-        flops = flops_per_token(run.spec.active_params, args.vocab_size * args.dim, args.n_layers, args.n_heads,
-                                args.qk_head_dim, cfg.training.seq_len)
+        flops = flops_per_token(run.spec.args, cfg.training.seq_len, active_params=run.spec.active_params)
         guards = StepGuards(NonFiniteGuard(cfg.mop.reliability, rank=rank, world=world, device=device), stop,
                             run.schedule_steps, Fault.from_env())
         try:
