@@ -5,6 +5,8 @@ import sys
 import pytest
 import torch
 
+import mop_train  # noqa: F401  (first: lets tests that import torchtitan directly run without triton)
+
 # Tests import the shared helpers as `from tests.utils import ...` / `from tests.dist_utils import ...`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

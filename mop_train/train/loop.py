@@ -173,11 +173,15 @@ def train(cfg, device: torch.device, stop: StopFlag) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         run = build_run(cfg, device)
         metrics = MetricLogger(cfg.metrics, cfg.job.dump_folder, rank=rank, device=device,
-                               run_config=cfg.to_dict())
+                               run_config=cfg.to_dict(), total_steps=cfg.training.steps,
+                               resume_step=run.train_state.step)
+        if metrics.note:
+            print(metrics.note, flush=True)
         args = run.spec.args
         flops = flops_per_token(run.spec.active_params, args.vocab_size * args.dim, args.n_layers, args.n_heads,
                                 args.qk_head_dim, cfg.training.seq_len)
-        guards = StepGuards(NonFiniteGuard(cfg.mop.reliability, rank=rank, world=world, device=device), stop,
+        guards = StepGuards(NonFiniteGuard(cfg.mop.reliability, rank=rank, world=world, device=device,
+                                           last_checkpoint=lambda: run.checkpointer.last_saved), stop,
                             run.schedule_steps, Fault.from_env())
         try:
             run_steps(cfg, run, metrics, device=device, flops_per_token=flops, guards=guards)
@@ -201,7 +205,8 @@ def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards:
     steps, peak, sco = cfg.training.steps, peak_tflops(device), run.parts.sco
     train_state, checkpointer, optimizers = run.train_state, run.checkpointer, run.optimizers
     micro_batches = run.micro_batches
-    batches = iter(run.dataloader)
+    batches = iter(run.dataloader)        # draws its seed from the torch CPU generator
+    train_state.restore_rng()             # so a resumed run's generators continue where they were saved
     window_start, window_tokens, timeout_set = time.perf_counter(), 0, False
     while train_state.step < steps:
         train_state.step += 1
@@ -276,7 +281,7 @@ def stop_cleanly(cfg, checkpointer, step: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     init_logger()
     logger.setLevel("ERROR")  # torchtitan warns that hf_assets_path = "embedded" is not a folder
-    cfg = load_job_config(argv, model_flavors=zoo.names())
+    cfg = load_job_config(argv, model_flavors=zoo.names(), world_size=int(os.environ.get("WORLD_SIZE", "1")))
     logger.setLevel("INFO")
     warnings.filterwarnings("ignore", message=".*set_vital.*")
     exit_with_parent()
