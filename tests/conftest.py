@@ -5,10 +5,10 @@ import sys
 import pytest
 import torch
 
-import mop_train  # noqa: F401  (first: lets tests that import torchtitan directly run without triton)
-
 # Tests import the shared helpers as `from tests.utils import ...` / `from tests.dist_utils import ...`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import mop_train  # noqa: E402,F401  (before any test imports torchtitan: a CPU install has no triton)
 
 
 def pytest_collection_modifyitems(config, items):

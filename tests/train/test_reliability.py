@@ -30,6 +30,32 @@ def test_metrics_stay_strict_json():
     assert strict_json_record(clean) is clean
 
 
+def test_resumed_metrics_read_as_one_run(tmp_path):
+    """Resuming from step 4: records past it, and a line a crash cut short, move aside in order;
+    records up to 4 stay; nothing moves when nothing is past the step."""
+    from mop_train.train.metrics import supersede_records
+
+    path = str(tmp_path / "metrics.jsonl")
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 4, 5, 6)]
+    with open(path, "w") as f:
+        f.writelines(lines + ['{"step": 7, "lo'])           # the crash cut the last record short
+    note = supersede_records(path, after_step=4)
+    assert open(path).readlines() == lines[:3]
+    (aside,) = [n for n in os.listdir(tmp_path) if n.startswith("metrics.jsonl.superseded-")]
+    assert open(tmp_path / aside).read().splitlines() == [lines[3].strip(), lines[4].strip(), '{"step": 7, "lo']
+    for part in ("2 records past step 4 (steps 5-6)", "1 unreadable line", aside):
+        assert part in note, note
+    assert supersede_records(path, after_step=4) is None and open(path).readlines() == lines[:3]
+
+
+def test_log_line_says_step_of_total_elapsed_and_eta():
+    record = {"step": 120, "total_steps": 200, "run_elapsed_s": 83.4, "eta_s": 55.6, "loss": 2.5,
+              "grad_norm": 0.5, "lr": 1e-3, "tokens_per_s": 100.0, "peak_mem_gib": 0.5}
+    assert format_line(record).startswith("step 120/200  elapsed 0:01:23  eta 0:00:56  loss 2.5000")
+    assert format_line({**record, "step": 7}).startswith("step   7/200  ")
+    assert format_line({**record, "eta_s": None}).startswith("step 120/200  elapsed 0:01:23  eta ?  ")
+
+
 def _fake_checkpoint(base, step: int) -> str:
     folder = os.path.join(base, f"step-{step}")
     os.makedirs(folder)
