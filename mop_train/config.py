@@ -309,12 +309,15 @@ def _in_toml(data: dict, dotted: str) -> bool:
     return True
 
 
-def load_job_config(argv: list[str] | None = None, *, model_flavors: list[str] | None = None):
+def load_job_config(argv: list[str] | None = None, *, model_flavors: list[str] | None = None,
+                    world_size: int | None = None):
     """Parse TOML + CLI overrides into the merged JobConfig, checked and validated.
 
     Args:
         model_flavors: the names `model.flavor` may take (the training loop passes the zoo's);
             None leaves the flavor unchecked here.
+        world_size: W, when the launch knows it (the loop, `mop-train train`): each
+            `[mop.layout]` degree must divide it; None leaves that to the layout.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     path = _find_config_file(argv)
@@ -348,7 +351,20 @@ def load_job_config(argv: list[str] | None = None, *, model_flavors: list[str] |
         raise ValueError(f"{origin('model.flavor')}: model.flavor = {cfg.model.flavor!r} is not a mop_train "
                          f"model; valid: {', '.join(model_flavors)} (`mop-train zoo` lists their sizes)")
     validate(cfg, source=path or "command line")
+    if world_size is not None:
+        check_layout_divides(cfg.mop.layout, world_size, origin)
     return cfg
+
+
+def check_layout_divides(layout, world_size: int, origin) -> None:
+    """Each `[mop.layout]` degree must divide W; the error names where it was set, the key, the
+    value and the valid degrees."""
+    for name in ("seq_degree", "expert_degree", "vocab_degree"):
+        v, key = getattr(layout, name), f"mop.layout.{name}"
+        if v >= 1 and world_size % v:
+            valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ValueError(f"{origin(key)}: {key} = {v} must divide the world size ({world_size} ranks); valid: "
+                             f"{valid}; set [mop.layout] {name} or --{key} to one of them (or change the ranks)")
 
 
 MODEL_NAME = "mop"

@@ -190,9 +190,13 @@ def train(cfg, device: torch.device, stop: StopFlag, *, model_args=None) -> None
         validator = build_validator(cfg, run, prepare=partial(_micro_batch, layout=run.layout, device=device,
                                                               eos_id=run.eos_id))
         metrics = MetricLogger(cfg.metrics, cfg.job.dump_folder, rank=0 if logs else rank, device=device,
-                               run_config=cfg.to_dict())
+                               run_config=cfg.to_dict(), total_steps=cfg.training.steps,
+                               resume_step=run.train_state.step)
+        if metrics.note:
+            print(metrics.note, flush=True)
         flops = flops_per_token(run.spec.args, cfg.training.seq_len, active_params=run.spec.active_params)
-        guards = StepGuards(NonFiniteGuard(cfg.mop.reliability, rank=rank, world=world, device=device), stop,
+        guards = StepGuards(NonFiniteGuard(cfg.mop.reliability, rank=rank, world=world, device=device,
+                                           last_checkpoint=lambda: run.checkpointer.last_saved), stop,
                             run.schedule_steps, Fault.from_env())
         try:
             with profiler.running(start_step=run.train_state.step):
@@ -222,7 +226,8 @@ def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards:
     steps, peak, sco = cfg.training.steps, peak_tflops(device), run.parts.sco
     train_state, checkpointer, optimizers = run.train_state, run.checkpointer, run.optimizers
     micro_batches = run.micro_batches
-    batches = iter(run.dataloader)
+    batches = iter(run.dataloader)        # draws its seed from the torch CPU generator
+    train_state.restore_rng()             # so a resumed run's generators continue where they were saved
     window_start, window_tokens = time.perf_counter(), 0
     timeout_set = in_fake_world()  # a fake world's collectives never wait: no timeout to set
     while train_state.step < steps:
@@ -305,7 +310,7 @@ def stop_cleanly(cfg, checkpointer, step: int) -> None:
 def main(argv: list[str] | None = None, *, model_args=None) -> None:
     init_logger()
     logger.setLevel("ERROR")  # torchtitan warns that hf_assets_path = "embedded" is not a folder
-    cfg = load_job_config(argv, model_flavors=zoo.names())
+    cfg = load_job_config(argv, model_flavors=zoo.names(), world_size=int(os.environ.get("WORLD_SIZE", "1")))
     logger.setLevel("INFO")
     warnings.filterwarnings("ignore", message=".*set_vital.*")
     exit_with_parent()
