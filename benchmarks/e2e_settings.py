@@ -177,8 +177,8 @@ class AutoSettings:
     def _plan(self, seq_len: int, local_batch: int) -> AutoSetting | None:
         from mop_train.config import load_job_config
         from mop_train.models import zoo
-        from mop_train.train.auto_plan import AutoPlanner, NothingFits
-        from mop_train.train.auto_settings import fixed_keys, search_base_flags
+        from mop_train.plan.auto import AutoPlanner, NothingFits
+        from mop_train.plan.settings import fixed_keys, search_base_flags
 
         fixed = fixed_keys(list(self.overrides))
         point = ["--training.seq_len", str(seq_len), "--training.local_batch_size", str(local_batch)]
