@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.checkpoint import CheckpointManager
 
+from mop_train.hf.load import load_hf_weights
 from mop_train.train import integrity
 from mop_train.train.optim import wait_for_weights
 from mop_train.train.reliability import CheckpointError, state_is_finite, tensors_of
@@ -116,10 +117,10 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
 
 
 def _weights_only_dcp_load(manager: CheckpointManager):
-    """torchtitan's `dcp_load` (DCP checkpoints, no HF) with the weights-only planner."""
+    """torchtitan's `dcp_load` with the weights-only planner (DCP), or our HF import (from_hf)."""
     def dcp_load(state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
-        if from_hf:
-            raise ValueError("loading HF safetensors is not supported by mop_train (no state-dict adapter)")
+        if from_hf:  # [checkpoint] initial_load_in_hf: Hugging Face DeepseekV3 safetensors (mop_train.hf.load)
+            return load_hf_weights(manager.states["model"], state_dict, checkpoint_id)
         dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=WeightsOnlyLoadPlanner())
         manager.states["model"].load_state_dict(state_dict)
     return dcp_load
@@ -177,8 +178,8 @@ def build_checkpointer(checkpoint, dump_folder: str, *, model: nn.Module, optimi
         reliability: the `[mop.reliability]` section (resume_from_verified).
     """
     if checkpoint.last_save_in_hf:
-        raise ValueError("checkpoint.last_save_in_hf = true needs a state-dict adapter, which mop_train "
-                         "models do not have; set it to false")
+        raise ValueError("checkpoint.last_save_in_hf = true is not implemented (no in-run HF save); set it "
+                         "to false and run `mop-train export` on the saved checkpoint")
     manager = CheckpointManager(dataloader=SafeDataloaderState(dataloader), model_parts=[model],
                                 optimizers=optimizers, lr_schedulers=lr_schedulers,
                                 states={"train_state": train_state}, checkpoint_config=checkpoint,

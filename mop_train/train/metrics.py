@@ -92,11 +92,29 @@ def peak_memory_gib(device: torch.device) -> tuple[float, str]:
     return rss * (1 if sys.platform == "darwin" else 1024) / GIB, "host_max_rss"
 
 
-def flops_per_token(active_params: int, embedding_params: int, n_layers: int, n_heads: int,
-                    qk_head_dim: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per active non-embedding parameter (forward + backward), plus
-    causal attention's score and value matmuls: 6 * L * h * d * S (half of the full 12 * L * h * d * S)."""
-    return 6.0 * (active_params - embedding_params) + 6.0 * n_layers * n_heads * qk_head_dim * seq_len
+def flops_per_token(args, seq_len: int, *, active_params: int) -> float:
+    """Model FLOPs per trained token: the one count of benchmarks/e2e_vs_torchtitan.py's table for
+    both sides (ours and torchtitan's DeepSeek-V3 at the same shape) and of the loop's TFLOP/s.
+
+        F(S) = 6 * (active_params - V * H)  +  3 * L * h * (d_qk + d_v) * S
+
+    6 per parameter a token multiplies (2 forward, 4 backward): the active parameters (shared and
+    k of E routed experts, router, attention and dense weights, the output projection) less the
+    input embedding, a lookup. Attention: the score (q k^T, d_qk wide) and value (p v, d_v wide)
+    matmuls cost 2 * S_keys * h * (d_qk + d_v) forward per token and layer; causal, a token sees
+    S/2 keys on average, so x3 for training gives 3 * L * h * (d_qk + d_v) * S. Recompute
+    (activation checkpointing, the flash backward's replay) is not counted. torchtitan's
+    get_moe_model_nparams_and_flops (models/utils.py) counts the same 6N but the attention term
+    without the causal half (6 * L * h * (d_qk + d_v) * S).
+
+    Args:
+        args: the model's MoEModelArgs (dim, vocab_size, n_layers, n_heads, attention, head widths).
+        seq_len: S, the whole sequence a token attends within (not a sequence shard S/D).
+        active_params: parameters one token touches (zoo.param_counts(...)["active"]).
+    """
+    d_v = args.v_head_dim if args.attention == "mla" else args.head_dim
+    weights = active_params - args.vocab_size * args.dim
+    return 6.0 * weights + 3.0 * args.n_layers * args.n_heads * (args.qk_head_dim + d_v) * seq_len
 
 
 class PurgingTensorBoardLogger(TensorBoardLogger):
@@ -255,6 +273,8 @@ def format_line(r: dict) -> str:
     if "moe_num_chunks" in r:
         line += (f"  moe K {r['moe_num_chunks']} relocated {r['moe_relocated_routes']:,} "
                  f"max_recv/chunk {r['moe_max_received_per_chunk']:,}")
+    if r.get("fake_world"):
+        line += f"  [{r['fake_world']}]"
     return line
 
 
