@@ -44,7 +44,7 @@ def without_triton(tmp_path) -> dict:
     return env
 
 
-def mop_train(args: list[str], *, env: dict | None = None, timeout: float = 180, background: bool = False,
+def mop_train(args: list[str], *, env: dict | None = None, timeout: float = 300, background: bool = False,
               launcher: tuple[str, ...] = ("--standalone",)):
     """`mop-train train LAUNCHER --nproc-per-node 2 configs/debug_cpu.toml ARGS`."""
     cmd = [sys.executable, "-m", "mop_train.cli", "train", *launcher, "--nproc-per-node", "2", DEBUG_CONFIG, *TINY,
@@ -77,7 +77,7 @@ def checkpoint_tensors(folder: str) -> dict:
     return flat
 
 
-def wait_for_records(dump: str, n: int, proc, limit: float = 120) -> list[dict]:
+def wait_for_records(dump: str, n: int, proc, limit: float = 300) -> list[dict]:
     deadline = time.time() + limit
     while time.time() < deadline:
         path = os.path.join(dump, "metrics.jsonl")
