@@ -109,7 +109,8 @@ def test_parallelize_options_follow_the_config():
             activation_checkpoint=SimpleNamespace(mode="selective", selective_ac_option=str(every),
                                                   preserve_rng_state=preserve),
             mop=SimpleNamespace(moe=moe, attention=SimpleNamespace(keep=keep)),
-            training=SimpleNamespace(mixed_precision_param=param, mixed_precision_reduce=reduce))
+            training=SimpleNamespace(mixed_precision_param=param, mixed_precision_reduce=reduce),
+            compile=SimpleNamespace(enable=False, components=["model", "loss"], backend="inductor"))
         assert ParallelizeOptions.from_config(cfg, model_args) == ParallelizeOptions(
             dispatch=LLEPOptions(alpha=alpha, min_tokens_per_gemm=m, imbalance_threshold=threshold),
             keep_attention=keep, checkpointed=tuple(range(0, model_args.n_layers, every)),
