@@ -166,9 +166,14 @@ def embedded_validation_corpus(cache_dir: str) -> str:
 # Tokenizer
 # ------------------------------------------------------------------------------------------------
 
+def tokenizer_folder(hf_assets_path: str, *, cache_dir: str) -> str:
+    """The folder the tokenizer is read from: the embedded one's build folder, or `hf_assets_path`."""
+    return embedded_assets(cache_dir) if hf_assets_path == EMBEDDED else hf_assets_path
+
+
 def build_tokenizer(hf_assets_path: str, *, cache_dir: str) -> HuggingFaceTokenizer:
     """torchtitan's HF tokenizer from `hf_assets_path` ("embedded" or a folder with tokenizer.json)."""
-    path = embedded_assets(cache_dir) if hf_assets_path == EMBEDDED else hf_assets_path
+    path = tokenizer_folder(hf_assets_path, cache_dir=cache_dir)
     if not os.path.isdir(path):
         raise ValueError(f"model.hf_assets_path = {path!r} is not a folder; point it at a folder holding "
                          f"tokenizer.json, or set it to \"{EMBEDDED}\" for the built-in tokenizer")

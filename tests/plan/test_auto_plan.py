@@ -1,4 +1,4 @@
-"""`mop-train plan --auto` (mop_train.train.auto_plan) and its cost model (mop_train.train.cost_model).
+"""`mop-train plan --auto` (mop_train.plan.auto) and its cost model (mop_train.plan.cost_model).
 
 The search's answers are judged against `plan_for_config` itself, not against the cached planner it
 searches with: what it chooses fits, what it reports as better does not, the longest context it
@@ -15,10 +15,10 @@ import pytest
 from mop_train.cli import main
 from mop_train.config import load_job_config
 from mop_train.models import zoo
-from mop_train.train.auto_plan import TIE_SHARE, AutoPlanner, NothingFits, fixed_keys
-from mop_train.train.auto_settings import Settings, configure, fast_plan
-from mop_train.train.plan import GIB
-from mop_train.train.plan_cli import plan_for_config
+from mop_train.plan.auto import TIE_SHARE, AutoPlanner, NothingFits, fixed_keys
+from mop_train.plan.settings import Settings, configure, fast_plan
+from mop_train.plan.terms import GIB
+from mop_train.plan.job import plan_for_config
 from tests.train.cli import DEBUG_CONFIG
 
 SMALL, BIG = "configs/small_1gpu.toml", "configs/mop_667b.toml"
