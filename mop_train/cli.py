@@ -2,7 +2,7 @@
 
     mop-train layout --world 64 --seq 8 --expert 64 --vocab 8   # print the MoP rank layout
     mop-train zoo                                               # the named models and their sizes
-    mop-train train --nproc-per-node 8 configs/x.toml --training.steps 100   # check, then torchrun
+    mop-train train --standalone --nproc-per-node 8 configs/x.toml --training.steps 100   # check, then torchrun
     mop-train plan --world 64 --gpu-memory 141GiB --host-memory 2TiB configs/x.toml   # will it fit?
     mop-train plan --auto --objective context --world 64 --gpu-memory 141GiB --host-memory 2TiB configs/x.toml
     mop-train export --checkpoint outputs/x/checkpoint/step-200 --out hf/x --dtype bfloat16   # -> Hugging Face
@@ -18,10 +18,12 @@ them with their plan (exit 1 with the closest configuration when nothing fits).
 run's tokenizer) from a checkpoint of the MLA family, on CPU (mop_train.hf.export).
 
 `train` checks the configuration in this process first (a bad key or value: one line, exit 2,
-before any rank starts), then runs torchrun's launcher in-process on this node and exits with the
-ranks' own exit code (mop_train.train.__main__ lists them) instead of torchrun's summary; on SIGTERM
-or SIGINT it passes the signal to the ranks, which stop at a step boundary and save, and exits 5. Several
-nodes: `torchrun ... -m mop_train.train --job.config_file X.toml` on each.
+before any rank starts; the layout degrees against W = nproc-per-node x nnodes), then runs
+torchrun's launcher in-process on this node and exits with the ranks' own exit code
+(mop_train.train.__main__ lists them) instead of torchrun's summary and its exit 1; on SIGTERM or
+SIGINT it passes the signal to the ranks, which stop at a step boundary and save, and exits 5.
+Several nodes: the same command on each, with torchrun's flags passed through to its launcher:
+    mop-train train --nnodes 4 --node-rank R --rdzv-endpoint HOST:29400 --nproc-per-node 8 configs/x.toml
 """
 
 from __future__ import annotations
@@ -45,6 +47,50 @@ def _zoo(args: argparse.Namespace) -> int:
     return 0
 
 
+LAUNCH_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id",
+                "--standalone")
+"""`mop-train train`'s own flags: torchrun's launcher flags, passed through to its launcher."""
+
+
+def _node_range(nnodes: str) -> tuple[int, int]:
+    """(MIN, MAX) of torchrun's --nnodes N or MIN:MAX."""
+    try:
+        low, _, high = nnodes.partition(":")
+        low_n, high_n = int(low), int(high or low)
+    except ValueError:
+        low_n = high_n = 0
+    if not 1 <= low_n <= high_n:
+        raise ValueError(f"--nnodes {nnodes!r} must be N or MIN:MAX with 1 <= MIN <= MAX (torchrun's form)")
+    return low_n, high_n
+
+
+def torchrun_args(args: argparse.Namespace) -> list[str]:
+    """torchrun's launcher flags for `mop-train train`'s: one node alone (--standalone, the default
+    when no --rdzv-endpoint is given), or one of --nnodes nodes meeting at --rdzv-endpoint
+    (backend c10d unless --rdzv-backend says otherwise), as torchrun takes them."""
+    if args.nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node {args.nproc_per_node} must be >= 1")
+    _, nodes = _node_range(args.nnodes)
+    flags = [f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}"]
+    if args.rdzv_endpoint is None:
+        if nodes > 1:
+            raise ValueError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node; "
+                             f"backend c10d) and a distinct --node-rank per node, or --rdzv-id for c10d")
+        if args.rdzv_backend not in (None, "c10d") or args.rdzv_id is not None or args.node_rank not in (None, 0):
+            raise ValueError("--rdzv-backend, --rdzv-id and --node-rank need --rdzv-endpoint (without it the "
+                             "launch is one node alone, torchrun's --standalone)")
+        return [*flags, "--standalone"]
+    if args.standalone:
+        raise ValueError(f"--standalone and --rdzv-endpoint {args.rdzv_endpoint} are alternatives: --standalone "
+                         f"meets on this host alone; drop one")
+    flags += [f"--rdzv-endpoint={args.rdzv_endpoint}", f"--rdzv-backend={args.rdzv_backend or 'c10d'}"]
+    if args.rdzv_id is not None:
+        flags.append(f"--rdzv-id={args.rdzv_id}")
+    if args.node_rank is not None:
+        flags.append(f"--node-rank={args.node_rank}")
+    return flags
+
+
 def _train(args: argparse.Namespace) -> int:
     import logging
 
@@ -54,16 +100,22 @@ def _train(args: argparse.Namespace) -> int:
     from torchtitan.tools.logging import logger
 
     logger.setLevel("ERROR")   # torchtitan warns that hf_assets_path = "embedded" is not a folder
+    own = [a for a in args.overrides if a.split("=")[0].replace("_", "-") in LAUNCH_FLAGS]
+    if own:
+        raise ValueError(f"{own[0].split('=')[0]} is an option of `mop-train train`: put it before the config file "
+                         f"({args.config}); what follows the config file are --section.key overrides")
+    launcher = torchrun_args(args)
     job = _job_argv(args)
-    load_job_config(job, model_flavors=zoo.names())   # ValueError -> one line, exit 2
+    low, high = _node_range(args.nnodes)
+    world = args.nproc_per_node * low if low == high else None   # elastic: W known only at the rendezvous
+    load_job_config(job, model_flavors=zoo.names(), world_size=world)   # ValueError -> one line, exit 2
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from mop_train.train.reliability import EXIT_STOPPED
 
-    launch = torchrun.parse_args(["--standalone", f"--nproc-per-node={args.nproc_per_node}",
-                                  "-m", "mop_train.train", *job])
+    launch = torchrun.parse_args([*launcher, "-m", "mop_train.train", *job])
     for name in list(logging.root.manager.loggerDict):  # the ranks say what went wrong, not the agent
         if name.startswith("torch.distributed"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -227,8 +279,19 @@ def build_parser() -> argparse.ArgumentParser:
     lay.set_defaults(func=_layout)
     zoo = sub.add_parser("zoo", help="list the named model configs with exact parameter counts")
     zoo.set_defaults(func=_zoo)
-    train = sub.add_parser("train", help="check a job's configuration, then train on this node's ranks")
-    train.add_argument("--nproc-per-node", type=int, default=1, help="ranks on this node (torchrun's)")
+    train = sub.add_parser("train", help="check a job's configuration, then train on this node's ranks "
+                                          "(torchrun's launcher, in process)")
+    train.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
+                       help="ranks on this node (torchrun's)")
+    train.add_argument("--nnodes", default="1", help="nodes: N or MIN:MAX (torchrun's; > 1 needs --rdzv-endpoint)")
+    train.add_argument("--node-rank", "--node_rank", type=int, default=None, help="this node's rank (torchrun's)")
+    train.add_argument("--rdzv-backend", "--rdzv_backend", default=None,
+                       help="rendezvous backend with --rdzv-endpoint (torchrun's; default c10d)")
+    train.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
+                       help="HOST:PORT where the nodes meet (torchrun's); without it: one node alone")
+    train.add_argument("--rdzv-id", "--rdzv_id", default=None, help="the job's rendezvous id (torchrun's)")
+    train.add_argument("--standalone", action="store_true",
+                       help="one node alone on this host (torchrun's; the default without --rdzv-endpoint)")
     train.add_argument("config", nargs="?", help="the job's TOML file (or --job.config_file X.toml)")
     train.add_argument("overrides", nargs=argparse.REMAINDER, help="torchtitan-style flags: --section.key value")
     train.set_defaults(func=_train)
@@ -273,6 +336,14 @@ def _add_export(sub) -> None:
     exp.set_defaults(func=_export)
 
 
+def _check_config_file(args: argparse.Namespace) -> None:
+    """The positional CONFIG of `train` and `plan` must name a file (said in their own words)."""
+    config = getattr(args, "config", None)
+    if config is not None and not os.path.isfile(config):
+        raise ValueError(f"config file not found: {config!r}; give an existing TOML file as the CONFIG argument "
+                         f"of `mop-train {args.command}` (see configs/ for examples)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -282,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = build_parser().parse_args(argv)
     try:
+        _check_config_file(args)
         return args.func(args)
     except ValueError as err:
         print(f"mop-train {args.command}: error: {err}", file=sys.stderr)

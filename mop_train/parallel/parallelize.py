@@ -13,8 +13,9 @@ schedule bound to each MoE layer; the output projection's shard over the vocab g
 activation checkpointing of the chosen blocks (non-reentrant: a block's input is the retained
 boundary and everything inside is recomputed in backward; with an SCO host budget the block is
 wrapped by `SelectiveCheckpointOffload.wrap` instead, which also offloads boundaries to host);
-FSDP2 under one MixedPrecision policy. FSDP2 shards each block as one unit and the root
-(embeddings, final norm, output projection) as another, over all W ranks; weights sharded by a MoP
+torch.compile of each block and of the loss ([compile]: mop_train/parallel/compile.py); FSDP2
+under one MixedPrecision policy. FSDP2 shards each block as one unit and the root (embeddings,
+final norm, output projection) as another, over all W ranks; weights sharded by a MoP
 group (experts over E_p, the projection over P) stay out of FSDP2. Gradients are summed over ranks,
 not averaged: the loop divides the summed token loss by the global token count, so the sum is the
 exact gradient of the mean. Each check of the job against the layout and the model is made once, in
@@ -39,6 +40,7 @@ from mop_train.models.model import tile_blocks
 from mop_train.ops.moe_dispatch import DispatchOptions, dispatch_options
 from mop_train.ops.tiling import TilingOptions
 from mop_train.parallel.apply import apply_expert_parallel, apply_sequence_parallel, apply_vocab_parallel
+from mop_train.parallel.compile import CompileOptions, apply_compile
 from mop_train.parallel.precision import MixedPrecision
 
 
@@ -109,6 +111,7 @@ class ParallelizeOptions:
     preserve_rng_state: bool              # [activation_checkpoint] preserve_rng_state
     precision: MixedPrecision             # FSDP2's policy, also followed by the shards kept out of it
     tiling: TilingOptions = TilingOptions()   # [mop.tiling], "auto" resolved for this rank's tokens
+    compile: CompileOptions | None = None  # [compile]; None: eager
 
     @classmethod
     def from_config(cls, cfg, model_args) -> ParallelizeOptions:
@@ -122,7 +125,8 @@ class ParallelizeOptions:
                                                  act_bytes=precision.activation_bytes),
                    checkpointed=tuple(checkpointed_layer_ids(ac, model_args.n_layers)),
                    preserve_rng_state=ac.preserve_rng_state,
-                   precision=precision)
+                   precision=precision,
+                   compile=CompileOptions.from_config(cfg.compile))
 
 
 @dataclass
@@ -154,6 +158,8 @@ def parallelize(module: nn.Module, layout, options: ParallelizeOptions, *, sco=N
     vocab_params = apply_vocab_parallel(model, layout.vocab_mesh) if layout.vocab_size > 1 else []
     apply_activation_checkpointing(model, options.checkpointed, preserve_rng_state=options.preserve_rng_state,
                                    sco=sco)
+    if options.compile is not None:
+        apply_compile(module, options.compile, device_type=layout.mesh.device_type)
     apply_fsdp(module, model, layout.mesh, param_dtype=options.precision.param_dtype,
                reduce_dtype=options.precision.reduce_dtype, ignored_params=set(expert_params + vocab_params))
     return ParallelizedShards(expert_params, vocab_params, list(options.checkpointed))

@@ -35,6 +35,7 @@ from mop_train.models import zoo
 from mop_train.models.args import MoEModelArgs
 from mop_train.models.model import MoETransformer, model_tiles
 from mop_train.ops.offload_adamw import forward_units
+from mop_train.parallel.fake_world import apply_routing_profile, fake_world_note, in_fake_world
 from mop_train.parallel.parallelize import (ParallelizeOptions, check_layout_fits, check_titan_parallelism,
                                             parallelize)
 from mop_train.parallel.precision import MixedPrecision
@@ -64,8 +65,9 @@ class ModelSpec:
     active_params: int                 # what one token touches (zoo.param_counts)
 
     @classmethod
-    def resolve(cls, flavor: str) -> ModelSpec:
-        args = zoo.get_model_args(flavor)
+    def resolve(cls, flavor: str, args: MoEModelArgs | None = None) -> ModelSpec:
+        """`flavor`'s args from the zoo, or `args` (a variant of it) when given."""
+        args = zoo.get_model_args(flavor) if args is None else args
         counts = zoo.param_counts(args)
         return cls(flavor, args, counts["total"], counts["active"])
 
@@ -184,13 +186,14 @@ class Run:
     initial_weights: str | None = None  # where a fresh start's weights came from (checkpoint.initial_load_path)
 
 
-def build_run(cfg, device: torch.device) -> Run:
+def build_run(cfg, device: torch.device, *, model_args: MoEModelArgs | None = None) -> Run:
     """Build a run's parts in the launch order (module docstring), resume it from the dump folder's
-    checkpoint when there is one, and print its description on rank 0."""
+    checkpoint when there is one, and print its description on rank 0 (in a fake world: its rank).
+    `model_args` replaces model.flavor's args (a variant of that zoo model)."""
     lay = cfg.mop.layout
     layout = RankLayout.build(plan_layout(dist.get_world_size(), lay.seq_degree, lay.expert_degree,
                                           lay.vocab_degree), device_type=device.type)
-    spec = ModelSpec.resolve(cfg.model.flavor)
+    spec = ModelSpec.resolve(cfg.model.flavor, model_args)
     check_layout_fits(layout.plan, cfg.training, spec.args)
     micro_batches = check_titan_parallelism(cfg.parallelism, cfg.training, data_size=layout.data_size)
     parallel = ParallelizeOptions.from_config(cfg, spec.args)
@@ -199,6 +202,7 @@ def build_run(cfg, device: torch.device) -> Run:
     seed = seed_everything(cfg.debug.seed, device)
     dataloader, eos_id, tokenizer_dir = _build_data(cfg, layout, spec)
     parts = build_model(cfg, layout, device, spec, parallel)
+    _force_routing(cfg, layout, parts)
     plan_terms, host_terms = _check_plans(cfg, layout, parts, spec)
     free_bytes = free_device_bytes(plan_terms, device)
     device_share = _offload_device_share(cfg, parts, free_bytes)
@@ -227,9 +231,10 @@ def build_run(cfg, device: torch.device) -> Run:
     run = Run(layout, spec, seed, micro_batches, dataloader, eos_id, parts, optimizers, lr_schedulers,
               schedule_steps, train_state, checkpointer,
               initial_weights=_initial_weights(cfg.checkpoint) if fresh and loaded else None)
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and not in_fake_world():
         write_run_record(cfg.job.dump_folder, flavor=spec.flavor, args=spec.args, tokenizer_folder=tokenizer_dir,
                          checkpoint_folder=cfg.checkpoint.folder)
+    if dist.get_rank() == 0 or in_fake_world():
         print(describe_run(cfg, run, device, host_terms, plan_terms,
                            free_device_bytes=free_bytes if device.type == "cuda" else None), flush=True)
     return run
@@ -238,6 +243,21 @@ def build_run(cfg, device: torch.device) -> Run:
 def _initial_weights(checkpoint) -> str:
     kind = "Hugging Face safetensors" if checkpoint.initial_load_in_hf else "DCP"
     return f"{checkpoint.initial_load_path} ({kind}{', model only' if checkpoint.initial_load_model_only else ''})"
+
+
+def routing_profile_of(cfg) -> str:
+    """The profile every MoE layer routes by ("" for the router's own choice): [mop.moe]
+    routing_profile, "balanced" by default in a fake world."""
+    return cfg.mop.moe.routing_profile or ("balanced" if in_fake_world() else "")
+
+
+def _force_routing(cfg, layout, parts: ModelParts) -> None:
+    """Route by the run's profile (`routing_profile_of`); a skewed one's hot experts sit on this
+    rank's experts in a fake world (its receiver bound is the one exercised), on position 0's otherwise."""
+    profile = routing_profile_of(cfg)
+    if profile:
+        apply_routing_profile(parts.model, profile, expert_position=layout.expert_rank if in_fake_world() else 0,
+                              expert_degree=layout.expert_size)
 
 
 def _build_data(cfg, layout, spec: ModelSpec):
@@ -285,7 +305,9 @@ def describe_run(cfg, run: Run, device, host_terms, plan_terms, *, free_device_b
     args, micro_batches = spec.args, run.micro_batches
     tiles = model_tiles(parts.model)
     lines = [
-        f"model {spec.flavor}: {spec.total_params:,} parameters ({spec.active_params:,} active per token), "
+        *([fake_world_note()] if in_fake_world() else []),
+        f"model {spec.flavor}{'' if spec.args == zoo.get_model_args(spec.flavor) else ' (variant)'}: "
+        f"{spec.total_params:,} parameters ({spec.active_params:,} active per token), "
         f"{args.n_layers} blocks, H={args.dim}, V={args.vocab_size}",
         layout.plan.describe().splitlines()[0],
         f"device {device}, W={layout.plan.world_size}, B={t.local_batch_size}, S={t.seq_len}, "
@@ -296,7 +318,8 @@ def describe_run(cfg, run: Run, device, host_terms, plan_terms, *, free_device_b
         f"{'ring_dtp' if uses_ring_dtp(cfg, layout) else 'chunked cross-entropy'}"
         + (", document mask on" if cfg.mop.data.document_mask else "")
         + (", attention kept across the recompute" if cfg.mop.attention.keep else "")
-        + (f", {tiles.label()}" if tiles.ffn_tokens or tiles.block_tokens else ""),
+        + (f", {tiles.label()}" if tiles.ffn_tokens or tiles.block_tokens else "")
+        + (f", routing profile {routing_profile_of(cfg)}" if routing_profile_of(cfg) else ""),
         format_plan(plan_terms),
         format_plan(host_terms, title="per-rank pinned host memory")]
     offload_line = describe_offload(run.optimizers, free_device_bytes=free_device_bytes)
