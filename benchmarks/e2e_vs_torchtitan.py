@@ -12,7 +12,7 @@ run (torchrun) of a few steps:
   ours-best   mop_train with the plain layout (and, at 2+ ranks, the expert-parallel ones)
   ours-all    mop_train with every operator on (benchmarks/e2e_settings.all_operators)
 Phases (--phases, in that order; each independent of the others' outcome):
-  tps            at each --tps-points SxB, every setting of every series (torchtitan: every AC x
+  tps            at each --tps-points SxB, every setting of every --series (torchtitan: every AC x
                  compile x layout, e2e_settings.titan_grid), in rounds (each series' first setting,
                  then its second, ...) so a short budget still runs each series' likeliest best;
                  a torchtitan setting that holds at least the memory of one that ran out of memory
@@ -62,7 +62,7 @@ class Bench:
                  auto: AutoSettings | None = None, points: list[dict] = ()):
         self.args, self.cands, self.assets, self.titan_error, self.meta = args, cands, assets, titan_error, meta
         self.auto = auto
-        self.series = tuple(s for s in SERIES if s != OURS_AUTO or auto is not None)
+        self.series = tuple(s for s in SERIES if (s != OURS_AUTO or auto is not None) and s in args.series)
         self.clock = Clock(args.budget_s, reserve_s=args.reserve_s)
         self.points: list[dict] = list(points)
         self.titan_by_name = {s.name: s for kinds in cands[TITAN].values() for s in kinds}
@@ -250,7 +250,7 @@ class Bench:
             if not titan or titan["largest_ok"] is None:
                 print(f"{self.clock.stamp()} tps-at-titan-max: torchtitan has no completed length yet", flush=True)
             else:
-                for series in self.series[1:]:
+                for series in (s for s in self.series if s != TITAN):
                     self.first_ok(series, self.settings_for(series, "tps", seq_len=titan["largest_ok"], local_batch=1,
                                                             purpose="tps-at-titan-max"),
                                   seq_len=titan["largest_ok"], local_batch=1, steps=a.tps_steps, purpose="tps-at-titan-max")
@@ -300,6 +300,8 @@ def parse_args(argv=None):
     p.add_argument("--min-point-s", type=float, default=40, help="skip a point the budget gives less than this")
     p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES, help="what to run, in order")
     p.add_argument("--tps-points", nargs="+", default=["32768x1", "4096x8"], help="throughput points SxB")
+    p.add_argument("--series", nargs="+", default=list(SERIES), choices=SERIES,
+                   help="the series of the tps and tps-at-titan-max phases")
     p.add_argument("--start-seq", type=int, default=32768, help="reach searches start here (without a bracket)")
     p.add_argument("--max-seq", type=int, default=1 << 22, help="reach searches stop here (4M)")
     p.add_argument("--reach-bracket", nargs="+", default=[], metavar="SERIES=LO:HI",

@@ -84,7 +84,11 @@ def test_parse_bytes():
 
 
 UNHONOURED = [
-    ("[compile]\nenable = true\n", ["compile.enable = True", "no key of [compile] is implemented"]),
+    ("[fault_tolerance]\nenable = true\n", ["fault_tolerance.enable = True", "no key of [fault_tolerance] is implemented"]),
+    ("[validation]\nenable = true\n", ["validation.dataset = 'c4_validation'", "\"embedded\""]),
+    ("[validation]\nenable = true\ndataset = \"embedded\"\nsteps = 0\n", ["validation steps must be positive or -1"]),
+    ("[profiling]\nenable_profiling = true\nprofile_freq = 3\n", ["profiling.profile_freq = 3", "= 4"]),
+    ("[compile]\nenable = true\ncomponents = [\"model\", \"vae\"]\n", ["compile.components", "'vae'"]),
     ("[model]\nname = \"llama9\"\n", ["model.name = 'llama9'", "'mop'"]),
     ("[training]\ngc_freq = 7\n", ["training.gc_freq = 7", "honoured keys in [training]", "seq_len"]),
     ("[parallelism]\ndata_parallel_shard_degree = 2\n", ["parallelism.data_parallel_shard_degree = 2", "-1"]),
@@ -108,7 +112,7 @@ def test_bad_input_names_key_value_file_and_fix(tmp_path, text, needles):
 
 def test_command_line_values_name_the_flag_and_the_file(tmp_path):
     path = _write(tmp_path, "[model]\nflavor = \"debug\"\n")
-    for argv, needles in ((["--compile.enable"], ["--compile.enable", "compile.enable = True"]),
+    for argv, needles in ((["--fault_tolerance.enable"], ["--fault_tolerance.enable", "fault_tolerance.enable = True"]),
                           (["--model.flavor", "gigantic"], ["--model.flavor", "'gigantic'", "debug, small"]),
                           (["--job.custom_config_module", "os"], ["command line", "not accepted"])):
         with pytest.raises(ValueError) as info:

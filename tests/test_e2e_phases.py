@@ -84,7 +84,7 @@ def test_throughput_runs_every_torchtitan_setting_prunes_keeps_failures_and_repo
 
 
 def test_one_flop_count_for_both_sides(tmp_path):
-    b = bench(tmp_path, ["--phases", "tps", "--tps-points", "32768x1"])
+    b = bench(tmp_path, ["--phases", "tps", "--tps-points", "32768x1", "--series", "torchtitan", "ours-best"])
     h = run_phases(b)
     a = zoo.get_model_args("small")
     f = flops_per_token(a, 32768, active_params=zoo.param_counts("small")["active"])
@@ -93,6 +93,7 @@ def test_one_flop_count_for_both_sides(tmp_path):
         assert v["model_tflops"] == round(v["tokens_per_s"] * f / 1e12, 1)
         assert v["mfu_pct"] == round(100 * v["tokens_per_s"] * f / 1e12 / 790, 1)
     assert h["flop_count"]["per_token"]["32768"] == f and "causal half" in h["flop_count"]["note"]
+    assert {p["series"] for p in b.points} == {"torchtitan", "ours-best"}, "--series limits the tps phase"
     table = report.format_points(b.points, model="small", peak_tflops=790)
     assert table.splitlines()[0].startswith(report.FLOP_NOTE) and "790" in table.splitlines()[0]
 
@@ -218,3 +219,13 @@ def test_bad_brackets_and_points_are_refused(flag, capsys):
     with pytest.raises(SystemExit):
         e2e.parse_args(flag)
     assert "e.g." in capsys.readouterr().err
+
+
+def test_ours_runs_at_torchtitans_longest_context(tmp_path):
+    b = bench(tmp_path, ["--phases", "reach-titan", "tps-at-titan-max", "--reach-bracket", "torchtitan=32768:131072"])
+    h = run_phases(b)
+    longest = h["titan_longest_seq"]
+    assert longest == h["reach"]["torchtitan"]["largest_ok"] and longest is not None
+    at = h["tps_at_titan_longest"]
+    assert set(at) == {"torchtitan", "ours-best", "ours-all"} and at["ours-best"]["fastest"]["tokens_per_s"] == 1.25e4
+    assert {x[0] for x in b.launched if x[2] == longest and x[4] == 4} == {"ours-best", "ours-all"}

@@ -215,3 +215,40 @@ def test_ours_auto_asks_the_planner_per_point_and_its_flags_parse():
     assert cfg.mop.layout.seq_degree == int(chosen.flags()[chosen.flags().index("--mop.layout.seq_degree") + 1])
     assert chosen.global_batch(2, 1) == 2 // cfg.mop.layout.seq_degree
     assert AutoSettings("configs/small_1gpu.toml", world=1, gpu_bytes=8 << 30, host_bytes=16 << 30).at(4096, 2) is None
+
+
+def test_offload_reproduction_uses_torchtitans_own_spec_dataset_and_entry_point(tmp_path):
+    """benchmarks/titan_offload_repro.py on CPU, as far as CPU goes: its flags are torchtitan's own
+    (spec deepseek_v3, flavor debugmodel, dataset c4_test), its c4_test folder feeds torchtitan's own
+    dataloader, and its verdict names whose failure it is from the runs' outcomes."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from benchmarks import titan_offload_repro as repro
+    from mop_train.train.data import default_cache_dir, embedded_assets
+
+    c4 = repro.write_c4_test(str(tmp_path / "c4_test"), documents=8)
+    tok = embedded_assets(default_cache_dir())
+    flags = repro.titan_flags(str(tmp_path / "run"), tokenizer_dir=tok, c4_dir=c4, offload=True)
+    cfg = parse(flags)
+    assert (cfg.model.name, cfg.model.flavor, cfg.training.dataset) == ("deepseek_v3", "debugmodel", "c4_test")
+    assert cfg.training.enable_cpu_offload and not parse(repro.titan_flags(
+        str(tmp_path), tokenizer_dir=tok, c4_dir=c4, offload=False)).training.enable_cpu_offload
+    cmd = repro.titan_command(1, flags)
+    assert cmd[cmd.index("-m", 2) + 1] == "torchtitan.train" and "benchmarks.titan_launch" not in cmd
+    spec = get_train_spec("deepseek_v3")
+    tokenizer = spec.build_tokenizer_fn(cfg)
+    assert tokenizer.get_vocab_size() == spec.model_args["debugmodel"].vocab_size == 2048
+    inputs, labels = next(iter(spec.build_dataloader_fn(dp_world_size=1, dp_rank=0, tokenizer=tokenizer,
+                                                         job_config=cfg)))
+    assert inputs["input"].shape == labels.shape == (2, 256)
+
+    def run(nproc, offload, status, mismatch=False):
+        return {"nproc": nproc, "offload": offload, "status": status, "device_mismatch": mismatch, "error": "e"}
+    assert repro.verdict([run(1, True, "failed", True), run(1, False, "ok")]).startswith("torchtitan's:")
+    assert repro.verdict([run(1, True, "ok"), run(1, False, "ok")]).startswith("not reproduced")
+    assert repro.verdict([run(1, True, "failed", True), run(1, False, "failed")]).startswith("inconclusive")
+    assert repro.verdict([run(1, True, "oom"), run(1, False, "ok")]).startswith("torchtitan's, another error")
+    text = "step:  1  loss: 8.1\nstep:  2  loss: 7.9\n"
+    assert repro.steps_logged(text) == 2 and repro.steps_logged("nothing") == 0
+    assert repro.DEVICE_MISMATCH.search("RuntimeError: Expected all tensors to be on the same device, but got index "
+                                        "is on cuda:0, different from other tensors on cpu")

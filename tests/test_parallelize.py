@@ -119,7 +119,8 @@ def test_parallelize_options_follow_the_config():
                                 tiling=SimpleNamespace(ffn_tokens=ffn, block_tokens=block),
                                 layout=SimpleNamespace(seq_degree=seq_degree)),
             training=SimpleNamespace(mixed_precision_param=param, mixed_precision_reduce=reduce, local_batch_size=1,
-                                     seq_len=seq_len))
+                                     seq_len=seq_len),
+            compile=SimpleNamespace(enable=False, components=["model", "loss"], backend="inductor"))
         act = torch.finfo(dtypes[param]).bits // 8
         tokens = seq_len // seq_degree
         auto = dict(ffn_tokens=auto_tile_tokens(swiglu_token_bytes(model_args.dim, model_args.dense_ffn_dim, act),
