@@ -22,6 +22,7 @@ FORBIDDEN = {
     "mop_train.layout": ("mop_train.config", "mop_train.train", "mop_train.plan", "mop_train.cli"),
     "mop_train.parallel": ("mop_train.train", "mop_train.plan", "mop_train.cli"),
     "mop_train.plan": ("mop_train.train", "mop_train.cli", "mop_train.sweep"),
+    "mop_train.hf": ("mop_train.config", "mop_train.train", "mop_train.plan", "mop_train.cli", "mop_train.parallel"),
 }
 
 

@@ -10,7 +10,10 @@ whatever the layout); the loss is chosen (chunked cross-entropy or Ring-DTP); `p
 Ulysses cores, kept attention, expert and vocab shards, checkpointing (SCO's wrapper when it has a
 host budget) and FSDP2; a large model is then initialised shard by shard. The memory plans
 (mop_train.plan.job) are checked against the host, OffloadStreamAdamW's device share is
-resolved from them, and the checkpointer resumes the run when the dump folder holds a checkpoint.
+resolved from them, and the checkpointer resumes the run when the dump folder holds a checkpoint
+(or a fresh run starts from `checkpoint.initial_load_path`: DCP, or Hugging Face safetensors through
+mop_train.hf.load). Rank 0 records the model in `{dump_folder}/mop_model.json` (mop_train.hf.run_record)
+so that `mop-train export` can convert the run's checkpoints alone.
 
 Legend: W ranks, D sequence degree, E_p expert degree, P vocab degree, B local batch, S sequence.
 """
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mop_train.hf.run_record import write_run_record
 from mop_train.layout import RankLayout, plan_layout
 from mop_train.models import zoo
 from mop_train.models.args import MoEModelArgs
@@ -39,7 +43,7 @@ from mop_train.parallel.sharding import local
 from mop_train.plan.job import plan_from_parts
 from mop_train.plan.terms import check_host_memory, format_plan
 from mop_train.train.checkpoint import TrainState, build_checkpointer
-from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir
+from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir, tokenizer_folder
 from mop_train.train.loss import IGNORE_INDEX, LanguageModelLoss, chunked_cross_entropy_sum
 from mop_train.train.optim import (OFFLOAD_ADAMW, build_lr_schedulers, build_optimizers, describe_offload,
                                    free_device_bytes, resolve_device_fraction)
@@ -179,6 +183,7 @@ class Run:
     schedule_steps: int                # the LR schedule's length: past it, the final LR is held
     train_state: TrainState
     checkpointer: object               # mop_train.train.checkpoint.Checkpointer
+    initial_weights: str | None = None  # where a fresh start's weights came from (checkpoint.initial_load_path)
 
 
 def build_run(cfg, device: torch.device, *, model_args: MoEModelArgs | None = None) -> Run:
@@ -195,7 +200,7 @@ def build_run(cfg, device: torch.device, *, model_args: MoEModelArgs | None = No
     if cfg.debug.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=cfg.debug.deterministic_warn_only)
     seed = seed_everything(cfg.debug.seed, device)
-    dataloader, eos_id = _build_data(cfg, layout, spec)
+    dataloader, eos_id, tokenizer_dir = _build_data(cfg, layout, spec)
     parts = build_model(cfg, layout, device, spec, parallel)
     _force_routing(cfg, layout, parts)
     plan_terms, host_terms = _check_plans(cfg, layout, parts, spec)
@@ -217,17 +222,27 @@ def build_run(cfg, device: torch.device, *, model_args: MoEModelArgs | None = No
                                       optimizers=optimizers, lr_schedulers=lr_schedulers,
                                       dataloader=dataloader, train_state=train_state,
                                       reliability=cfg.mop.reliability, device=device)
-    checkpointer.load(step=cfg.checkpoint.load_step)
+    fresh = cfg.checkpoint.enable and not os.path.isdir(checkpointer.folder)   # torchtitan's initial-load branch
+    loaded = checkpointer.load(step=cfg.checkpoint.load_step)
     if train_state.step == 0:  # fresh start or a model-only load: offloaded masters follow the weights
         for opt in optimizers:
             if hasattr(opt, "reset_masters_from_params"):
                 opt.reset_masters_from_params()
     run = Run(layout, spec, seed, micro_batches, dataloader, eos_id, parts, optimizers, lr_schedulers,
-              schedule_steps, train_state, checkpointer)
+              schedule_steps, train_state, checkpointer,
+              initial_weights=_initial_weights(cfg.checkpoint) if fresh and loaded else None)
+    if dist.get_rank() == 0 and not in_fake_world():
+        write_run_record(cfg.job.dump_folder, flavor=spec.flavor, args=spec.args, tokenizer_folder=tokenizer_dir,
+                         checkpoint_folder=cfg.checkpoint.folder)
     if dist.get_rank() == 0 or in_fake_world():
         print(describe_run(cfg, run, device, host_terms, plan_terms,
                            free_device_bytes=free_bytes if device.type == "cuda" else None), flush=True)
     return run
+
+
+def _initial_weights(checkpoint) -> str:
+    kind = "Hugging Face safetensors" if checkpoint.initial_load_in_hf else "DCP"
+    return f"{checkpoint.initial_load_path} ({kind}{', model only' if checkpoint.initial_load_model_only else ''})"
 
 
 def routing_profile_of(cfg) -> str:
@@ -246,10 +261,11 @@ def _force_routing(cfg, layout, parts: ModelParts) -> None:
 
 
 def _build_data(cfg, layout, spec: ModelSpec):
-    """(dataloader, eos_id): this rank's sequence group's slice of the data, and the EOS id that
-    splits packed documents (None without [mop.data] document_mask)."""
+    """(dataloader, eos_id, tokenizer folder): this rank's sequence group's slice of the data, the EOS id
+    that splits packed documents (None without [mop.data] document_mask), where the tokenizer was read."""
     cache_dir = cfg.mop.data.cache_dir or default_cache_dir()
-    tokenizer = build_tokenizer(cfg.model.hf_assets_path, cache_dir=cache_dir)
+    folder = tokenizer_folder(cfg.model.hf_assets_path, cache_dir=cache_dir)
+    tokenizer = build_tokenizer(folder, cache_dir=cache_dir)
     vocab = spec.args.vocab_size
     if tokenizer.get_vocab_size() > vocab:
         raise ValueError(f"the tokenizer at model.hf_assets_path = {cfg.model.hf_assets_path!r} has "
@@ -257,7 +273,7 @@ def _build_data(cfg, layout, spec: ModelSpec):
                          f"{vocab}; use a model with a larger vocabulary or a smaller tokenizer")
     dataloader = build_dataloader(cfg.training, tokenizer, layout.data_rank, layout.data_size,
                                   cache_dir=cache_dir, text_column=cfg.mop.data.text_column)
-    return dataloader, document_eos_id(cfg, tokenizer)
+    return dataloader, document_eos_id(cfg, tokenizer), folder
 
 
 def _check_plans(cfg, layout, parts: ModelParts, spec: ModelSpec):
@@ -309,6 +325,8 @@ def describe_run(cfg, run: Run, device, host_terms, plan_terms, *, free_device_b
         lines.append(offload_line)
     if run.checkpointer.note:
         lines.append(run.checkpointer.note)
+    if run.initial_weights:
+        lines.append(f"initial weights from {run.initial_weights}")
     step = run.train_state.step
     if step:
         lines.append(f"resumed from step {step} in {run.checkpointer.folder}")

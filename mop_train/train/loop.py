@@ -24,6 +24,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -39,10 +40,12 @@ from mop_train.parallel.sharding import clip_grads_with_norm_, reduce_replica_gr
 from mop_train.train.build import ModelParts, Run, build_run
 from mop_train.train.loss import IGNORE_INDEX
 from mop_train.train.metrics import DeviceSpan, MetricLogger, flops_per_token, peak_tflops
+from mop_train.train.profiling import RunProfiler
 from mop_train.train.reliability import (CollectiveTimeout, DumpFolderLock, DumpFolderLocked, Fault,
                                          NonFiniteGuard, StepVerdict, StopFlag, StopRequested,
                                          exit_with_parent, install_a2a_split_check, is_timeout,
                                          set_collective_timeout)
+from mop_train.train.validate import build_validator
 
 
 def init_distributed(timeout_s: float = 300, comm_mode: str = "default") -> torch.device:
@@ -182,16 +185,23 @@ def train(cfg, device: torch.device, stop: StopFlag, *, model_args=None) -> None
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         logs = rank == 0 or in_fake_world()           # a fake world's one process is its own log
+        profiler = RunProfiler(cfg.profiling, cfg.job.dump_folder, rank=rank, device=device)  # checked first
         run = build_run(cfg, device, model_args=model_args)
+        validator = build_validator(cfg, run, prepare=partial(_micro_batch, layout=run.layout, device=device,
+                                                              eos_id=run.eos_id))
         metrics = MetricLogger(cfg.metrics, cfg.job.dump_folder, rank=0 if logs else rank, device=device,
-                               run_config=cfg.to_dict())
-        args = run.spec.args
-        flops = flops_per_token(run.spec.active_params, args.vocab_size * args.dim, args.n_layers, args.n_heads,
-                                args.qk_head_dim, cfg.training.seq_len)
-        guards = StepGuards(NonFiniteGuard(cfg.mop.reliability, rank=rank, world=world, device=device), stop,
+                               run_config=cfg.to_dict(), total_steps=cfg.training.steps,
+                               resume_step=run.train_state.step)
+        if metrics.note:
+            print(metrics.note, flush=True)
+        flops = flops_per_token(run.spec.args, cfg.training.seq_len, active_params=run.spec.active_params)
+        guards = StepGuards(NonFiniteGuard(cfg.mop.reliability, rank=rank, world=world, device=device,
+                                           last_checkpoint=lambda: run.checkpointer.last_saved), stop,
                             run.schedule_steps, Fault.from_env())
         try:
-            run_steps(cfg, run, metrics, device=device, flops_per_token=flops, guards=guards)
+            with profiler.running(start_step=run.train_state.step):
+                run_steps(cfg, run, metrics, device=device, flops_per_token=flops, guards=guards,
+                          validator=validator, profiler=profiler)
         finally:
             metrics.close()
             run.checkpointer.close()
@@ -205,14 +215,19 @@ def train(cfg, device: torch.device, stop: StopFlag, *, model_args=None) -> None
             lock.release()
 
 
-def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards: StepGuards) -> None:
+def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards: StepGuards,
+              validator=None, profiler: RunProfiler | None = None) -> None:
     """Steps from the run's position to training.steps: one `train_step` each, metrics at the log
     interval (and on a skipped step), checkpoints at the checkpointer's interval; a collective that
-    times out names the step's phase, a stop signal saves and stops at the step boundary."""
+    times out names the step's phase, a stop signal saves and stops at the step boundary.
+    `validator` (mop_train.train.validate) scores the held-out batches at its steps, logged in the
+    step's record (its time left out of tokens/s); `profiler` (mop_train.train.profiling) is told
+    each step's end."""
     steps, peak, sco = cfg.training.steps, peak_tflops(device), run.parts.sco
     train_state, checkpointer, optimizers = run.train_state, run.checkpointer, run.optimizers
     micro_batches = run.micro_batches
-    batches = iter(run.dataloader)
+    batches = iter(run.dataloader)        # draws its seed from the torch CPU generator
+    train_state.restore_rng()             # so a resumed run's generators continue where they were saved
     window_start, window_tokens = time.perf_counter(), 0
     timeout_set = in_fake_world()  # a fake world's collectives never wait: no timeout to set
     while train_state.step < steps:
@@ -241,7 +256,9 @@ def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards:
         train_state.tokens_seen += n_tokens
         window_tokens += n_tokens
         last = step == steps
-        if metrics.should_log(step, last) or verdict.skip:
+        validation = validator.run(step) if validator and validator.due(step) and not verdict.stop_requested else {}
+        window_start += validation.get("validation/s", 0.0)               # tokens/s: training time only
+        if metrics.should_log(step, last) or verdict.skip or validation:
             loss_sum = out["loss_sum"].clone()
             dist.all_reduce(loss_sum)
             if device.type == "cuda":
@@ -263,6 +280,7 @@ def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards:
             if sco is not None:
                 values.update({f"sco_{k}": v for k, v in sco.last_step_stats().items()})
             values.update({f"moe_{k}": v for k, v in out["dispatch"].items()})
+            values.update(validation)
             if in_fake_world():
                 values["fake_world"] = fake_world_note()
             metrics.log(step, values)
@@ -270,6 +288,8 @@ def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards:
         if verdict.stop_requested:
             stop_cleanly(cfg, checkpointer, step)
         checkpointer.save(step, last_step=last)
+        if profiler is not None:
+            profiler.step(step)
 
 
 def exposed_optimizer_seconds(optimizers) -> float | None:
@@ -290,7 +310,7 @@ def stop_cleanly(cfg, checkpointer, step: int) -> None:
 def main(argv: list[str] | None = None, *, model_args=None) -> None:
     init_logger()
     logger.setLevel("ERROR")  # torchtitan warns that hf_assets_path = "embedded" is not a folder
-    cfg = load_job_config(argv, model_flavors=zoo.names())
+    cfg = load_job_config(argv, model_flavors=zoo.names(), world_size=int(os.environ.get("WORLD_SIZE", "1")))
     logger.setLevel("INFO")
     warnings.filterwarnings("ignore", message=".*set_vital.*")
     exit_with_parent()
