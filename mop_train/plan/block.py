@@ -44,30 +44,47 @@ def _attention(a: MoEModelArgs, tokens: int, act: int, tile: int) -> tuple[int, 
     return saved, saved + block_gradient_bytes(a, tokens, act), f"attention {saved / GIB:.2f} GiB saved"
 
 
-def block_bound(a: MoEModelArgs, tokens: int, act: int, tiling: TilingOptions,
-                routed: DeviceBound) -> tuple[int, int, str]:
-    """(peak bytes of one checkpointed block in backward, bytes a non-checkpointed block saves, how),
-    given the routed experts' bound of the dispatch schedule."""
+def moe_block_bound(a: MoEModelArgs, tokens: int, act: int, tiling: TilingOptions,
+                    routed: DeviceBound) -> tuple[int, int, str]:
+    """(peak in backward, saved, how) of a MoE block, given its routed experts' bound."""
     attention, attention_phase, attention_how = _attention(a, tokens, act, tiling.block_tokens)
-    incoming = 2 * tokens * a.dim * act
-    norm = 2 * tokens * a.dim * act                                  # ffn_norm's input and output
+    incoming, norm = 2 * tokens * a.dim * act, 2 * tokens * a.dim * act   # grads in; ffn_norm's input and output
     shared_width = a.n_shared_experts * a.moe_inter_dim
     shared = (tiling_memory.device_bound(tiling.ffn_tokens, tiling_memory.SwiGLUShapes(tokens, a.dim, shared_width, act))
               if shared_width else DeviceBound(0, 0, "no shared expert"))
     router = tokens * a.num_experts * FP32_BYTES
     saved = attention + norm + router + shared.saved + routed.saved
-    peak = max(saved + max(routed.working, shared.working), attention_phase) + incoming
+    ffn_phase = saved + max(routed.working, shared.working)
     how = (f"MoE block: {attention_how}; FFN norm + router {(norm + router) / GIB:.2f}, shared {shared.saved / GIB:.2f} "
            f"+ routed {routed.saved / GIB:.2f} saved, {max(routed.working, shared.working) / GIB:.2f} in backward "
            f"({routed.how}; {shared.how}), grads in {incoming / GIB:.2f} GiB")
+    return max(ffn_phase, attention_phase) + incoming, saved, _binds(how, ffn_phase, attention_phase)
+
+
+def dense_block_bound(a: MoEModelArgs, tokens: int, act: int, tiling: TilingOptions) -> tuple[int, int, str]:
+    """(peak in backward, saved, how) of a dense-FFN block."""
+    attention, attention_phase, attention_how = _attention(a, tokens, act, tiling.block_tokens)
+    incoming, norm = 2 * tokens * a.dim * act, 2 * tokens * a.dim * act
+    dense = tiling_memory.device_bound(tiling.ffn_tokens, tiling_memory.SwiGLUShapes(tokens, a.dim, a.dense_ffn_dim, act))
+    saved = attention + norm + dense.saved
+    how = (f"dense-FFN block: {attention_how}; FFN norm {norm / GIB:.2f} GiB, {dense.how}: {dense.saved / GIB:.2f} "
+           f"saved + {dense.working / GIB:.2f} in backward, grads in {incoming / GIB:.2f} GiB")
+    ffn_phase = saved + dense.working
+    return max(ffn_phase, attention_phase) + incoming, saved, _binds(how, ffn_phase, attention_phase)
+
+
+def _binds(how: str, ffn_phase: int, attention_phase: int) -> str:
+    return f"{how} ({'FFN' if ffn_phase >= attention_phase else 'attention'} phase binds)"
+
+
+def block_bound(a: MoEModelArgs, tokens: int, act: int, tiling: TilingOptions,
+                routed: DeviceBound) -> tuple[int, int, str]:
+    """(peak bytes of one checkpointed block in backward, bytes a non-checkpointed block saves, how):
+    the larger of the MoE and the dense-FFN block (when the model has both), given the routed
+    experts' bound of the dispatch schedule. `saved` is a MoE block's."""
+    peak, saved, how = moe_block_bound(a, tokens, act, tiling, routed)
     if a.n_dense_layers:
-        dense = tiling_memory.device_bound(tiling.ffn_tokens, tiling_memory.SwiGLUShapes(tokens, a.dim, a.dense_ffn_dim,
-                                                                                          act))
-        dense_peak = max(attention + norm + dense.saved + dense.working, attention_phase) + incoming
+        dense_peak, _, dense_how = dense_block_bound(a, tokens, act, tiling)
         if dense_peak > peak:
-            peak = dense_peak
-            how = (f"dense-FFN block: {attention_how}; FFN norm {norm / GIB:.2f} GiB, {dense.how}: "
-                   f"{dense.saved / GIB:.2f} saved + {dense.working / GIB:.2f} in backward, grads in "
-                   f"{incoming / GIB:.2f} GiB")
-    phase = "attention phase binds" if peak == attention_phase + incoming else "FFN phase binds"
-    return peak, saved, f"{how} ({phase})"
+            peak, how = dense_peak, dense_how
+    return peak, saved, how
