@@ -194,7 +194,8 @@ def run_point(point: dict, *, steps: int, snapshot: bool, out_dir: str, timeout_
     os.makedirs(out_dir, exist_ok=True)
     log_path = os.path.join(out_dir, f"{point['name']}.log")
     snap = os.path.join(out_dir, f"{point['name']}_snapshot.pickle") if snapshot else ""
-    env = {**os.environ, "WORLD_SIZE": str(point["world"]), "RANK": "0", "PYTHONPATH": ROOT,
+    env = {**os.environ, "WORLD_SIZE": str(point["world"]), "RANK": "0",
+           "PYTHONPATH": os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
     cmd = [sys.executable, os.path.abspath(__file__), "child", json.dumps(point), str(steps), snap]
     start = time.perf_counter()

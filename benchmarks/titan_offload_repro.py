@@ -84,7 +84,11 @@ def run_one(name: str, nproc: int, offload: bool, args, *, tokenizer_dir: str, c
     folder = os.path.join(os.path.abspath(args.out), name)
     log = os.path.join(folder, "output.log")
     cmd = titan_command(nproc, titan_flags(folder, tokenizer_dir=tokenizer_dir, c4_dir=c4_dir, offload=offload))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # torchtitan only: nothing of ours importable
+    # torchtitan only: nothing of ours importable (the repo off the path; where torchtitan itself was
+    # installed, e.g. a --target folder on PYTHONPATH, stays)
+    ours = {os.path.realpath(REPO), os.path.realpath(os.getcwd())}
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.realpath(p) not in ours]
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **({"PYTHONPATH": os.pathsep.join(path)} if path else {})}
     # In its own folder: `python -m` puts the working directory first on sys.path, and the repo root holds mop_train.
     result = launch(cmd, log, timeout_s=args.timeout_s, env=env, cwd=(os.makedirs(folder, exist_ok=True), folder)[1])
     text = result.text()

@@ -18,7 +18,9 @@ when it was gone (`seconds`, the wall time, includes that teardown). On CPU the 
 rank 0's host max RSS (the column and the plot say so), on GPU the allocator's peak.
 Values come from a list or a search (`Search`): double from a start until a
 point does not complete (or a limit), then bisect the last bracket to 1/8 of its width; `--bisect
-LO HI` runs LO, then HI, then bisects. Results: progress lines with elapsed time, a table, and
+LO HI` runs LO, then HI, then bisects. `--max-points N` stops after N points; `--resume` continues
+the sweep its --out JSON records (its points kept, the search replayed), so a search can run one point
+per command (a device command's time limit). Results: progress lines with elapsed time, a table, and
 <out>.json + <out>.csv + <out>.png (the PNG needs matplotlib: `pip install -e '.[sweep]'`).
 """
 
@@ -370,6 +372,11 @@ def common_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--root", default="outputs/sweep", help="dump folders go under here")
     parser.add_argument("--out", default=None,
                         help="results path: <out>.json, .csv, .png (default: <root>/<name>.json)")
+    parser.add_argument("--max-points", type=int, default=None,
+                        help="run at most this many points in this invocation (e.g. 1: one point per device command)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the sweep recorded in --out's JSON: its points are kept and a search goes on "
+                             "from them (same config and overrides required)")
     parser.add_argument("overrides", nargs="*", help="extra torchtitan-style flags after --, e.g. -- --mop.layout.seq_degree 8")
     return parser
 
@@ -386,12 +393,17 @@ def sweep(name: str, key: str, flags_for, args, *, values: list[int] | None = No
     out = args.out or os.path.join(args.root, f"{name}.json")
     meta = {"config": args.config, "nproc": args.nproc, "steps": args.steps, "overrides": args.overrides,
             "point_timeout_s": args.timeout, "budget_s": args.budget_s}
-    points: list[dict] = []
-    pending = list(values or [])
+    points = resumed_points(out, key, meta, search) if getattr(args, "resume", False) else []
+    done = {p[key] for p in points if p["status"] != "skipped" and not p.get("budget_cut")}
+    pending = [v for v in (values or []) if v not in done]
+    max_points, ran = getattr(args, "max_points", None), 0
     while True:
+        if max_points is not None and ran >= max_points:
+            break
         value = search.next_value() if search is not None else (pending.pop(0) if pending else None)
         if value is None:
             break
+        ran += 1
         limit = clock.time_for_point(args.timeout)
         if limit is None:
             point = {key: value, "status": "skipped", "error": "global budget spent"}
@@ -415,6 +427,10 @@ def sweep(name: str, key: str, flags_for, args, *, values: list[int] | None = No
                 (search is None and stop_at_failure and point["status"] != "ok"):
             break
     print(format_table(key, points))
+    left = search.next_value() if search is not None else (pending[0] if pending else None)
+    if max_points is not None and ran >= max_points and left is not None:
+        print(f"stopped after {ran} point(s) (--max-points); next {key}={left}: run the same command with --resume "
+              f"to go on", flush=True)
     if search is not None:
         s = search.summary()
         print(f"largest {key} that completed: {s['largest_ok']} (stopped by {s['stopped_by']}"
@@ -422,6 +438,25 @@ def sweep(name: str, key: str, flags_for, args, *, values: list[int] | None = No
     paths = write_results(out, {**meta, **({"search": search.summary()} if search else {})}, points,
                           plot=plot_sweep(key))
     print("results: " + ", ".join(p for p in paths.values() if p))
+    return points
+
+
+def resumed_points(out: str, key: str, meta: dict, search: Search | None) -> list[dict]:
+    """The points of the sweep recorded at `out` (none if there is no file), replayed into `search` in
+    their order, as the sweep that ran them saw them; a file of another sweep is refused."""
+    if not os.path.isfile(out):
+        return []
+    with open(out) as f:
+        saved = json.load(f)
+    for field_name in ("config", "nproc", "steps", "overrides"):
+        if saved.get(field_name) != meta[field_name]:
+            raise SystemExit(f"--resume: {out} was written with {field_name} = {saved.get(field_name)!r}, this run "
+                             f"has {meta[field_name]!r}; give the same flags or another --out")
+    points = saved.get("points", [])
+    for point in points:
+        if search is not None and point["status"] != "skipped" and not point.get("budget_cut"):
+            search.next_value()            # as the sweep asked for it: sets the bisection's resolution
+            search.record(point[key], point["status"])
     return points
 
 

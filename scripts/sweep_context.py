@@ -5,6 +5,14 @@
     python scripts/sweep_context.py --config configs/small_1gpu.toml --nproc 2 --bisect 131072 262144
     python scripts/sweep_context.py --config configs/mop_37b.toml --nproc 8 --seq-lens 65536 262144
 
+One point per command (a device command's time limit), the same command run again and again until it
+says nothing is left; the search goes on from the points its --out JSON records:
+    python scripts/sweep_context.py --config configs/small_1gpu.toml --nproc 1 --reach 524288 --max 2097152 \
+        --steps 1 --point-timeout 560 --max-points 1 --resume --out outputs/sweep/reach_1gpu.json -- \
+        --mop.moe.dispatch pipelined_llep --mop.ring_dtp.enable --mop.sco.host_budget auto \
+        --optimizer.name OffloadStreamAdamW --mop.tiling.ffn_tokens auto --mop.tiling.block_tokens auto \
+        --mop.attention.keep
+
 --reach START doubles from START until a length does not complete (or --max), then bisects to 1/8
 of the last bracket; --bisect LO HI runs LO, HI, then bisects; --seq-lens runs each length.
 Lengths stay multiples of 1024 in a search. Prints tokens/s, TFLOP/s and peak memory per length;

@@ -99,8 +99,9 @@ def test_clock_gives_a_point_what_the_budget_has_left():
 def fake_args(tmp_path, **kw):
     config = tmp_path / "job.toml"
     config.write_text("")
-    return SimpleNamespace(config=str(config), nproc=2, steps=2, timeout=60, budget_s=None, bisect=None,
-                           root=str(tmp_path / "runs"), out=str(tmp_path / "res.json"), overrides=[], **kw)
+    return SimpleNamespace(**{**dict(config=str(config), nproc=2, steps=2, timeout=60, budget_s=None, bisect=None,
+                                     root=str(tmp_path / "runs"), out=str(tmp_path / "res.json"), overrides=[]),
+                              **kw})
 
 
 def test_context_sweep_records_an_oom_and_goes_on(tmp_path, monkeypatch, capsys):
@@ -152,6 +153,38 @@ def test_bisect_sweep_with_a_fake_runner_and_a_budget(tmp_path, monkeypatch):
                          search=Search(1, 64))
     assert points == [{"local_batch": 1, "status": "skipped", "error": "global budget spent"}]
     assert json.loads((tmp_path / "res.json").read_text())["search"]["stopped_by"] == "budget"
+
+
+def test_a_search_one_point_per_command_equals_one_search(tmp_path, monkeypatch, capsys):
+    """--max-points 1 --resume, run until nothing is left: the same points in the same order, the same
+    answer, as one uninterrupted search; a file written with other flags is refused."""
+    def fake_run_point(config, nproc, folder, overrides, *, steps, timeout_s):
+        seq = int(overrides[overrides.index("--training.seq_len") + 1])
+        ok = seq <= 300_000
+        return {"status": "ok" if ok else "oom", "seconds": 1.0,
+                **({"tokens_per_s": 1.0, "peak_mem_gib": 1.0, "tflops": None, "steps": steps} if ok else {})}
+
+    monkeypatch.setattr(sweep, "run_point", fake_run_point)
+    flags = lambda s: ["--training.seq_len", str(s)]  # noqa: E731
+    whole = sweep.sweep("context", "seq_len", flags, fake_args(tmp_path, out=str(tmp_path / "whole.json")),
+                        search=Search(65536, 1 << 21, multiple=1024))
+    commands = 0
+    while True:
+        args = fake_args(tmp_path, out=str(tmp_path / "steps.json"), max_points=1, resume=True)
+        before = len(json.loads((tmp_path / "steps.json").read_text())["points"]) if commands else 0
+        points = sweep.sweep("context", "seq_len", flags, args, search=Search(65536, 1 << 21, multiple=1024))
+        commands += 1
+        if len(points) == before:
+            break
+        assert len(points) == before + 1
+    assert [p["seq_len"] for p in points] == [p["seq_len"] for p in whole] and commands == len(whole) + 1
+    saved = json.loads((tmp_path / "steps.json").read_text())["search"]
+    assert saved == json.loads((tmp_path / "whole.json").read_text())["search"]
+    assert "run the same command with --resume" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="overrides"):
+        sweep.sweep("context", "seq_len", flags, fake_args(tmp_path, out=str(tmp_path / "steps.json"), resume=True,
+                                                           overrides=["--mop.attention.keep"]),
+                    search=Search(65536, 1 << 21, multiple=1024))
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ E experts, F dense FFN width.
 from __future__ import annotations
 
 from mop_train.models.args import MoEModelArgs
-from mop_train.ops.tiling.memory import largest_tile, stage_working_bytes, swiglu_token_bytes, swiglu_working_bytes
+from mop_train.ops.tiling.memory import largest_tile, stage_working_bytes, swiglu_token_bytes
 from mop_train.ops.tiling.options import TilingOptions
 
 FP32_BYTES = 4
@@ -136,16 +136,6 @@ def tiled_attention_phase_bytes(args: MoEModelArgs, positions: int, tile: int, a
                                 attention_stage_weights(args), act_bytes=act_bytes)
     stage += largest_tile(positions, tile) * attention_stage_token_bytes(args, act_bytes)
     return core_saved_bytes(args, positions, act_bytes) + core_gradient_bytes(args, positions, act_bytes) + stage
-
-
-def tiled_ffn_bytes(args: MoEModelArgs, positions: int, tile: int, act_bytes: int, *, moe: bool) -> tuple[int, int]:
-    """(saved, working) of the FFN sub-block besides the routed experts with [mop.tiling] ffn_tokens:
-    the norm's input and output (and the router's fp32 scores, MoE) are saved; the SwiGLU saves only
-    its input (the norm's output) and holds one tile in backward (ops.tiling.memory)."""
-    width = args.n_shared_experts * args.moe_inter_dim if moe else args.dense_ffn_dim
-    saved = positions * (2 * args.dim * act_bytes + (args.num_experts * FP32_BYTES if moe else 0))
-    working = swiglu_working_bytes(positions, tile, args.dim, width, act_bytes) if width else 0
-    return saved, working
 
 
 def tiling_options(section, args: MoEModelArgs, *, tokens: int, act_bytes: int) -> TilingOptions:

@@ -27,6 +27,7 @@ from mop_train.models.args import MoEModelArgs
 from mop_train.models.attention import build_attention, rope_cos_sin, rope_inv_freq
 from mop_train.models.fp32_buffers import KeepFp32Buffers
 from mop_train.models.moe import FeedForward, MoE
+from mop_train.ops.tiling import TilingOptions
 
 
 class TransformerBlock(nn.Module):
@@ -73,6 +74,13 @@ def tile_blocks(model: nn.Module, ffn_tokens: int, block_tokens: int) -> tuple[i
     for module in blocks:
         module.tile_tokens = int(block_tokens)
     return len(ffns), len(blocks)
+
+
+def model_tiles(model: nn.Module) -> TilingOptions:
+    """The tiles `tile_blocks` set on `model` (0: untiled; the largest where they differ)."""
+    ffns = [m.tile_tokens for m in model.modules() if isinstance(m, FeedForward)]
+    blocks = [m.tile_tokens for m in model.modules() if isinstance(m, TransformerBlock)]
+    return TilingOptions(max(ffns, default=0), max(blocks, default=0))
 
 
 class MoETransformer(KeepFp32Buffers):

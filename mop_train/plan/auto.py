@@ -468,6 +468,16 @@ class AutoPlanner:
 
     # -- when nothing fits ------------------------------------------------------------------------
 
+    def _memory_fix(self, e: Evaluation) -> str:
+        """What that configuration needs: more GPU memory, more host memory, or both together."""
+        gpu = f"--gpu-memory {math.ceil((e.device + self.headroom) / GIB)}GiB"
+        host = f"--host-memory {math.ceil(e.host / GIB)}GiB"
+        short_gpu, short_host = e.device > e.device_limit, e.host > e.host_limit
+        if short_gpu and short_host:
+            return f"that configuration with {gpu} and {host} per node together (it is short of both; neither alone)"
+        return (f"that configuration with {gpu} alone (its host memory fits)" if short_gpu else
+                f"that configuration with {host} per node alone (its GPU memory fits)")
+
     def nothing_fits(self, seq_len: int, where: str, *, context_hint: bool = False) -> NothingFits:
         """The error with the numbers: the closest configuration and what would make one fit."""
         planned = [e for e in self._memo.values() if e.settings.seq_len == seq_len and e.plan is not None] or [
@@ -480,12 +490,12 @@ class AutoPlanner:
             refused = next((e.error for e in self._memo.values() if e.error), None)
             return NothingFits(f"{head}: " + (refused or "no layout of the searched degrees is valid for this model"))
         closest = min(planned, key=lambda e: e.overshoot)
-        lines = [head + ".", f"closest ({len(self._memo)} configurations planned): {closest.settings.label()}: "
-                 f"{closest.device / GIB:.1f} GiB per rank, {closest.host / GIB:.1f} GiB host per node", "would fit:"]
-        if closest.device > closest.device_limit:
-            lines.append(f"  with --gpu-memory {math.ceil((closest.device + self.headroom) / GIB)}GiB (that configuration)")
-        if closest.host > closest.host_limit:
-            lines.append(f"  with --host-memory {math.ceil(closest.host / GIB)}GiB per node (that configuration)")
+        least_device = min(planned, key=lambda e: (e.device, e.overshoot))
+        lines = [head + ".", f"closest ({len(self._memo)} configurations planned; measure: the larger of planned / "
+                 f"usable for the GPU and for the host, smallest first): {_memories(closest)}", "would fit:",
+                 f"  {self._memory_fix(closest)}"]
+        if least_device is not closest and least_device.device < closest.device:
+            lines.append(f"  the least GPU memory: {_memories(least_device)}; {self._memory_fix(least_device)}")
         for world in (2 * self.world, 4 * self.world, 8 * self.world):
             other = AutoPlanner(self.base, fixed=self.fixed, world=world, ranks_per_node=self.ranks_per_node,
                                 gpu_bytes=self.gpu_bytes, host_bytes=self.host_bytes, headroom=self.headroom)
@@ -502,6 +512,12 @@ class AutoPlanner:
             except NothingFits:
                 lines.append("  at no context on these ranks")
         return NothingFits("\n".join(lines))
+
+
+def _memories(e: Evaluation) -> str:
+    """A configuration and its two memories against what is usable (x: planned / usable)."""
+    return (f"{e.settings.label()}: {e.device / GIB:.1f} GiB per rank ({e.device / e.device_limit:.2f}x the GPU's usable "
+            f"{e.device_limit / GIB:.1f} GiB), {e.host / GIB:.1f} GiB host per node ({e.host / e.host_limit:.2f}x)")
 
 
 def _family(s: Settings) -> tuple:

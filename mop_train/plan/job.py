@@ -22,6 +22,7 @@ from torch import nn
 from mop_train.layout import LayoutPlan, plan_layout
 from mop_train.models import zoo
 from mop_train.models.args import MoEModelArgs
+from mop_train.models.memory import tiling_options
 from mop_train.models.model import MoETransformer
 from mop_train.ops.moe_dispatch.options import dispatch_options
 from mop_train.ops.offload_adamw import OFFLOAD_ADAMW
@@ -92,7 +93,8 @@ def operator_plan(cfg, args: MoEModelArgs, *, layout_plan, act_bytes: int, sco_h
         loss_chunk=cfg.mop.data.loss_chunk_tokens, sco_host_budget=sco_host_budget,
         offload_optimizer=offload, offload_bucket_params=cfg.mop.offload_adamw.bucket_params,
         offload_slots=cfg.mop.offload_adamw.slots, offload_host_share=cfg.mop.offload_adamw.host_fraction > 0,
-        offload_device_fraction=device_fraction if offload else 0.0, keep_attention=cfg.mop.attention.keep)
+        offload_device_fraction=device_fraction if offload else 0.0, keep_attention=cfg.mop.attention.keep,
+        tiling=tiling_options(cfg.mop.tiling, args, tokens=tokens, act_bytes=act_bytes))
 
 
 def memory_plans(cfg, args: MoEModelArgs, *, layout_plan, total_params: int, largest_block_params: int,

@@ -17,9 +17,10 @@ when the operator does:
                (embeddings, projection unless vocab-sharded), which stays unsharded all step
   boundaries   checkpointed block inputs B*S/D*H, less what SCO offloads (sco.budget.device_bound)
   kept attn    attention outputs and log-sum-exps kept across the recompute ([mop.attention] keep)
-  block        one block in backward: what attention and the FFN save (mop_train.models.memory),
+  block        one block in backward (plan.block): what attention and the FFN save (mop_train.models.memory),
                the routed experts' share (moe_dispatch.memory.device_bound of the schedule), the
-               gradients alive beside them; blocks that are not checkpointed keep theirs all step
+               gradients alive beside them, one tile of each tiled stage ([mop.tiling]: ops.tiling.memory);
+               blocks that are not checkpointed keep theirs all step
   head         the final norm's saved input and output and the fp32 gradient of the hidden states
   loss         chunked cross-entropy: one chunk's logits, softmax and grad (3 * chunk * V fp32); or
                Ring-DTP's bound (ring_dtp.memory.device_bound)
@@ -36,8 +37,6 @@ import torch
 
 from mop_train.models.args import MoEModelArgs
 from mop_train.models.keep_attention import kept_attention_bytes
-from mop_train.models.memory import (attention_saved_bytes, block_gradient_bytes, dense_ffn_gradient_bytes,
-                                     ffn_saved_bytes)
 from mop_train.ops.bound import DeviceBound
 from mop_train.ops.moe_dispatch import memory as dispatch_memory
 from mop_train.ops.moe_dispatch.options import DispatchOptions
@@ -46,6 +45,8 @@ from mop_train.ops.offload_adamw.buckets import host_state_bytes
 from mop_train.ops.offload_adamw.host_update import host_share_bytes
 from mop_train.ops.ring_dtp import memory as ring_dtp_memory
 from mop_train.ops.sco import budget as sco_memory
+from mop_train.ops.tiling import TilingOptions
+from mop_train.plan.block import block_bound
 
 GIB = 2**30
 
@@ -70,6 +71,8 @@ class OperatorPlan:
     offload_host_share: bool = False
     offload_device_fraction: float = 0.0
     keep_attention: bool = False
+    tiling: TilingOptions = field(default_factory=TilingOptions)
+    """[mop.tiling], resolved: token tiles of the FFNs and attention's row-wise stages (0: untiled)."""
 
 
 @dataclass(frozen=True)
@@ -116,31 +119,11 @@ def _optimizer_bound(x: MemoryPlanInputs) -> DeviceBound:
 def _block_term(x: MemoryPlanInputs, tokens: int) -> tuple[int, int, str]:
     """(peak bytes of one checkpointed block in backward, bytes a non-checkpointed block saves, how)."""
     a, o, act = x.model, x.ops, x.act_bytes
-    attention = attention_saved_bytes(a, tokens, act)
-    ffn = ffn_saved_bytes(a, tokens, act, moe=True)
     expert_degree = x.expert_degree if o.dispatch is not None else 1
-    routed_bound = dispatch_memory.device_bound(o.dispatch, dispatch_memory.RoutedShapes(
+    routed = dispatch_memory.device_bound(o.dispatch, dispatch_memory.RoutedShapes(
         tokens=tokens, hidden=a.dim, inter=a.moe_inter_dim, top_k=a.top_k, group_size=expert_degree,
         local_experts=a.num_experts // expert_degree, act_bytes=act))
-    routed, routed_grads, how = routed_bound.saved, routed_bound.working, routed_bound.how
-    incoming = 2 * tokens * a.dim * act                               # the block's output and residual grads
-    attention_phase = attention + block_gradient_bytes(a, tokens, act)
-    saved = attention + ffn + routed
-    # The FFN runs backward first, with everything the block saved alive; attention's own backward
-    # comes after the FFN's tensors are freed. Dense-FFN blocks (the first n_dense_layers) compete.
-    peak = max(saved + routed_grads, attention_phase) + incoming
-    kind = "MoE"
-    if a.n_dense_layers:
-        dense = attention + ffn_saved_bytes(a, tokens, act, moe=False)
-        dense_peak = max(dense + dense_ffn_gradient_bytes(a, tokens, act), attention_phase) + incoming
-        if dense_peak > peak:
-            peak, kind = dense_peak, "dense-FFN"
-            how = f"dense FFN {ffn_saved_bytes(a, tokens, act, moe=False) / GIB:.2f} GiB saved + 2F in backward"
-            return peak, saved, (f"{kind} block: attention {attention / GIB:.2f} GiB + {how}, "
-                                 f"grads in {incoming / GIB:.2f} GiB")
-    return peak, saved, (f"{kind} block: attention {attention / GIB:.2f} + FFN {ffn / GIB:.2f} + routed "
-                         f"{routed / GIB:.2f} saved, {routed_grads / GIB:.2f} in backward ({how}), grads in "
-                         f"{incoming / GIB:.2f} GiB")
+    return block_bound(a, tokens, act, o.tiling, routed)
 
 
 def _loss_bound(x: MemoryPlanInputs, tokens: int) -> DeviceBound:

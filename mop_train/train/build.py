@@ -33,7 +33,7 @@ from mop_train.hf.run_record import write_run_record
 from mop_train.layout import RankLayout, plan_layout
 from mop_train.models import zoo
 from mop_train.models.args import MoEModelArgs
-from mop_train.models.model import MoETransformer
+from mop_train.models.model import MoETransformer, model_tiles
 from mop_train.ops.offload_adamw import forward_units
 from mop_train.parallel.fake_world import apply_routing_profile, fake_world_note, in_fake_world
 from mop_train.parallel.parallelize import (ParallelizeOptions, check_layout_fits, check_titan_parallelism,
@@ -303,6 +303,7 @@ def describe_run(cfg, run: Run, device, host_terms, plan_terms, *, free_device_b
     plans, OffloadStreamAdamW's share, and where the run resumes from."""
     spec, layout, parts, t = run.spec, run.layout, run.parts, cfg.training
     args, micro_batches = spec.args, run.micro_batches
+    tiles = model_tiles(parts.model)
     lines = [
         *([fake_world_note()] if in_fake_world() else []),
         f"model {spec.flavor}{'' if spec.args == zoo.get_model_args(spec.flavor) else ' (variant)'}: "
@@ -317,6 +318,7 @@ def describe_run(cfg, run: Run, device, host_terms, plan_terms, *, free_device_b
         f"{'ring_dtp' if uses_ring_dtp(cfg, layout) else 'chunked cross-entropy'}"
         + (", document mask on" if cfg.mop.data.document_mask else "")
         + (", attention kept across the recompute" if cfg.mop.attention.keep else "")
+        + (f", {tiles.label()}" if tiles.ffn_tokens or tiles.block_tokens else "")
         + (f", routing profile {routing_profile_of(cfg)}" if routing_profile_of(cfg) else ""),
         format_plan(plan_terms),
         format_plan(host_terms, title="per-rank pinned host memory")]

@@ -199,3 +199,32 @@ def test_attention_stage_bytes_per_tile_token(variant, dtype):
     per_token = (peaks[512] - peaks[256]) / 256
     bound = attention_stage_token_bytes(args, torch.empty((), dtype=dtype).element_size())
     assert bound / 2 <= per_token <= bound, (variant, dtype, per_token, bound)
+
+
+def test_compiled_blocks_run_the_tiles_eagerly():
+    """[compile] with tiling: the tiled stages are graph breaks (ops.tiling.tiled_rows is
+    compiler-disabled); the compiled (aot_eager) model's loss and gradients equal the eager one's."""
+    from mop_train.parallel.compile import CompileOptions, apply_compile
+    from mop_train.train.loss import LanguageModelLoss
+    from tests.utils import assert_close_to_scale
+
+    torch.manual_seed(fresh_seed(3707))
+    eager = LanguageModelLoss(zoo.build_model(_args("mla")))
+    compiled = copy.deepcopy(eager)
+    for m in (eager, compiled):
+        for name, block in list(m.model.layers.items()):
+            m.model.layers.register_module(name, checkpointed(block))
+        tile_blocks(m.model, 16, 16)
+    torch._dynamo.reset()
+    apply_compile(compiled, CompileOptions(model=True, loss=False, backend="aot_eager"), device_type="cpu")
+    tokens = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(fresh_seed(3708)))
+    labels = torch.roll(tokens, -1, dims=1)
+    runs = []
+    for m in (eager, compiled):
+        loss = m(tokens, labels)
+        assert _tiled_nodes(loss) == _expected_nodes(m.model.args, (16, 16))
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    assert_close_to_scale(runs[1][0], runs[0][0], rtol=1e-6, name="loss")
+    for name, grad in runs[0][1].items():
+        assert_close_to_scale(runs[1][1][name], grad, rtol=1e-5, name=name)

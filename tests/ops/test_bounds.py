@@ -73,3 +73,22 @@ def test_pipelined_llep_saves_rows_and_works_on_one_chunk():
     # one chunk recomputed in backward (its exact count: tests/ops/test_moe_dispatch_memory.py)
     assert bound.working >= shapes.local_experts * shapes.inter * shapes.hidden * 2
     assert bound.how.startswith("pipelined_llep")
+
+
+def test_tiled_swiglu_saves_nothing_and_holds_one_tile():
+    from mop_train.ops.tiling import memory as tiling_memory
+
+    rng = random.Random(fresh_seed(5124))
+    for _ in range(30):
+        n, h, f, act = rng.randint(1, 10**6), rng.randint(8, 4096), rng.randint(8, 8192), rng.choice((2, 4))
+        tile = rng.randint(1, 2 * n)
+        shapes = tiling_memory.SwiGLUShapes(n, h, f, act)
+        bound = tiling_memory.device_bound(tile, shapes)
+        if tile >= n:                                          # one tile: the plain path, as untiled
+            assert bound == tiling_memory.device_bound(0, shapes)
+            assert (bound.saved, bound.working) == (4 * n * f * act, 2 * n * f * act)
+            continue
+        largest = tiling_memory.largest_tile(n, tile)
+        assert largest <= tile and bound.saved == 0
+        assert bound.working == (n * h * act + largest * (8 * f + 2 * h) * act
+                                 + 4 * 4 * f * h + (0 if act == 4 else 3 * f * h * act))

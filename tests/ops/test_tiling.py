@@ -240,3 +240,26 @@ def test_swiglu_memory_within_its_bound(dtype):
     whole = 1024 * H * act
     assert peaks[2048, 128] - peaks[1024, 128] <= 2 * whole             # output and input gradient
     assert peaks[2048, None] - peaks[1024, None] >= 1024 * 4 * Fw * act  # untiled: h1, h3, silu, product
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_tiled_swiglu_within_bf16_noise_and_smaller():
+    """`small`'s dense FFN at 64K tokens, bf16 on CUDA: outputs and gradients no worse against fp32
+    than the untiled bf16 path's (cuBLAS picks GEMMs by row count: not bitwise there), weight gradients
+    through the fp32-output GEMM, and the tiled peak below the untiled one by the F-wide intermediates."""
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed(3606))
+    N, H, Fw, tile = 65536, 1536, 6144, 8192
+    x = torch.randn(1, N, H, device="cuda", generator=gen).bfloat16()
+    ws = [(torch.randn(*s, device="cuda", generator=gen) / s[1] ** 0.5).bfloat16() for s in ((Fw, H), (H, Fw), (Fw, H))]
+    g = torch.randn(1, N, H, device="cuda", generator=gen).bfloat16()
+    peaks, runs = {}, {}
+    for name, t in (("untiled", None), ("tiled", tile)):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        runs[name] = _run_swiglu(x, ws, g, t)
+        peaks[name] = torch.cuda.max_memory_allocated() - base
+    truth = _run_swiglu(x.float(), [w.float() for w in ws], g.float(), None)
+    for i, name in enumerate(("y", "dx", "dw1", "dw2", "dw3")):
+        assert_no_worse_than_torch(runs["tiled"][i], runs["untiled"][i], truth[i], name=f"cuda bf16 {name}")
+    assert peaks["untiled"] - peaks["tiled"] >= 3 * (N - tile) * Fw * 2, peaks

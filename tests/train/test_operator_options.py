@@ -1,6 +1,7 @@
 """The operator options a TOML reaches through the real CLI change no loss (fp32, CPU, 2 gloo ranks):
 OffloadStreamAdamW with a device-resident share and overlap, attention kept across the recompute,
-and Ring-DTP's grad_in_forward schedule, against the same run with each left at its default."""
+Ring-DTP's grad_in_forward schedule and sequence tiling, against the same run with each left at its
+default."""
 
 import pytest
 
@@ -17,13 +18,15 @@ def test_new_operator_options_keep_the_losses(tmp_path):
     runs = {}
     for name, extra in (("defaults", []),
                         ("options", ["--mop.offload_adamw.device_fraction", "0.4", "--mop.offload_adamw.overlap",
-                                     "--mop.attention.keep", "--mop.ring_dtp.schedule", "grad_in_forward"])):
+                                     "--mop.attention.keep", "--mop.ring_dtp.schedule", "grad_in_forward",
+                                     "--mop.tiling.ffn_tokens", "48", "--mop.tiling.block_tokens", "48"])):
         folder = str(tmp_path / name)
         proc = run_train([*COMMON, "--job.dump_folder", folder, *extra], nproc=2, timeout=300)
         check_ok(proc)
         runs[name] = [m["loss"] for m in read_metrics(folder)]
         if name == "options":
             assert "device_fraction 0.400" in proc.stdout and "attention kept" in proc.stdout
+            assert "tiled FFN 48 tokens, attention stages 48 tokens" in proc.stdout
     want, got = runs["defaults"], runs["options"]
     assert len(got) == len(want) == 3
     assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= 1e-5, f"{got} vs {want}"

@@ -180,9 +180,11 @@ def _backward_tile(fn, s, rows, weights, grads, d_rows, acc, index) -> None:
             _add_weight_grad(acc[index[id(weight)]], kind, x, dz, eps)
 
 
+@torch.compiler.disable
 def tiled_rows(fn: TileFn, rows: tuple[torch.Tensor, ...], weights: dict[str, torch.Tensor],
                tile_tokens: int) -> tuple[torch.Tensor, ...]:
     """Run the row-wise stage `fn` over tiles of about `tile_tokens` tokens (module docstring).
+    Under torch.compile it is a graph break: the tile loop and its backward run eagerly.
 
     Args:
         fn: `fn(ops, s, rows_t, w) -> tuple of [B, len(s), ...] tensors`; uses weights only through

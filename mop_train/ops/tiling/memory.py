@@ -22,6 +22,9 @@ Legend: N tokens, T tile tokens, n largest tile, H hidden, F FFN width, act byte
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from mop_train.ops.bound import DeviceBound
 from mop_train.ops.tiling.function import tile_bounds
 
 AUTO_TILE_BYTES = 2 << 30
@@ -80,3 +83,27 @@ def stage_working_bytes(tokens: int, tile: int, *, in_elements: int, tile_elemen
     n = largest_tile(tokens, tile)
     return (tokens * in_elements * act_bytes + n * (tile_elements * act_bytes + 4 * fp32_tile_elements)
             + weight_grad_bytes(weight_elements, act_bytes))
+
+
+@dataclass(frozen=True)
+class SwiGLUShapes:
+    """The sizes a SwiGLU FFN runs at on this rank."""
+
+    tokens: int
+    hidden: int
+    width: int
+    act_bytes: int
+
+
+def device_bound(tile_tokens: int, shapes: SwiGLUShapes) -> DeviceBound:
+    """One SwiGLU FFN (dense or shared expert), beyond its input and output. Untiled (tile 0, or a tile
+    of all the tokens): it saves h1, h3, silu(h1) and their product (4F per token) and its backward adds
+    the product's gradient, then h1's and h3's (2F). Tiled: it saves nothing (its input by reference)
+    and its backward holds `swiglu_working_bytes`."""
+    N, H, Fw, act = shapes.tokens, shapes.hidden, shapes.width, shapes.act_bytes
+    if not tile_tokens or N <= tile_tokens:
+        return DeviceBound(N * 4 * Fw * act, N * 2 * Fw * act, f"SwiGLU F={Fw:,} untiled: 4F saved, 2F in backward")
+    n = largest_tile(N, tile_tokens)
+    return DeviceBound(0, swiglu_working_bytes(N, tile_tokens, H, Fw, act),
+                       f"SwiGLU F={Fw:,} tiled by {tile_tokens:,} tokens: nothing saved; in backward dx [N, H] + "
+                       f"one tile of {n:,} x (8F + 2H) + fp32 weight grads")
