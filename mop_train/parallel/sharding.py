@@ -79,6 +79,8 @@ def grad_norm_term(grad: torch.Tensor, norm_type: float = 2.0) -> torch.Tensor:
     """One local gradient's share of the global norm: ||g||_p^p (||g||_inf for p = inf), a 0-dim fp32
     tensor on the gradient's device. Both gradient paths compute it with this one kernel on the same
     final gradient (the streamed path as the gradient leaves the device), so the norms agree bit for bit."""
+    if grad.numel() == 0:  # an empty shard (a rank holding no rows) adds nothing, also to the inf norm
+        return torch.zeros((), dtype=torch.float32, device=grad.device)
     norm = torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32)
     return norm if math.isinf(norm_type) else norm.pow(norm_type)
 

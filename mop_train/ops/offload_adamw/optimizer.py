@@ -158,9 +158,8 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         total = sum(self._numels)
         self.device_fraction, self.overlap = float(device_fraction), overlap
         self.weights, self.gradients = weights, gradients
-        self._dev_end = device_split(total, self.device_fraction)
-        if weights != "device":  # every master in one place (the parameter's value aliases it, working.py)
-            self._dev_end = max(o for o in self._offsets + [total] if o <= self._dev_end)
+        self._dev_end = device_split(total, self.device_fraction)  # the same cut whatever `weights`:
+        # on CPU, torch's fused AdamW rounds by an element's place in its piece, so the cuts must match
         self._device_share = DeviceShare(self._numels, [t.dtype for t in shards], self._dev_end, self.device,
                                          alias_fp32=weights == "device")
         self._host, registered = allocate_host_state(total - self._dev_end, pin=self._streams.cuda)
@@ -178,6 +177,7 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         self._timing = (None, (), 0.0)
         self.last_step = OffloadStepStats()
         self._working, self._working_on_host = None, False  # set by use_working (weights != "device")
+        self._mirrors: dict[int, torch.Tensor] = {}          # value_tensor of the straddler
         self.weights_version = 0    # steps that changed the working weights (weight_windows.py)
         self.grad_scale = None      # clipping coefficient applied to streamed gradients (0-dim, device)
         self.grads_read = None      # event: the last step's reads of the host gradients are done
@@ -320,13 +320,22 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
 
     # ---- working weights and streamed gradients (weights / gradients != "device") ---------------
     def master_view(self, i: int) -> torch.Tensor:
-        """Parameter i's fp32 master, flat: a view of the host state or of the device share (with
-        weights != "device" no parameter straddles the two)."""
+        """Parameter i's fp32 master, flat: a view of the host state or of the device share."""
         pieces = self._row_pieces(ROW["master"], i)
         if len(pieces) != 1:
-            raise ValueError(f"parameter {i} straddles the device share's end; build with weights != 'device' "
-                             "(the share then ends on a parameter boundary)")
+            raise ValueError(f"parameter {i} straddles the device share's end: its master is in two pieces; "
+                             "use value_tensor(i)")
         return pieces[0][1]
+
+    def value_tensor(self, i: int) -> torch.Tensor:
+        """The fp32 tensor that holds parameter i's value with weights != "device" (working.py): its
+        master, or for the one parameter straddling the device share's end a host copy of its two
+        pieces, brought up to date by `wait_for_weights` (checkpoints and evaluations call it first)."""
+        if len(self._row_pieces(ROW["master"], i)) == 1:
+            return self.master_view(i)
+        if i not in self._mirrors:
+            self._mirrors[i] = self._read_row(ROW["master"], i).clone()
+        return self._mirrors[i]
 
     def use_working(self, tensors: list[torch.Tensor], *, on_host: bool) -> None:
         """The flat working tensor of each parameter, which every step refreshes from its master
@@ -345,7 +354,7 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         """Write every master into its working tensor (after a load or at start; blocks the host)."""
         self.wait_for_writeback()
         for i, weight in enumerate(self._working or ()):
-            weight.copy_(self.master_view(i))
+            weight.copy_(self._read_row(ROW["master"], i))
         self.weights_version += 1
 
     def wait_for_params(self, params) -> None:
@@ -394,6 +403,8 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         self._waits.wait_all()
         if self.weights != "device":
             self.wait_for_writeback()
+            for i, mirror in self._mirrors.items():
+                mirror.copy_(self._read_row(ROW["master"], i))
 
     def wait_for_writeback(self) -> None:
         """Block the host until the last step is done: its state back in host memory, its weights

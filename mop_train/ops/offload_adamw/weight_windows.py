@@ -183,7 +183,8 @@ class ShardWindow:
         self._owner: dict[int, int] = {}     # slot -> block
         self._backward_left = [0] * len(self._blocks)
         self._forward_block = None           # the block the forward asked for last
-        self.stats = {"loads": 0, "overflow": 0, "reused": 0}
+        self.stats = {"loads": 0, "overflow": 0, "reused": 0, "demand": 0}
+        self._last_use = None  # (block, in backward) of the latest request
         self.log: list[tuple[int, bool]] = []  # (block, in backward) per load
 
     def manages(self, param) -> bool:
@@ -194,7 +195,7 @@ class ShardWindow:
         b, offset, i = self._where[id(param)]
         backward = in_backward()
         first = self._forward_block != b or backward
-        k = self._use(b, backward)
+        k = self._use(b, backward, first)
         if first:
             self._prefetch(b, backward)
         numel = self._host[i].numel()
@@ -206,11 +207,12 @@ class ShardWindow:
         # the forward's node is the one whose backward runs (a recompute's graph is only harvested)
         done = (lambda: self._backward_done(b)) if not copy and not backward else None
         out = WorkingWeight.apply(param, view, dtype, done)
+        self._last_use = (b, backward)
         if copy and not backward and self._backward_left[b] == 0 and not self._checkpointed[b]:
             self._release(b)
         return out
 
-    def _use(self, b: int, backward: bool) -> int:
+    def _use(self, b: int, backward: bool, first: bool) -> int:
         previous = self._forward_block
         self._forward_block = None if backward else b
         if not backward and previous is not None and previous != b and self._checkpointed[previous] \
@@ -220,11 +222,12 @@ class ShardWindow:
             self._forget(b)  # a step has changed the working weights since
         if b in self._resident:
             k = self._resident[b]
-            if not self._slots.busy[k]:
-                self.stats["reused"] += 1
+            if first and (b, backward) != self._last_use:
+                self.stats["reused"] += 1  # found in its slot: no copy
             self._slots.busy[k] = True
             self._slots.touch(k)
             return k
+        self.stats["demand"] += 1
         return self._load(b, backward)
 
     def _load(self, b: int, backward: bool, prefetch: bool = False) -> int | None:

@@ -129,7 +129,7 @@ class WorkingWeights:
         parameters' previous device tensors are no longer referenced (freed)."""
         for i, p in enumerate(self.opt._params):
             shape = p._local_tensor.shape
-            p._local_tensor = self.opt.master_view(i).view(shape)
+            p._local_tensor = self.opt.value_tensor(i).view(shape)
             if id(p) in self._fsdp:
                 fsdp_param, _ = self._fsdp[id(p)]
                 fsdp_param._sharded_param_data = padded[i]
