@@ -24,20 +24,26 @@ from dataclasses import dataclass
 from mop_train.sweep import median_after_first, train_command
 
 TITAN_LAUNCHER = "benchmarks.titan_launch"
+TITAN, OURS_ALL, OURS_BEST, OURS_AUTO = "torchtitan", "ours-all", "ours-best", "ours-auto"
+SERIES = (TITAN, OURS_AUTO, OURS_BEST, OURS_ALL)
 COMPILE_COMPONENTS = {"off": [], "loss": ["loss"], "model+loss": ["model", "loss"]}
+AC_MEMORY = {"full": 0, "selective": 1, "none": 2}
+"""Activation memory order of torchtitan's checkpointing modes (full recomputes every block)."""
+COMPILE_MEMORY = {"model+loss": 0, "loss": 1, "off": 2}
+"""Memory order of its compile settings (a compiled loss fuses log-softmax: ~4 B per logit, not ~16)."""
 
 
 @dataclass(frozen=True)
 class TitanSetting:
     cp: int = 1
     ep: int = 1
-    ac: str = "full"  # "full" | "selective" (torchtitan's per-op SAC)
+    ac: str = "full"  # "full" | "selective" (torchtitan's per-op SAC) | "none"
     compile: str = "off"  # a key of COMPILE_COMPONENTS
     offload: bool = False
 
     def __post_init__(self):
-        if self.ac not in ("full", "selective"):
-            raise ValueError(f"TitanSetting.ac = {self.ac!r}; use 'full' or 'selective'")
+        if self.ac not in AC_MEMORY:
+            raise ValueError(f"TitanSetting.ac = {self.ac!r}; use one of {list(AC_MEMORY)}")
         if self.compile not in COMPILE_COMPONENTS:
             raise ValueError(f"TitanSetting.compile = {self.compile!r}; use one of {list(COMPILE_COMPONENTS)}")
 
@@ -61,6 +67,46 @@ class TitanSetting:
 
     def global_batch(self, world: int, local_batch: int) -> int:
         return local_batch * world // self.cp
+
+    def check(self, world: int) -> None:
+        """ValueError for a setting torchtitan 0.2.2 cannot run on `world` ranks: degrees that do not
+        divide it, or CPU offload at one rank. There parallelize_deepseekv3 applies no FSDP (its
+        `fsdp_enabled or ep_enabled` is false, infra/parallelize.py:162), so no CPUOffloadPolicy moves
+        the parameters, while the Trainer still builds them on the CPU (train.py:184-186, 256): the
+        first forward fails in the embedding's index_select (benchmarks/titan_offload_repro.py)."""
+        if world % self.cp or world % self.ep:
+            raise ValueError(f"torchtitan setting {self.name}: cp ({self.cp}) and ep ({self.ep}) must divide "
+                             f"the {world} ranks; pick degrees among the divisors of {world}")
+        if self.offload and world == 1:
+            raise ValueError(f"torchtitan setting {self.name}: training.enable_cpu_offload at one rank leaves "
+                             f"the parameters on the CPU (no FSDP at one rank); drop offload or use 2+ ranks")
+
+    def holds_at_least(self, other: "TitanSetting") -> bool:
+        """Same layout and offload, and at least as much activation memory in both orders (AC_MEMORY,
+        COMPILE_MEMORY): if `other` ran out of memory at a point, this one is assumed to as well."""
+        return (self != other and (self.cp, self.ep, self.offload) == (other.cp, other.ep, other.offload)
+                and AC_MEMORY[self.ac] >= AC_MEMORY[other.ac]
+                and COMPILE_MEMORY[self.compile] >= COMPILE_MEMORY[other.compile])
+
+
+def titan_layouts(world: int) -> list[tuple[int, int]]:
+    """(cp, ep) pairs torchtitan runs on `world` ranks, the likely fastest first (CP shards the
+    sequence; EP adds all-to-alls but frees expert memory)."""
+    if world == 1:
+        return [(1, 1)]
+    return [(world, 1), (1, 1), (1, world), (world, world)]
+
+
+TPS_ORDER = [("selective", "model+loss"), ("none", "model+loss"), ("full", "model+loss"),
+             ("selective", "loss"), ("none", "loss"), ("full", "loss"),
+             ("selective", "off"), ("none", "off"), ("full", "off")]
+"""torchtitan's AC x compile grid, the likely fastest first (one H200, 32K: selective + compiled
+model and loss 28.1K tokens/s, full + compile 25.9K, selective uncompiled 24.8K; issue 37)."""
+
+
+def titan_grid(world: int) -> list[TitanSetting]:
+    """Every AC x compile setting at every layout of `world` ranks, without CPU offload."""
+    return [TitanSetting(cp=cp, ep=ep, ac=ac, compile=c) for ac, c in TPS_ORDER for cp, ep in titan_layouts(world)]
 
 
 @dataclass(frozen=True)
@@ -131,8 +177,8 @@ class AutoSettings:
     def _plan(self, seq_len: int, local_batch: int) -> AutoSetting | None:
         from mop_train.config import load_job_config
         from mop_train.models import zoo
-        from mop_train.train.auto_plan import AutoPlanner, NothingFits
-        from mop_train.train.auto_settings import fixed_keys, search_base_flags
+        from mop_train.plan.auto import AutoPlanner, NothingFits
+        from mop_train.plan.settings import fixed_keys, search_base_flags
 
         fixed = fixed_keys(list(self.overrides))
         point = ["--training.seq_len", str(seq_len), "--training.local_batch_size", str(local_batch)]
@@ -160,62 +206,77 @@ def all_operators(vocab_degree: int = 1, world: int = 2) -> OurSetting:
 def candidates(world: int, vocab_degree: int) -> dict[str, dict[str, list]]:
     """{series: {kind: settings in order of expected merit}} for kinds "tps", "reach", "batch".
 
-    torchtitan materialises [S, V] logits and its eager loss holds about four more fp32/bf16
-    copies of them: at V = 200000 that dominates its memory. So its throughput guess shards the
-    sequence (CP) instead of holding a whole sequence per rank, with per-op SAC; its reach guess adds
-    a compiled loss (fused log-softmax: about 4 B per logit instead of ~16), full AC and CPU offload
-    (frees the 16 B/param of FSDP-sharded state). Ours: plain FSDP2-like layout without
-    optimizer offload for throughput (the optimizer state fits at this size), every operator for reach.
+    torchtitan: every AC x compile x layout setting for throughput (titan_grid: the benchmark runs
+    all that its budget fits and reports the fastest). For reach and batch the most frugal first:
+    full AC and a compiled loss (torchtitan materialises [S, V] logits; its eager loss holds ~4 more
+    fp32/bf16 copies of them, the compiled one ~4 B per logit), with CPU offload (frees the 16 B/param
+    of FSDP-sharded state) only at 2+ ranks: at one rank torchtitan applies no FSDP, so offload cannot
+    run there (TitanSetting.check). Ours: the plain layout for throughput (the optimizer state fits at
+    this size), every operator for reach, SCO + the streamed optimizer for batch.
     """
     t = TitanSetting
     ours_all = all_operators(vocab_degree, world)
+    frugal = [t(cp=world, ep=1, ac="full", compile="loss"), t(cp=world, ep=1, ac="full", compile="model+loss"),
+              t(cp=world, ep=1, ac="full"), t(cp=world, ep=1, ac="selective", compile="model+loss")]
+    batch = [t(ac="full", compile="loss"), t(ac="full", compile="model+loss"), t(ac="full")]
+    if world > 1:
+        frugal = [t(cp=world, ep=1, ac="full", compile="loss", offload=True), t(cp=world, ep=1, ac="full", offload=True),
+                  t(cp=world, ep=world, ac="full", compile="loss", offload=True)] + frugal
+        batch = [t(ac="full", compile="loss", offload=True)] + batch
+    ours_tps = [OurSetting()]
+    if world > 1:
+        ours_tps += [OurSetting(seq_degree=world, expert_degree=world, dispatch="ep"),
+                     OurSetting(expert_degree=world, dispatch="ep")]
     return {
-        "torchtitan": {
-            "tps": [t(cp=world, ep=1, ac="selective"), t(cp=1, ep=1, ac="full"),
-                    t(cp=world, ep=world, ac="selective"), t(cp=world, ep=1, ac="selective", compile="model+loss"),
-                    t(cp=1, ep=world, ac="full", compile="loss")],
-            "reach": [t(cp=world, ep=1, ac="full", compile="loss", offload=True),
-                      t(cp=world, ep=1, ac="full", offload=True),
-                      t(cp=world, ep=world, ac="full", compile="loss", offload=True)],
-            "batch": [t(cp=1, ep=1, ac="full", compile="loss", offload=True), t(cp=1, ep=1, ac="full")],
-        },
+        "torchtitan": {"tps": titan_grid(world), "reach": frugal, "batch": batch},
         "ours-all": {"tps": [ours_all], "reach": [ours_all], "batch": [ours_all]},
-        "ours-best": {
-            "tps": [OurSetting(), OurSetting(seq_degree=world, expert_degree=world, dispatch="ep"),
-                    OurSetting(expert_degree=world, dispatch="ep")],
-            "reach": [ours_all],
-            "batch": [OurSetting(sco="auto", optimizer="OffloadStreamAdamW"), ours_all],
-        },
+        "ours-best": {"tps": ours_tps, "reach": [ours_all],
+                      "batch": [OurSetting(sco="auto", optimizer="OffloadStreamAdamW"), ours_all]},
     }
 
 
+LOSS_SCHEDULE = {"lr": 3e-4, "warmup_steps": 1, "decay_type": "cosine", "min_lr_factor": 0.1}
+"""What both sides' runs share (configs/small_1gpu.toml's optimizer and schedule); the loss-curve
+phase raises warmup_steps for both."""
+
+
+def schedule_flags(warmup_steps: int) -> list[str]:
+    return ["--optimizer.lr", str(LOSS_SCHEDULE["lr"]), "--lr_scheduler.warmup_steps", str(warmup_steps),
+            "--lr_scheduler.decay_type", LOSS_SCHEDULE["decay_type"],
+            "--lr_scheduler.min_lr_factor", str(LOSS_SCHEDULE["min_lr_factor"])]
+
+
 def titan_command(nproc: int, folder: str, setting: TitanSetting, **kwargs) -> list[str]:
-    """torchrun over our launcher: torchtitan's Trainer, DeepSeek-V3 at `flavor`, our data."""
+    """torchrun over our launcher: torchtitan's Trainer, DeepSeek-V3 at `flavor`, our data.
+    ValueError for a setting torchtitan cannot run on `nproc` ranks (TitanSetting.check)."""
+    setting.check(nproc)
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             "-m", TITAN_LAUNCHER, *titan_flags(folder, setting, **kwargs)]
 
 
 def titan_flags(folder: str, setting: TitanSetting, *, flavor: str, seq_len: int, local_batch: int,
-                steps: int, timeout_s: float, hf_assets_path: str = "embedded") -> list[str]:
-    """torchtitan's flags for one run; optimizer and precision as configs/small_1gpu.toml has them.
-    `hf_assets_path`: the embedded tokenizer's folder (or "embedded", which our launcher resolves)."""
+                steps: int, timeout_s: float, hf_assets_path: str = "embedded", warmup_steps: int = 1) -> list[str]:
+    """torchtitan's flags for one run; optimizer, schedule and precision as configs/small_1gpu.toml
+    has them. `hf_assets_path`: the embedded tokenizer's folder (or "embedded", which our launcher resolves)."""
     return ["--job.dump_folder", folder, "--model.name", "deepseek_v3_mop", "--model.flavor", flavor,
             "--model.hf_assets_path", hf_assets_path, "--training.dataset", "embedded",
             "--training.seq_len", str(seq_len), "--training.local_batch_size", str(local_batch),
             "--training.steps", str(steps), "--training.max_norm", "1.0",
             "--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "float32",
-            "--optimizer.name", "AdamW", "--optimizer.lr", "3e-4", "--optimizer.weight_decay", "0.1",
-            "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1",
+            "--optimizer.name", "AdamW", "--optimizer.weight_decay", "0.1", *schedule_flags(warmup_steps),
+            "--metrics.log_freq", "1",
             "--metrics.disable_color_printing", "--checkpoint.no-enable", "--debug.seed", "0",
             # torchtitan drops its collective timeout to 100 s after step 1; a long step must not trip it.
             "--comm.train_timeout_seconds", str(int(timeout_s) + 60), *setting.flags()]
 
 
 def our_command(config: str, nproc: int, folder: str, setting: OurSetting, *, seq_len: int,
-                local_batch: int, steps: int) -> list[str]:
+                local_batch: int, steps: int, warmup_steps: int | None = None) -> list[str]:
+    """torchrun of our trainer; `warmup_steps` (with the shared schedule) or the config's schedule."""
+    schedule = schedule_flags(warmup_steps) if warmup_steps is not None else []
     return train_command(config, nproc, folder,
                          ["--training.seq_len", str(seq_len), "--training.local_batch_size", str(local_batch),
-                          "--metrics.no-enable-tensorboard", *setting.flags()], steps=steps)
+                          "--metrics.no-enable-tensorboard", *schedule, *setting.flags()], steps=steps)
 
 
 def read_titan_metrics(folder: str) -> dict:
@@ -233,3 +294,41 @@ def read_titan_metrics(folder: str) -> dict:
             "peak_mem_gib": max(r["memory/max_active(GiB)"] for r in records),
             "peak_reserved_gib": max(r["memory/max_reserved(GiB)"] for r in records),
             "peak_mem_kind": "cuda_max_active", "final_loss": records[-1]["loss_metrics/global_avg_loss"]}
+
+
+def read_losses(folder: str, key: str) -> list[float]:
+    """Every logged step's loss of a finished run (its metrics.jsonl, rank 0): `key` is
+    "loss_metrics/global_avg_loss" for torchtitan, "loss" for ours."""
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [json.loads(line)[key] for line in f if line.strip()]
+
+
+def runs_on(setting, world: int) -> bool:
+    """Whether torchtitan can run `setting` on `world` ranks (TitanSetting.check)."""
+    try:
+        setting.check(world)
+    except ValueError:
+        return False
+    return True
+
+
+def pair(text: str, sep: str, *, ordered: bool = True) -> tuple[int, int]:
+    """"LO<sep>HI" -> (LO, HI), both >= 1 (and LO < HI when `ordered`)."""
+    lo, hi = (int(v) for v in text.split(sep))
+    if min(lo, hi) < 1 or (ordered and lo >= hi):
+        raise ValueError(f"{text!r}: need 1 <= LO" + (" < HI" if ordered else " and 1 <= HI"))
+    return lo, hi
+
+
+def brackets(items: list[str], key: str) -> dict[str, tuple[int, int]]:
+    """["torchtitan=65536:131072", ...] -> {series: (lo, hi)}."""
+    out = {}
+    for item in items or []:
+        series, _, span = item.partition("=")
+        if series not in SERIES:
+            raise ValueError(f"{key} {item!r}: series must be one of {SERIES}, e.g. {key} torchtitan=65536:131072")
+        try:
+            out[series] = pair(span, ":")
+        except ValueError as err:
+            raise ValueError(f"{key} {item!r}: {err}; write SERIES=LO:HI, e.g. torchtitan=65536:131072") from None
+    return out

@@ -45,8 +45,8 @@ point's own dispatch wins). The default is "fsdp" on one rank and "sharded" on t
 def planned_gib(overrides: list[str], world: int, host_bytes: int, config: str = CONFIG) -> dict:
     from mop_train.config import load_job_config
     from mop_train.models import zoo
-    from mop_train.train.plan import GIB
-    from mop_train.train.plan_cli import plan_for_config
+    from mop_train.plan.terms import GIB
+    from mop_train.plan.job import plan_for_config
 
     cfg = load_job_config(["--job.config_file", os.path.join(ROOT, config), *overrides], model_flavors=zoo.names())
     plan = plan_for_config(cfg, world=world, ranks_per_node=world, host_bytes=host_bytes)

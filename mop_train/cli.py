@@ -2,19 +2,28 @@
 
     mop-train layout --world 64 --seq 8 --expert 64 --vocab 8   # print the MoP rank layout
     mop-train zoo                                               # the named models and their sizes
-    mop-train train --nproc-per-node 8 configs/x.toml --training.steps 100   # check, then torchrun
+    mop-train train --standalone --nproc-per-node 8 configs/x.toml --training.steps 100   # check, then torchrun
     mop-train plan --world 64 --gpu-memory 141GiB --host-memory 2TiB configs/x.toml   # will it fit?
     mop-train plan --auto --objective context --world 64 --gpu-memory 141GiB --host-memory 2TiB configs/x.toml
+    mop-train export --checkpoint outputs/x/checkpoint/step-200 --out hf/x --dtype bfloat16   # -> Hugging Face
 
-`plan --auto` chooses the layout degrees and operator settings (mop_train.train.auto_plan) for the
+`train` and `plan` take the job's TOML as a positional path or as `--job.config_file X.toml`
+(torchtitan's spelling), anywhere among their own options; `--section.key` overrides follow.
+
+`plan --auto` chooses the layout degrees and operator settings (mop_train.plan.auto) for the
 longest context or the most tokens/s at one context, keeping the keys given as overrides, and prints
 them with their plan (exit 1 with the closest configuration when nothing fits).
 
+`export` writes a Hugging Face DeepseekV3 folder (config.json, safetensors shards and index, the
+run's tokenizer) from a checkpoint of the MLA family, on CPU (mop_train.hf.export).
+
 `train` checks the configuration in this process first (a bad key or value: one line, exit 2,
-before any rank starts), then runs torchrun's launcher in-process on this node and exits with the
-ranks' own exit code (mop_train.train.__main__ lists them) instead of torchrun's summary; on SIGTERM
-or SIGINT it passes the signal to the ranks, which stop at a step boundary and save, and exits 5. Several
-nodes: `torchrun ... -m mop_train.train --job.config_file X.toml` on each.
+before any rank starts; the layout degrees against W = nproc-per-node x nnodes), then runs
+torchrun's launcher in-process on this node and exits with the ranks' own exit code
+(mop_train.train.__main__ lists them) instead of torchrun's summary and its exit 1; on SIGTERM or
+SIGINT it passes the signal to the ranks, which stop at a step boundary and save, and exits 5.
+Several nodes: the same command on each, with torchrun's flags passed through to its launcher:
+    mop-train train --nnodes 4 --node-rank R --rdzv-endpoint HOST:29400 --nproc-per-node 8 configs/x.toml
 """
 
 from __future__ import annotations
@@ -38,6 +47,50 @@ def _zoo(args: argparse.Namespace) -> int:
     return 0
 
 
+LAUNCH_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id",
+                "--standalone")
+"""`mop-train train`'s own flags: torchrun's launcher flags, passed through to its launcher."""
+
+
+def _node_range(nnodes: str) -> tuple[int, int]:
+    """(MIN, MAX) of torchrun's --nnodes N or MIN:MAX."""
+    try:
+        low, _, high = nnodes.partition(":")
+        low_n, high_n = int(low), int(high or low)
+    except ValueError:
+        low_n = high_n = 0
+    if not 1 <= low_n <= high_n:
+        raise ValueError(f"--nnodes {nnodes!r} must be N or MIN:MAX with 1 <= MIN <= MAX (torchrun's form)")
+    return low_n, high_n
+
+
+def torchrun_args(args: argparse.Namespace) -> list[str]:
+    """torchrun's launcher flags for `mop-train train`'s: one node alone (--standalone, the default
+    when no --rdzv-endpoint is given), or one of --nnodes nodes meeting at --rdzv-endpoint
+    (backend c10d unless --rdzv-backend says otherwise), as torchrun takes them."""
+    if args.nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node {args.nproc_per_node} must be >= 1")
+    _, nodes = _node_range(args.nnodes)
+    flags = [f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}"]
+    if args.rdzv_endpoint is None:
+        if nodes > 1:
+            raise ValueError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node; "
+                             f"backend c10d) and a distinct --node-rank per node, or --rdzv-id for c10d")
+        if args.rdzv_backend not in (None, "c10d") or args.rdzv_id is not None or args.node_rank not in (None, 0):
+            raise ValueError("--rdzv-backend, --rdzv-id and --node-rank need --rdzv-endpoint (without it the "
+                             "launch is one node alone, torchrun's --standalone)")
+        return [*flags, "--standalone"]
+    if args.standalone:
+        raise ValueError(f"--standalone and --rdzv-endpoint {args.rdzv_endpoint} are alternatives: --standalone "
+                         f"meets on this host alone; drop one")
+    flags += [f"--rdzv-endpoint={args.rdzv_endpoint}", f"--rdzv-backend={args.rdzv_backend or 'c10d'}"]
+    if args.rdzv_id is not None:
+        flags.append(f"--rdzv-id={args.rdzv_id}")
+    if args.node_rank is not None:
+        flags.append(f"--node-rank={args.node_rank}")
+    return flags
+
+
 def _train(args: argparse.Namespace) -> int:
     import logging
 
@@ -47,16 +100,22 @@ def _train(args: argparse.Namespace) -> int:
     from torchtitan.tools.logging import logger
 
     logger.setLevel("ERROR")   # torchtitan warns that hf_assets_path = "embedded" is not a folder
-    job = ["--job.config_file", args.config, *args.overrides]
-    load_job_config(job, model_flavors=zoo.names())   # ValueError -> one line, exit 2
+    own = [a for a in args.overrides if a.split("=")[0].replace("_", "-") in LAUNCH_FLAGS]
+    if own:
+        raise ValueError(f"{own[0].split('=')[0]} is an option of `mop-train train`: put it before the config file "
+                         f"({args.config}); what follows the config file are --section.key overrides")
+    launcher = torchrun_args(args)
+    job = _job_argv(args)
+    low, high = _node_range(args.nnodes)
+    world = args.nproc_per_node * low if low == high else None   # elastic: W known only at the rendezvous
+    load_job_config(job, model_flavors=zoo.names(), world_size=world)   # ValueError -> one line, exit 2
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from mop_train.train.reliability import EXIT_STOPPED
 
-    launch = torchrun.parse_args(["--standalone", f"--nproc-per-node={args.nproc_per_node}",
-                                  "-m", "mop_train.train", *job])
+    launch = torchrun.parse_args([*launcher, "-m", "mop_train.train", *job])
     for name in list(logging.root.manager.loggerDict):  # the ranks say what went wrong, not the agent
         if name.startswith("torch.distributed"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -75,7 +134,7 @@ def _train(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from mop_train.config import load_job_config
     from mop_train.models import zoo
-    from mop_train.train.plan_cli import plan_job
+    from mop_train.plan.report import plan_job
     from mop_train.units import parse_bytes
 
     from torchtitan.tools.logging import logger
@@ -84,12 +143,12 @@ def _plan(args: argparse.Namespace) -> int:
     own = [a for a in args.overrides if a.startswith("--") and "." not in a.split("=")[0]]
     if own:
         raise ValueError(f"{own[0].split('=')[0]} is an option of `mop-train plan`: put it before the config file "
-                         f"({args.config}); what follows the config file are --section.key overrides")
+                         f"({args.config}) and the first --section.key override; what follows them are overrides")
     if not args.auto and (args.objective or args.seq_len or args.headroom):
         raise ValueError("--objective, --seq-len and --headroom belong to the search: add --auto")
-    job = ["--job.config_file", args.config, *args.overrides]
+    job = _job_argv(args)
     if args.auto:   # the config's values of searched keys must not make the given ones invalid
-        from mop_train.train.auto_settings import fixed_keys, search_base_flags
+        from mop_train.plan.settings import fixed_keys, search_base_flags
         job[2:2] = search_base_flags(fixed_keys(args.overrides))
     cfg = load_job_config(job, model_flavors=zoo.names())
     gpu_bytes = parse_bytes(args.gpu_memory, key="--gpu-memory") if args.gpu_memory else None
@@ -103,14 +162,84 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if fits else 1
 
 
+def _job_argv(args: argparse.Namespace) -> list[str]:
+    """torchtitan's argv for the job: the config file, then the overrides."""
+    if args.config is None:
+        raise ValueError(f"`mop-train {args.command}` needs the job's TOML: a path, or --job.config_file X.toml")
+    if args.overrides and not args.overrides[0].startswith("--"):
+        raise ValueError(f"unexpected {args.overrides[0]!r} after the config file {args.config}: give the config once "
+                         f"(a path or --job.config_file) and --section.key overrides after it")
+    return ["--job.config_file", args.config, *args.overrides]
+
+
+CONFIG_FLAGS = ("--job.config_file", "--job.config-file")
+
+
+def config_flag_as_path(argv: list[str]) -> list[str]:
+    """`train`/`plan` argv with `--job.config_file X` turned into the positional path X, placed after
+    the subcommand's own options (before the first --section.key override), where argparse wants it."""
+    if len(argv) < 2 or argv[0] not in ("train", "plan"):
+        return argv
+    rest, path = [], None
+    i = 1
+    while i < len(argv):
+        flag, _, value = argv[i].partition("=")
+        if flag in CONFIG_FLAGS:
+            if path is not None:
+                raise ValueError(f"{flag} is given twice ({path!r} and {value or argv[i + 1:i + 2]!r}); give it once")
+            if not value and i + 1 >= len(argv):
+                raise ValueError(f"{flag} needs a value: the job's TOML file")
+            path, i = (value, i + 1) if value else (argv[i + 1], i + 2)
+            continue
+        rest.append(argv[i])
+        i += 1
+    if path is None:
+        return argv
+    first_override = next((j for j, a in enumerate(rest) if a.startswith("--") and "." in a.split("=")[0]), len(rest))
+    return [argv[0], *rest[:first_override], path, *rest[first_override:]]
+
+
+def _export(args: argparse.Namespace) -> int:
+    from mop_train.hf.export import DTYPES, export_checkpoint
+    from mop_train.hf.run_record import find_run_record
+    from mop_train.models import zoo
+    from mop_train.units import parse_bytes
+
+    record = find_run_record(args.checkpoint)
+    if args.flavor is not None:
+        model_args = zoo.get_model_args(args.flavor)
+    elif record is not None:
+        model_args = record.args
+    else:
+        raise ValueError(f"no mop_model.json of the run above {args.checkpoint} (written at launch into the run's "
+                         f"job.dump_folder); pass --flavor, the run's model.flavor")
+    tokenizer = args.tokenizer or (record.tokenizer_folder if record is not None else None)
+    if not args.no_verify:
+        from mop_train.train import integrity
+
+        problems = integrity.verify(args.checkpoint, rank=0, world=1)
+        if problems:
+            raise ValueError(f"checkpoint {args.checkpoint} failed verification: " + "; ".join(problems[:3])
+                             + "; export a complete checkpoint (or pass --no-verify to export it anyway)")
+    report = export_checkpoint(args.checkpoint, args.out, model_args, dtype=DTYPES.get(args.dtype),
+                               max_shard_bytes=parse_bytes(args.max_shard_size, key="--max-shard-size"),
+                               tokenizer_folder=None if tokenizer == "none" else tokenizer)
+    print(f"wrote {args.out}: config.json, {len(report.files)} safetensors file(s) with "
+          f"model.safetensors.index.json ({report.total_bytes / 2**20:.1f} MiB of tensors; at most "
+          f"{report.peak_bytes / 2**20:.1f} MiB held at once)"
+          + (f", tokenizer {', '.join(report.tokenizer_files)}" if report.tokenizer_files else ", no tokenizer")
+          + (f"; model from {record.path}" if record is not None and args.flavor is None else ""))
+    return 0
+
+
 def _plan_auto(args, cfg, job: list[str], *, gpu_bytes, host_bytes, ranks_per_node: int) -> int:
     """`plan --auto`: search, print the chosen overrides and plan; 1 with the numbers when nothing fits."""
     import dataclasses
 
     from mop_train.config import load_job_config
     from mop_train.models import zoo
-    from mop_train.train.auto_plan import AutoPlanner, NothingFits, format_result
-    from mop_train.train.auto_settings import fixed_keys
+    from mop_train.plan.auto import AutoPlanner, NothingFits, format_result
+    from mop_train.plan.settings import fixed_keys
     from mop_train.units import parse_bytes
 
     if gpu_bytes is None or host_bytes is None:
@@ -150,13 +279,24 @@ def build_parser() -> argparse.ArgumentParser:
     lay.set_defaults(func=_layout)
     zoo = sub.add_parser("zoo", help="list the named model configs with exact parameter counts")
     zoo.set_defaults(func=_zoo)
-    train = sub.add_parser("train", help="check a job's configuration, then train on this node's ranks")
-    train.add_argument("--nproc-per-node", type=int, default=1, help="ranks on this node (torchrun's)")
-    train.add_argument("config", help="the job's TOML file (--job.config_file)")
+    train = sub.add_parser("train", help="check a job's configuration, then train on this node's ranks "
+                                          "(torchrun's launcher, in process)")
+    train.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
+                       help="ranks on this node (torchrun's)")
+    train.add_argument("--nnodes", default="1", help="nodes: N or MIN:MAX (torchrun's; > 1 needs --rdzv-endpoint)")
+    train.add_argument("--node-rank", "--node_rank", type=int, default=None, help="this node's rank (torchrun's)")
+    train.add_argument("--rdzv-backend", "--rdzv_backend", default=None,
+                       help="rendezvous backend with --rdzv-endpoint (torchrun's; default c10d)")
+    train.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
+                       help="HOST:PORT where the nodes meet (torchrun's); without it: one node alone")
+    train.add_argument("--rdzv-id", "--rdzv_id", default=None, help="the job's rendezvous id (torchrun's)")
+    train.add_argument("--standalone", action="store_true",
+                       help="one node alone on this host (torchrun's; the default without --rdzv-endpoint)")
+    train.add_argument("config", nargs="?", help="the job's TOML file (or --job.config_file X.toml)")
     train.add_argument("overrides", nargs=argparse.REMAINDER, help="torchtitan-style flags: --section.key value")
     train.set_defaults(func=_train)
     plan = sub.add_parser("plan", help="print a job's per-rank device and host memory plan; exit 1 if it does not fit")
-    plan.add_argument("--world", type=int, required=True, help="W: total ranks")
+    plan.add_argument("--world", type=int, default=1, help="W: total ranks (default 1)")
     plan.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing a host (default min(W, 8))")
     plan.add_argument("--gpu-memory", default=None, help="device bytes per rank, e.g. 141GiB")
     plan.add_argument("--host-memory", default=None, help="host bytes per node, e.g. 2TiB (also sizes SCO's \"auto\")")
@@ -170,15 +310,50 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --auto --objective throughput: the context (default the config's training.seq_len)")
     plan.add_argument("--headroom", default=None,
                       help="with --auto: device bytes per GPU the plan may not use (default 2GiB)")
-    plan.add_argument("config", help="the job's TOML file (--job.config_file)")
+    plan.add_argument("config", nargs="?", help="the job's TOML file (or --job.config_file X.toml)")
     plan.add_argument("overrides", nargs=argparse.REMAINDER, help="torchtitan-style flags: --section.key value")
     plan.set_defaults(func=_plan)
+    _add_export(sub)
     return parser
 
 
+def _add_export(sub) -> None:
+    exp = sub.add_parser("export", help="write a Hugging Face DeepseekV3 folder from a checkpoint of the MLA family "
+                                        "(CPU)")
+    exp.add_argument("--checkpoint", required=True, help="a checkpoint step folder, DUMP/checkpoint/step-N")
+    exp.add_argument("--out", required=True, help="a new folder: config.json, model-*.safetensors, their index, "
+                                                  "the tokenizer files")
+    exp.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                     help="tensor dtype (default: the checkpoint's); the router's gate and bias stay float32")
+    exp.add_argument("--max-shard-size", default="2GiB",
+                     help="bytes per safetensors file (default 2GiB); bounds the host memory the export holds")
+    exp.add_argument("--flavor", default=None,
+                     help="the run's model.flavor (default: the run's mop_model.json, in its dump folder)")
+    exp.add_argument("--tokenizer", default=None,
+                     help="folder whose tokenizer files to copy, or 'none' (default: the run's, from mop_model.json)")
+    exp.add_argument("--no-verify", action="store_true",
+                     help="skip checking the checkpoint's files against its manifest (one extra read of each)")
+    exp.set_defaults(func=_export)
+
+
+def _check_config_file(args: argparse.Namespace) -> None:
+    """The positional CONFIG of `train` and `plan` must name a file (said in their own words)."""
+    config = getattr(args, "config", None)
+    if config is not None and not os.path.isfile(config):
+        raise ValueError(f"config file not found: {config!r}; give an existing TOML file as the CONFIG argument "
+                         f"of `mop-train {args.command}` (see configs/ for examples)")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = config_flag_as_path(argv)
+    except ValueError as err:
+        print(f"mop-train {argv[0]}: error: {err}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
+        _check_config_file(args)
         return args.func(args)
     except ValueError as err:
         print(f"mop-train {args.command}: error: {err}", file=sys.stderr)

@@ -26,6 +26,7 @@ from torchtitan.config import ConfigManager
 from torchtitan.config import JobConfig as TitanJobConfig
 
 from mop_train.ops.moe_dispatch.options import LLEPOptions, PipelinedLLEPOptions, dispatch_options
+from mop_train.parallel.compile import COMPONENTS as COMPILE_COMPONENTS
 from mop_train.units import parse_bytes, parse_device_fraction
 
 
@@ -69,6 +70,12 @@ class MoE:
 
     bias_update_rate: float = 1e-3
     """Auxiliary-loss-free balancing: step size of the per-expert routing bias update (0 disables)."""
+
+    routing_profile: str = ""
+    """Force every MoE layer's routes to a profile of mop_train.ops.routing_profiles ("balanced", or
+    "r/h": r% of tokens on h hot experts, e.g. "80/16"); the router still computes its weights. "" lets
+    the router choose; with comm.mode = "fake_backend", "" means "balanced". A skewed profile's hot
+    experts are those of expert-group position 0 onward (in a fake world: the emulated rank's)."""
 
 
 @dataclass
@@ -144,6 +151,23 @@ class Attention:
 
 
 @dataclass
+class Tiling:
+    """Sequence tiling of a block's per-token stages (mop_train.ops.tiling): at long context their
+    intermediates are one tile's, not S/D tokens'. Exact (bitwise forward and input gradients on CPU,
+    weight gradients summed in fp32); each tiled stage runs its forward once more in backward."""
+
+    ffn_tokens: int | Literal["auto"] = 0
+    """Tokens per tile of the dense FFN and the shared expert: 0 (untiled), a count, or "auto" (the
+    largest multiple of 1024 whose tile working set fits mop_train.ops.tiling.memory.AUTO_TILE_BYTES;
+    untiled when a rank's tokens fit in one tile)."""
+
+    block_tokens: int | Literal["auto"] = 0
+    """Tokens per tile of attention's norm, projections and RoPE (before the core) and its output
+    projection (after): 0 (untiled), a count, or "auto" (as ffn_tokens). The core's q, k, v, output
+    and log-sum-exp stay whole."""
+
+
+@dataclass
 class Data:
     text_column: str = "text"
     """Column holding each document's text (jsonl / parquet / hub sources)."""
@@ -189,6 +213,7 @@ class Mop:
     sco: SCO = field(default_factory=SCO)
     offload_adamw: OffloadAdamW = field(default_factory=OffloadAdamW)
     attention: Attention = field(default_factory=Attention)
+    tiling: Tiling = field(default_factory=Tiling)
 
 
 @dataclass
@@ -237,6 +262,8 @@ def _type_ok(value: Any, tp: Any) -> bool:
 def _describe_type(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_describe_type(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp)).replace("typing.", "")
 
 
@@ -297,12 +324,15 @@ def _in_toml(data: dict, dotted: str) -> bool:
     return True
 
 
-def load_job_config(argv: list[str] | None = None, *, model_flavors: list[str] | None = None):
+def load_job_config(argv: list[str] | None = None, *, model_flavors: list[str] | None = None,
+                    world_size: int | None = None):
     """Parse TOML + CLI overrides into the merged JobConfig, checked and validated.
 
     Args:
         model_flavors: the names `model.flavor` may take (the training loop passes the zoo's);
             None leaves the flavor unchecked here.
+        world_size: W, when the launch knows it (the loop, `mop-train train`): each
+            `[mop.layout]` degree must divide it; None leaves that to the layout.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     path = _find_config_file(argv)
@@ -321,7 +351,10 @@ def load_job_config(argv: list[str] | None = None, *, model_flavors: list[str] |
     argv += ["--job.custom_config_module", CUSTOM_CONFIG_MODULE]
     if not _in_toml(data, "model.name") and not _given_on_command_line(argv, "model.name"):
         argv += ["--model.name", MODEL_NAME]   # torchtitan's default ("llama3") is not ours
-    cfg = ConfigManager().parse_args(argv)
+    try:
+        cfg = ConfigManager().parse_args(argv)
+    except AssertionError as err:  # torchtitan's own __post_init__ checks (validation.steps, ...)
+        raise ValueError(f"{path or 'command line'}: {err}") from None
 
     def origin(dotted: str) -> str:
         if _given_on_command_line(argv, dotted):
@@ -333,7 +366,20 @@ def load_job_config(argv: list[str] | None = None, *, model_flavors: list[str] |
         raise ValueError(f"{origin('model.flavor')}: model.flavor = {cfg.model.flavor!r} is not a mop_train "
                          f"model; valid: {', '.join(model_flavors)} (`mop-train zoo` lists their sizes)")
     validate(cfg, source=path or "command line")
+    if world_size is not None:
+        check_layout_divides(cfg.mop.layout, world_size, origin)
     return cfg
+
+
+def check_layout_divides(layout, world_size: int, origin) -> None:
+    """Each `[mop.layout]` degree must divide W; the error names where it was set, the key, the
+    value and the valid degrees."""
+    for name in ("seq_degree", "expert_degree", "vocab_degree"):
+        v, key = getattr(layout, name), f"mop.layout.{name}"
+        if v >= 1 and world_size % v:
+            valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ValueError(f"{origin(key)}: {key} = {v} must divide the world size ({world_size} ranks); valid: "
+                             f"{valid}; set [mop.layout] {name} or --{key} to one of them (or change the ranks)")
 
 
 MODEL_NAME = "mop"
@@ -351,16 +397,23 @@ HONOURED = {
     "parallelism": ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
                     "context_parallel_degree", "expert_parallel_degree"),
     "checkpoint": ("enable", "folder", "interval", "initial_load_path", "initial_load_model_only",
-                   "last_save_model_only", "last_save_in_hf", "export_dtype", "keep_latest_k", "load_step",
+                   "initial_load_in_hf", "last_save_model_only", "last_save_in_hf", "export_dtype",
+                   "keep_latest_k", "load_step",
                    "exclude_from_loading", "enable_first_step_checkpoint", "enable_ft_dataloader_checkpoints"),
     "activation_checkpoint": ("mode", "selective_ac_option", "preserve_rng_state"),
-    "comm": ("init_timeout_seconds", "train_timeout_seconds"),
+    "comm": ("init_timeout_seconds", "train_timeout_seconds", "mode"),
     "debug": ("seed", "deterministic", "deterministic_warn_only"),
+    "validation": ("enable", "dataset", "dataset_path", "local_batch_size", "seq_len", "freq", "steps",
+                   "dataloader"),
+    "profiling": ("enable_profiling", "save_traces_folder", "profile_freq", "profiler_active", "profiler_warmup",
+                  "enable_memory_snapshot", "save_memory_snapshot_folder"),
+    "compile": ("enable", "components", "backend"),
 }
 """torchtitan keys the loop reads, per section (the degrees under `parallelism` only as 1, checked
-at launch). Any other torchtitan key, and every key of a section not listed (compile, quantize
-(float8, mx), profiling, validation, fault_tolerance, memory_estimation, experimental), must keep
-torchtitan's default: `check_honoured` refuses it rather than ignore it."""
+at launch). Any other torchtitan key, and every key of a section not listed (quantize (float8, mx),
+fault_tolerance, memory_estimation, experimental), must keep torchtitan's default: `check_honoured`
+refuses it rather than ignore it. [validation], [profiling] and [compile] are checked by
+`validate_run_tools`."""
 
 
 def check_honoured(cfg, origin) -> None:
@@ -467,9 +520,111 @@ def validate(cfg, *, source: str = "config") -> None:
         _require(importlib.util.find_spec("wandb") is not None,
                  f"{source}: metrics.enable_wandb = true but wandb is not installed; "
                  "pip install 'mop-train[wandb]' (or wandb), or set metrics.enable_wandb = false")
+    for key in ("ffn_tokens", "block_tokens"):
+        tile = getattr(mop.tiling, key)
+        _require(tile == "auto" or (isinstance(tile, int) and tile >= 0),
+                 f"{source}: mop.tiling.{key} = {tile!r} must be 0 (untiled), a token count >= 1 or \"auto\"")
+    _validate_routing_profile(moe.routing_profile, source)
+    validate_comm_mode(cfg, source)
     rel = mop.reliability
     _require(rel.max_consecutive_skips >= 1,
              f"{source}: mop.reliability.max_consecutive_skips = {rel.max_consecutive_skips} must be >= 1")
+    _check_initial_load(cfg.checkpoint, source)
     t = cfg.training
     _require(t.seq_len >= 1, f"{source}: training.seq_len = {t.seq_len} must be >= 1")
     _require(t.local_batch_size >= 1, f"{source}: training.local_batch_size = {t.local_batch_size} must be >= 1")
+    validate_run_tools(cfg, source=source)
+
+
+def _check_initial_load(ck, source: str) -> None:
+    """torchtitan ignores initial_load_path without checkpoint.enable, and asserts on the HF
+    combinations it cannot load: say so before launch instead."""
+    _require(not ck.initial_load_path or ck.enable,
+             f"{source}: checkpoint.initial_load_path = {ck.initial_load_path!r} is read only with "
+             f"checkpoint.enable = true (torchtitan would ignore it); set checkpoint.enable = true")
+    if not ck.initial_load_in_hf:
+        return
+    _require(bool(ck.initial_load_path),
+             f"{source}: checkpoint.initial_load_in_hf = true needs checkpoint.initial_load_path = the Hugging Face "
+             f"folder (config.json + model*.safetensors, e.g. what `mop-train export` wrote)")
+    _require(ck.initial_load_model_only,
+             f"{source}: checkpoint.initial_load_in_hf = true loads weights only; set "
+             f"checkpoint.initial_load_model_only = true (safetensors hold no optimizer or data state)")
+
+
+def _validate_routing_profile(profile: str, source: str) -> None:
+    from mop_train.ops.routing_profiles import PROFILES
+
+    if profile in ("", "balanced"):
+        return
+    parts = profile.split("/")
+    ok = len(parts) == 2 and all(p.isdigit() for p in parts) and int(parts[0]) <= 100 and int(parts[1]) >= 1
+    _require(ok, f"{source}: mop.moe.routing_profile = {profile!r} is not a routing profile; use \"\" (the "
+                 f"router decides), \"balanced\", or \"r/h\" (r% of tokens on h hot experts), e.g. one of {PROFILES}")
+
+
+FAKE_BACKEND_REFUSED = (
+    ("checkpoint.enable", lambda cfg: cfg.checkpoint.enable,
+     "DCP saves gather every rank's plan and shards", "--checkpoint.no-enable"),
+    ("checkpoint.initial_load_path", lambda cfg: bool(cfg.checkpoint.initial_load_path),
+     "a load reads every rank's shards", "remove it"),
+    ("mop.reliability.check_a2a_splits", lambda cfg: cfg.mop.reliability.check_a2a_splits,
+     "it compares the splits of ranks that do not exist", "--mop.reliability.no-check_a2a_splits"),
+    ("metrics.save_for_all_ranks", lambda cfg: cfg.metrics.save_for_all_ranks,
+     "one process is one rank", "remove it"),
+)
+"""What `comm.mode = "fake_backend"` cannot stand in for: (key, is set, why, the fix)."""
+
+
+def validate_comm_mode(cfg, source: str = "config") -> None:
+    """comm.mode: "default", or "fake_backend" (one rank of a W-rank job in one process, collectives
+    standing in for identical ranks: mop_train.parallel.fake_world) without the settings it cannot
+    stand in for. torchtitan's "local_tensor" is not implemented."""
+    mode = cfg.comm.mode
+    _require(mode in ("default", "fake_backend"),
+             f"{source}: comm.mode = {mode!r} is not implemented by mop_train (it would run every rank in one "
+             f"process); use \"default\" or \"fake_backend\" (one rank of the job: WORLD_SIZE=W RANK=r)")
+    if mode != "fake_backend":
+        return
+    for key, is_set, why, fix in FAKE_BACKEND_REFUSED:
+        _require(not is_set(cfg), f"{source}: {key} cannot run under comm.mode = \"fake_backend\" ({why}); "
+                                  f"{fix}")
+
+
+def validate_run_tools(cfg, *, source: str = "config") -> None:
+    """[validation], [profiling] and [compile] (torchtitan's keys) against what the loop can do
+    (the device-dependent checks run at build time: a memory snapshot or inductor on CPU)."""
+    v, p, c = cfg.validation, cfg.profiling, cfg.compile
+    if v.enable:
+        _require(v.dataset not in ("c4_validation", "c4"),
+                 f"{source}: validation.dataset = {v.dataset!r} (torchtitan's default, a hub download) is not "
+                 f"read by mop_train; set validation.dataset = \"embedded\" (the embedded corpus's held-out "
+                 f"split) or \"jsonl\" / \"parquet\" / \"text\" / \"hub\" with validation.dataset_path")
+        for key in ("freq", "local_batch_size", "seq_len"):
+            _require(getattr(v, key) >= 1, f"{source}: validation.{key} = {getattr(v, key)} must be >= 1")
+        _require(v.steps >= 1 or v.steps == -1, f"{source}: validation.steps = {v.steps} must be >= 1 (batches "
+                 f"per validation) or -1 (one pass over the whole validation set)")
+    if p.enable_profiling:
+        _require(p.profiler_active >= 1 and p.profiler_warmup >= 0,
+                 f"{source}: profiling.profiler_active = {p.profiler_active} must be >= 1 and "
+                 f"profiling.profiler_warmup = {p.profiler_warmup} >= 0")
+        _require(p.profile_freq >= p.profiler_active + p.profiler_warmup,
+                 f"{source}: profiling.profile_freq = {p.profile_freq} must be >= profiler_warmup + profiler_active "
+                 f"= {p.profiler_warmup + p.profiler_active} (each cycle of profile_freq steps warms up, then "
+                 f"records its last steps); raise profile_freq")
+    if p.enable_profiling or p.enable_memory_snapshot:
+        _require(p.profile_freq >= 1, f"{source}: profiling.profile_freq = {p.profile_freq} must be >= 1")
+    if c.enable:
+        bad = [x for x in c.components if x not in COMPILE_COMPONENTS]
+        _require(not bad and c.components, f"{source}: compile.components = {c.components!r}: each must be one "
+                 f"of {', '.join(COMPILE_COMPONENTS)} (and at least one, with compile.enable = true)")
+        import torch._dynamo
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        _require(c.backend in backends, f"{source}: compile.backend = {c.backend!r} is not a torch.compile backend "
+                 f"here; valid: {', '.join(backends)}")
+        ring_dtp = cfg.mop.layout.vocab_degree > 1 or cfg.mop.ring_dtp.enable
+        _require(not ("loss" in c.components and ring_dtp),
+                 f"{source}: compile.components = {c.components!r} compiles the loss, but the loss is Ring-DTP "
+                 f"(mop.layout.vocab_degree = {cfg.mop.layout.vocab_degree}, mop.ring_dtp.enable = "
+                 f"{str(cfg.mop.ring_dtp.enable).lower()}): its fused kernels and ring collectives cannot be "
+                 f"compiled; set compile.components = [\"model\"]")

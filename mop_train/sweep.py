@@ -12,10 +12,14 @@ steps after the first: tokens/s over all ranks, TFLOP/s; the largest peak memory
   failed   any other error (the last error line is kept)
   timeout  it ran past its time limit (the whole process group is killed)
   skipped  the global budget had no time left for it
-and the sweep goes on. Values come from a list or a search (`Search`): double from a start until a
+and the sweep goes on. A point's time limit counts from its start: at the limit its process group
+gets SIGTERM, then SIGKILL 10 s later if anything is left; the record says when it was stopped and
+when it was gone (`seconds`, the wall time, includes that teardown). On CPU the peak memory is
+rank 0's host max RSS (the column and the plot say so), on GPU the allocator's peak.
+Values come from a list or a search (`Search`): double from a start until a
 point does not complete (or a limit), then bisect the last bracket to 1/8 of its width; `--bisect
 LO HI` runs LO, then HI, then bisects. Results: progress lines with elapsed time, a table, and
-<out>.json + <out>.csv + <out>.png (the PNG needs matplotlib, imported only when writing it).
+<out>.json + <out>.csv + <out>.png (the PNG needs matplotlib: `pip install -e '.[sweep]'`).
 """
 
 from __future__ import annotations
@@ -41,11 +45,16 @@ STATUSES = ("ok", "oom", "failed", "timeout", "skipped")
 # One launch
 # ------------------------------------------------------------------------------------------------
 
+KILL_GRACE_S = 10.0
+"""Seconds between the SIGTERM of a point that ran past its limit and the SIGKILL of what is left."""
+
+
 @dataclass(frozen=True)
 class Launch:
-    returncode: int | None  # None: killed at its time limit
-    seconds: float
+    returncode: int | None  # None: stopped at its time limit
+    seconds: float          # from the start until it had exited (after a stop: until it was gone)
     log_path: str
+    stopped_at_s: float | None = None   # when it was sent SIGTERM for running past its limit
 
     def text(self) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -58,20 +67,22 @@ def launch(cmd: list[str], log_path: str, *, timeout_s: float, env: dict | None 
     (torchrun and every rank: a surviving rank would keep its GPU memory into the next point)."""
     os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
     start = time.perf_counter()
+    stopped_at = None
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                 start_new_session=True)
         try:
-            returncode = proc.wait(timeout=timeout_s)
+            returncode = proc.wait(timeout=max(0.0, timeout_s - (time.perf_counter() - start)))
         except subprocess.TimeoutExpired:
+            stopped_at = round(time.perf_counter() - start, 1)
             _kill_group(proc)
             returncode = None
-    return Launch(returncode, round(time.perf_counter() - start, 1), log_path)
+    return Launch(returncode, round(time.perf_counter() - start, 1), log_path, stopped_at)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the group of the process we started, SIGKILL it after 10 s, wait until it is gone."""
-    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 30.0)):
+    """SIGTERM the group of the process we started, SIGKILL it after KILL_GRACE_S, wait until it is gone."""
+    for sig, grace in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 30.0)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -107,7 +118,9 @@ def point_from_launch(run: Launch, summarize) -> dict:
     """{status, seconds, error | figures}; `summarize()` reads the finished run's figures."""
     point = {"seconds": run.seconds}
     if run.returncode is None:
-        return {**point, "status": "timeout", "error": f"killed after {run.seconds} s"}
+        return {**point, "status": "timeout", "stopped_at_s": run.stopped_at_s,
+                "error": f"ran past its time limit: stopped (SIGTERM) {run.stopped_at_s} s after its start, "
+                         f"gone {run.seconds} s after it"}
     if run.returncode != 0:
         status, error = classify_failure(run.text())
         return {**point, "status": status, "error": error}
@@ -247,13 +260,24 @@ class Clock:
         return f"[{self.elapsed():7.1f}{budget} s]"
 
 
+PEAK_LABELS = {"host_max_rss": "host max RSS GiB (rank 0)", "cuda_max_allocated": "peak alloc GiB (rank 0)"}
+"""What the peak-memory figure of a point is, by its `peak_mem_kind` (mop_train.train.metrics)."""
+
+
+def peak_label(points: list[dict]) -> str:
+    """The peak column's name: the kind all measured points share, else a plain one."""
+    kinds = {p.get("peak_mem_kind") for p in points if p.get("peak_mem_gib") is not None}
+    return PEAK_LABELS.get(kinds.pop(), "peak GiB (rank 0)") if len(kinds) == 1 else "peak GiB (rank 0)"
+
+
 def describe(point: dict, key: str | None) -> str:
     """One progress line's tail: [key=value: ]status, time and figures or error."""
     text = (f"{key}={point.get(key)}: " if key else "") + point["status"]
     if point.get("seconds") is not None:
         text += f" ({point['seconds']} s)"
     if point["status"] == "ok":
-        text += f"  tokens/s {point['tokens_per_s']:,.0f}  peak {point['peak_mem_gib']:.2f} GiB"
+        peak = "host max RSS" if point.get("peak_mem_kind") == "host_max_rss" else "peak"
+        text += f"  tokens/s {point['tokens_per_s']:,.0f}  {peak} {point['peak_mem_gib']:.2f} GiB"
     elif point.get("error"):
         text += f"  {point['error'][-160:]}"
     return text
@@ -264,7 +288,7 @@ def describe(point: dict, key: str | None) -> str:
 # ------------------------------------------------------------------------------------------------
 
 def format_table(key: str, points: list[dict], label: str | None = None) -> str:
-    cols = ([label] if label else []) + [key, "status", "tokens/s", "TFLOP/s", "peak GiB", "wall s"]
+    cols = ([label] if label else []) + [key, "status", "tokens/s", "TFLOP/s", peak_label(points), "wall s"]
     rows = []
     for p in points:
         tps = f"{p['tokens_per_s']:,.0f}" if p.get("tokens_per_s") is not None else "-"
@@ -317,7 +341,7 @@ def plot_sweep(key: str):
                 for ax in (ax_t, ax_m):
                     ax.axvline(p[key], color="red", alpha=0.3)
                     ax.annotate(p["status"], (p[key], 0), xycoords=("data", "axes fraction"), rotation=90)
-        for ax, label in ((ax_t, "tokens/s (all ranks)"), (ax_m, "peak GiB (rank 0)")):
+        for ax, label in ((ax_t, "tokens/s (all ranks)"), (ax_m, peak_label(points))):
             ax.set_xscale("log", base=2)
             ax.set_xlabel(key)
             ax.set_ylabel(label)
@@ -337,7 +361,8 @@ def common_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--nproc", type=int, default=1, help="ranks per node (torchrun --nproc_per_node)")
     parser.add_argument("--steps", type=int, default=4, help="training steps per point")
     parser.add_argument("--point-timeout", "--timeout", dest="timeout", type=float, default=1800,
-                        help="time limit per point, seconds (the point is recorded as timeout)")
+                        help="time limit per point, seconds from its start: then SIGTERM to its processes, "
+                             f"SIGKILL {KILL_GRACE_S:g} s later; recorded as timeout with both times")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="wall-clock budget of the whole sweep; points it cannot fit are recorded as skipped")
     parser.add_argument("--bisect", type=int, nargs=2, metavar=("LO", "HI"),

@@ -7,6 +7,7 @@
 --reach START doubles the local batch from START until one does not complete (or --max), then
 bisects to 1/8 of the last bracket; --bisect LO HI runs LO, HI, then bisects. The largest
 completing global batch is local_batch x W / D sequences (see the README's batch semantics).
+Writes JSON + CSV + PNG (the PNG needs the `sweep` extra: `pip install -e '.[sweep]'`).
 """
 
 from mop_train.sweep import common_parser, search_from_args, sweep

@@ -8,7 +8,8 @@
 --reach START doubles from START until a length does not complete (or --max), then bisects to 1/8
 of the last bracket; --bisect LO HI runs LO, HI, then bisects; --seq-lens runs each length.
 Lengths stay multiples of 1024 in a search. Prints tokens/s, TFLOP/s and peak memory per length;
-writes JSON + CSV + PNG (see mop_train/sweep.py).
+writes JSON + CSV + PNG (see mop_train/sweep.py; the PNG needs the `sweep` extra:
+`pip install -e '.[sweep]'`, which README's install command includes).
 """
 
 from mop_train.sweep import common_parser, search_from_args, sweep

@@ -8,6 +8,8 @@ import torch
 # Tests import the shared helpers as `from tests.utils import ...` / `from tests.dist_utils import ...`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import mop_train  # noqa: E402,F401  (before any test imports torchtitan: a CPU install has no triton)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

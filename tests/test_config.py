@@ -23,6 +23,11 @@ def test_toml_and_cli_override(tmp_path):
     assert cfg.mop.moe.max_chunks == 3
     cfg = load_job_config([f"--job.config_file={path}", "--mop.layout.seq_degree=8"])
     assert cfg.mop.layout.seq_degree == 8
+    path = _write(tmp_path, '[mop.tiling]\nffn_tokens = 4096\nblock_tokens = "auto"\n', name="tiles.toml")
+    cfg = load_job_config(["--job.config_file", path, "--mop.tiling.ffn_tokens", "auto"])
+    assert cfg.mop.tiling.ffn_tokens == "auto" and cfg.mop.tiling.block_tokens == "auto"
+    cfg = load_job_config(["--job.config_file", path])
+    assert cfg.mop.tiling.ffn_tokens == 4096
 
 
 def test_defaults_without_file():
@@ -38,6 +43,8 @@ BAD_KEYS_OR_TYPES = [
     ("[mop.moe]\ndispatch = \"fast\"\n", ["mop.moe.dispatch", "'fast'", "'pipelined_llep'"]),
     ("[mop.moe]\nalpha = true\n", ["mop.moe.alpha", "True", "float"]),
     ("[mop]\nlayout = 3\n", ["mop.layout", "table"]),
+    ("[mop.tiling]\nffn_tokens = \"sometimes\"\n", ["mop.tiling.ffn_tokens", "'sometimes'", "'auto'"]),
+    ("[mop.tiling]\nblock_tokens = 1.5\n", ["mop.tiling.block_tokens", "1.5", "int"]),
 ]
 IMPOSSIBLE_VALUES = [
     ("[mop.layout]\nseq_degree = 0\n", ["mop.layout.seq_degree = 0", ">= 1"]),
@@ -49,6 +56,7 @@ IMPOSSIBLE_VALUES = [
     ("[mop.offload_adamw]\nhost_fraction = 0.4\n", ["host_fraction = 0.4", "OffloadStreamAdamW", "'AdamW'"]),
     ("[mop.layout]\nexpert_degree = 2\n", ["dispatch = 'local'", "expert_degree = 2"]),
     ("[mop.data]\nloss_chunk_tokens = 0\n", ["mop.data.loss_chunk_tokens = 0"]),
+    ("[mop.tiling]\nffn_tokens = -4\n", ["mop.tiling.ffn_tokens = -4", "\"auto\""]),
 ]
 
 
@@ -76,7 +84,11 @@ def test_parse_bytes():
 
 
 UNHONOURED = [
-    ("[compile]\nenable = true\n", ["compile.enable = True", "no key of [compile] is implemented"]),
+    ("[fault_tolerance]\nenable = true\n", ["fault_tolerance.enable = True", "no key of [fault_tolerance] is implemented"]),
+    ("[validation]\nenable = true\n", ["validation.dataset = 'c4_validation'", "\"embedded\""]),
+    ("[validation]\nenable = true\ndataset = \"embedded\"\nsteps = 0\n", ["validation steps must be positive or -1"]),
+    ("[profiling]\nenable_profiling = true\nprofile_freq = 3\n", ["profiling.profile_freq = 3", "= 4"]),
+    ("[compile]\nenable = true\ncomponents = [\"model\", \"vae\"]\n", ["compile.components", "'vae'"]),
     ("[model]\nname = \"llama9\"\n", ["model.name = 'llama9'", "'mop'"]),
     ("[training]\ngc_freq = 7\n", ["training.gc_freq = 7", "honoured keys in [training]", "seq_len"]),
     ("[parallelism]\ndata_parallel_shard_degree = 2\n", ["parallelism.data_parallel_shard_degree = 2", "-1"]),
@@ -100,7 +112,7 @@ def test_bad_input_names_key_value_file_and_fix(tmp_path, text, needles):
 
 def test_command_line_values_name_the_flag_and_the_file(tmp_path):
     path = _write(tmp_path, "[model]\nflavor = \"debug\"\n")
-    for argv, needles in ((["--compile.enable"], ["--compile.enable", "compile.enable = True"]),
+    for argv, needles in ((["--fault_tolerance.enable"], ["--fault_tolerance.enable", "fault_tolerance.enable = True"]),
                           (["--model.flavor", "gigantic"], ["--model.flavor", "'gigantic'", "debug, small"]),
                           (["--job.custom_config_module", "os"], ["command line", "not accepted"])):
         with pytest.raises(ValueError) as info:
@@ -108,3 +120,21 @@ def test_command_line_values_name_the_flag_and_the_file(tmp_path):
         for needle in needles:
             assert needle in str(info.value), f"{needle!r} missing from: {info.value}"
     assert load_job_config(["--job.config_file", path], model_flavors=["debug"]).model.name == "mop"
+
+
+def test_initial_load_in_hf_is_honoured_and_checked(tmp_path):
+    """torchtitan's HF-initial-load keys are read (mop_train.hf.load); the combinations torchtitan would
+    ignore or assert on are refused before launch, naming the key."""
+    cfg = load_job_config(["--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path),
+                           "--checkpoint.initial_load_in_hf"])
+    assert cfg.checkpoint.initial_load_in_hf and cfg.checkpoint.initial_load_path == str(tmp_path)
+    for argv, needle in ((["--checkpoint.enable", "--checkpoint.initial_load_in_hf"], "needs checkpoint.initial_load_path"),
+                         (["--checkpoint.initial_load_path", str(tmp_path)], "checkpoint.enable = true"),
+                         (["--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path),
+                           "--checkpoint.initial_load_in_hf", "--checkpoint.no-initial_load_model_only"],
+                          "initial_load_model_only = true"),
+                         (["--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path),
+                           "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_in_hf_quantized"],
+                          "checkpoint.initial_load_in_hf_quantized")):
+        with pytest.raises(ValueError, match=needle):
+            load_job_config(argv)

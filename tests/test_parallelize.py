@@ -4,6 +4,7 @@ checkpointing blocks), and `parallelize` applied to the debug model on gloo rank
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -16,8 +17,12 @@ from torch.distributed.tensor import DTensor
 from mop_train.layout import RankLayout, plan_layout
 from mop_train.models import zoo
 from mop_train.models.keep_attention import attention_cores
+from mop_train.models.memory import attention_stage_token_bytes
 from mop_train.models.model import MoETransformer
+from mop_train.models.moe import FeedForward
 from mop_train.ops.moe_dispatch import ExpertDispatch, LLEPOptions, PipelinedLLEPOptions
+from mop_train.ops.tiling import TilingOptions
+from mop_train.ops.tiling.memory import auto_tile_tokens, swiglu_token_bytes
 from mop_train.parallel.apply import dispatch_metrics, moe_blocks
 from mop_train.parallel.parallelize import (ParallelizeOptions, apply_activation_checkpointing, check_layout_fits,
                                             check_titan_parallelism, checkpointed_layer_ids, parallelize)
@@ -99,21 +104,35 @@ def test_layout_fits_names_the_setting_that_does_not_divide():
 
 def test_parallelize_options_follow_the_config():
     rng = random.Random(fresh_seed(7305))
-    model_args = SimpleNamespace(n_layers=rng.randint(4, 12))
+    model_args = replace(zoo.get_model_args("small"), n_layers=rng.randint(4, 12))
+    seq_len, seq_degree = 1 << rng.randint(18, 20), 2 ** rng.randint(0, 2)
     every = rng.randint(2, 3)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    for keep, preserve, param, reduce in ((True, False, "float32", "bfloat16"), (False, True, "bfloat16", "float32")):
+    for keep, preserve, param, reduce, ffn, block in ((True, False, "float32", "bfloat16", "auto", 0),
+                                                      (False, True, "bfloat16", "float32", 4096, "auto")):
         alpha, m, threshold = rng.uniform(1.0, 2.0), rng.randint(1, 512), rng.uniform(1.0, 2.0)
         moe = SimpleNamespace(dispatch="llep", alpha=alpha, min_tokens_per_gemm=m, imbalance_threshold=threshold)
         cfg = SimpleNamespace(
             activation_checkpoint=SimpleNamespace(mode="selective", selective_ac_option=str(every),
                                                   preserve_rng_state=preserve),
-            mop=SimpleNamespace(moe=moe, attention=SimpleNamespace(keep=keep)),
-            training=SimpleNamespace(mixed_precision_param=param, mixed_precision_reduce=reduce))
+            mop=SimpleNamespace(moe=moe, attention=SimpleNamespace(keep=keep),
+                                tiling=SimpleNamespace(ffn_tokens=ffn, block_tokens=block),
+                                layout=SimpleNamespace(seq_degree=seq_degree)),
+            training=SimpleNamespace(mixed_precision_param=param, mixed_precision_reduce=reduce, local_batch_size=1,
+                                     seq_len=seq_len),
+            compile=SimpleNamespace(enable=False, components=["model", "loss"], backend="inductor"))
+        act = torch.finfo(dtypes[param]).bits // 8
+        tokens = seq_len // seq_degree
+        auto = dict(ffn_tokens=auto_tile_tokens(swiglu_token_bytes(model_args.dim, model_args.dense_ffn_dim, act),
+                                                tokens),
+                    block_tokens=auto_tile_tokens(attention_stage_token_bytes(model_args, act), tokens))
+        tiling = TilingOptions(**{key: auto[key] if value == "auto" else value
+                                  for key, value in (("ffn_tokens", ffn), ("block_tokens", block))})
+        assert all(t > 0 for t in auto.values()), auto          # 256K+ tokens of `small` are tiled by "auto"
         assert ParallelizeOptions.from_config(cfg, model_args) == ParallelizeOptions(
             dispatch=LLEPOptions(alpha=alpha, min_tokens_per_gemm=m, imbalance_threshold=threshold),
             keep_attention=keep, checkpointed=tuple(range(0, model_args.n_layers, every)),
-            preserve_rng_state=preserve, precision=MixedPrecision(dtypes[param], dtypes[reduce]))
+            preserve_rng_state=preserve, precision=MixedPrecision(dtypes[param], dtypes[reduce]), tiling=tiling)
 
 
 class _Block(nn.Module):
@@ -221,6 +240,9 @@ def _check_parallelized(layout, options, sco):
         else:
             assert holder.sdpa is core
     assert all(core.keep is options.keep_attention for core in cores)
+    ffns = [m for m in model.modules() if isinstance(m, FeedForward)]
+    assert ffns and all(f.tile_tokens == options.tiling.ffn_tokens for f in ffns)
+    assert all(b.tile_tokens == options.tiling.block_tokens for b in blocks)
 
     # Experts: DTensor shards of the whole weights over the expert mesh, out of FSDP, each layer bound
     # to the schedule and the expert group; with no schedule they stay dense weights under FSDP.
@@ -277,7 +299,8 @@ def _layouts_and_options(world_size, seed):
     # Every MoP group of size 2: Ulysses, experts and the projection sharded; plain checkpointing.
     sharded = ParallelizeOptions(dispatch=PipelinedLLEPOptions(token_budget=rng.randint(8, 64)),
                                  keep_attention=True, checkpointed=(0, 2), preserve_rng_state=True,
-                                 precision=MixedPrecision(param_dtype=bf16, reduce_dtype=fp32))
+                                 precision=MixedPrecision(param_dtype=bf16, reduce_dtype=fp32),
+                                 tiling=TilingOptions(ffn_tokens=rng.randint(1, 64), block_tokens=rng.randint(1, 64)))
     # Every MoP group of size 1 (FSDP alone over both ranks), local experts, the SCO's wrapper.
     fsdp_only = ParallelizeOptions(dispatch=None, keep_attention=False, checkpointed=(1,), preserve_rng_state=False,
                                    precision=MixedPrecision(param_dtype=fp32, reduce_dtype=bf16))

@@ -69,9 +69,12 @@ def test_classify_failure():
 
 
 def test_launch_kills_the_whole_process_group_at_its_time_limit(tmp_path):
+    """Stopped at its limit counted from its start; a child that ignores SIGTERM is SIGKILLed after
+    the grace; the record tells the stop time from the time it was gone."""
     pid_file = tmp_path / "grandchild.pid"
-    # The child starts a grandchild (as torchrun starts ranks) and both sleep far past the limit.
-    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+    # The child starts a grandchild (as torchrun starts ranks), ignores SIGTERM, and both sleep far past the limit.
+    code = ("import signal, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+            "time.sleep(120)']); signal.signal(signal.SIGTERM, signal.SIG_IGN); "
             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)")
     start = time.perf_counter()
     run = launch([sys.executable, "-c", code], str(tmp_path / "out.log"), timeout_s=3)
@@ -79,7 +82,11 @@ def test_launch_kills_the_whole_process_group_at_its_time_limit(tmp_path):
     grandchild = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(grandchild, 0)
-    assert sweep.point_from_launch(run, dict)["status"] == "timeout"
+    point = sweep.point_from_launch(run, dict)
+    assert point["status"] == "timeout" and 3 <= point["stopped_at_s"] < 4, point
+    assert point["seconds"] >= point["stopped_at_s"] + sweep.KILL_GRACE_S - 0.5, point
+    assert f"stopped (SIGTERM) {point['stopped_at_s']} s after its start, gone {point['seconds']} s" in \
+        point["error"], point
 
 
 def test_clock_gives_a_point_what_the_budget_has_left():
@@ -102,7 +109,7 @@ def test_context_sweep_records_an_oom_and_goes_on(tmp_path, monkeypatch, capsys)
         if seq == 65536:
             return {"status": "oom", "seconds": 3.0, "error": "CUDA out of memory"}
         return {"status": "ok", "seconds": 5.0, "steps": steps, "tokens_per_s": 1e5 / seq * 1e3,
-                "tflops": None, "peak_mem_gib": seq / 1e4}
+                "tflops": None, "peak_mem_gib": seq / 1e4, "peak_mem_kind": "host_max_rss"}
 
     monkeypatch.setattr(sweep, "run_point", fake_run_point)
     args = fake_args(tmp_path)
@@ -115,6 +122,9 @@ def test_context_sweep_records_an_oom_and_goes_on(tmp_path, monkeypatch, capsys)
     assert csv_lines[0].startswith("seq_len,") and len(csv_lines) == 4
     out = capsys.readouterr().out
     assert "s] seq_len=65536: oom" in out, "progress lines carry the elapsed time"
+    assert "host max RSS GiB (rank 0)" in out and "host max RSS 3.28 GiB" in out, "on CPU the peak is the RSS"
+    assert sweep.peak_label([{"peak_mem_gib": 1.0, "peak_mem_kind": "cuda_max_allocated"}]) == \
+        "peak alloc GiB (rank 0)"
 
 
 def test_bisect_sweep_with_a_fake_runner_and_a_budget(tmp_path, monkeypatch):
@@ -161,3 +171,13 @@ def test_batch_sweep_records_points_and_stops_at_the_first_failure(tmp_path):
     assert points[1]["status"] == "failed" and "global_batch_size" in points[1]["error"]
     assert "local_batch" in proc.stdout and "results:" in proc.stdout
     assert (tmp_path / "batch.csv").is_file()
+
+
+def test_results_include_the_png_the_sweeps_promise(tmp_path):
+    """With the `sweep` extra installed (README's install command), write_results draws the PNG."""
+    pytest.importorskip("matplotlib", reason="the `sweep` extra (pip install -e '.[sweep]') is not installed")
+    points = [{"seq_len": 1024, "status": "ok", "tokens_per_s": 10.0, "peak_mem_gib": 0.5,
+               "peak_mem_kind": "host_max_rss"},
+              {"seq_len": 2048, "status": "oom", "error": "out of memory"}]
+    paths = sweep.write_results(str(tmp_path / "res.json"), {}, points, plot=sweep.plot_sweep("seq_len"))
+    assert paths["png"] and open(paths["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"

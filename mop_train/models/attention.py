@@ -8,6 +8,9 @@ so the core takes and returns head-major-last tensors [B, S, heads, d] and does 
 repeat itself. The core can keep its output and log-sum-exp for backward, so that a block's
 activation-checkpoint recompute skips the attention kernel (keep_attention.py), and can run one
 named kernel instead of F.scaled_dot_product_attention's own choice (attention_backends.py).
+The projections (and RoPE) are one row-wise function, `project(ops, x, rope, w)`: the untiled forward
+runs it over all positions, `forward_tiled` over token tiles with the block's norm folded in, and the
+output projection after the core likewise ([mop.tiling] block_tokens, mop_train.ops.tiling).
 MLA (DeepSeek-V3 / Kimi-K2) compresses k/v through a rank-`kv_lora_rank`
 latent and gives every head a shared rotated key part; YaRN rescaling is not modelled.
 
@@ -24,7 +27,8 @@ from mop_train.models.args import MoEModelArgs
 from mop_train.models.attention_backends import AttentionCall, sdpa_choice
 from mop_train.models.document_mask import _check as document_attention_check
 from mop_train.models.document_mask import default_impl, document_attention
-from mop_train.models.keep_attention import can_keep, explicit_attention
+from mop_train.models.keep_attention import KeepableCore, can_keep, explicit_attention
+from mop_train.ops.tiling import PLAIN, TileOps, tiled_rows
 
 
 def rope_inv_freq(rope_dim: int, theta: float, device=None) -> torch.Tensor:
@@ -49,7 +53,7 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2).to(x.dtype)
 
 
-class ScaledDotProductAttention(nn.Module):
+class ScaledDotProductAttention(KeepableCore):
     """Causal core attention: q [B, S, h, d_qk], k [B, S, h_kv, d_qk], v [B, S, h_kv, d_v]
     -> [B, S, h, d_v]. Scale 1/sqrt(d_qk). GQA (h_kv < h) is handled here, not by the caller.
     With doc_ids [B, S] a query also sees only its own document (`document_attention` with
@@ -64,9 +68,8 @@ class ScaledDotProductAttention(nn.Module):
     """
 
     def __init__(self, document_impl: str | None = None):
-        super().__init__()
+        super().__init__()                                              # keep = False
         self.document_impl = document_impl
-        self.keep = False
         self.backend: str | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -108,7 +111,46 @@ def _trunc_normal(weight: torch.Tensor, std: float) -> None:
     nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
-class GroupedQueryAttention(nn.Module):
+class _ProjectedAttention(nn.Module):
+    """Projections -> core -> output projection. Subclasses give `project(ops, x, rope, w)`, a
+    row-wise map of x [B, s, H] and its RoPE rows to (q, k, v) through the tile ops (ops.tiling), and
+    `projection_weights()`, the names and weights it reads: the untiled forward runs it once with the
+    plain ops, `forward_tiled` over token tiles together with the block's attention norm."""
+
+    def projection_weights(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def project(self, ops: TileOps, x: torch.Tensor, rope: torch.Tensor, w: dict):
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S, H] (normed), rope [S, r/2, 2], doc_ids None or [B, S_full] (see ScaledDotProductAttention)."""
+        B, S, _ = x.shape
+        q, k, v = self.project(PLAIN, x, rope, self.projection_weights())
+        out = self.sdpa(q, k, v) if doc_ids is None else self.sdpa(q, k, v, doc_ids)  # [B, S, h, d_v]
+        return self.wo(out.reshape(B, S, -1))                                       # [B, S, H]
+
+    def forward_tiled(self, x: torch.Tensor, norm: nn.RMSNorm, rope: torch.Tensor, doc_ids: torch.Tensor | None,
+                      tile_tokens: int) -> torch.Tensor:
+        """`forward(norm(x), rope, doc_ids)` with the norm, projections and RoPE run over token tiles
+        before the core and the output projection after it (ops.tiling.tiled_rows): x [B, S, H] is
+        the block's input (not normed). The core's q, k, v and output are whole tensors."""
+        weights = {"attention_norm": norm.weight, **self.projection_weights()}
+
+        def stage_in(ops, s, rows, w):
+            return self.project(ops, ops.rms_norm(rows[0], w["attention_norm"], norm.eps), rope[s], w)
+
+        q, k, v = tiled_rows(stage_in, (x,), weights, tile_tokens)
+        out = self.sdpa(q, k, v) if doc_ids is None else self.sdpa(q, k, v, doc_ids)  # [B, S, h, d_v]
+
+        def stage_out(ops, s, rows, w):
+            return (ops.linear(rows[0].reshape(*rows[0].shape[:2], -1), w["wo"]),)
+
+        (y,) = tiled_rows(stage_out, (out,), {"wo": self.wo.weight}, tile_tokens)
+        return y                                                                     # [B, S, H]
+
+
+class GroupedQueryAttention(_ProjectedAttention):
     """GQA: h query heads share h_kv key/value heads; every head is rotated over its full width."""
 
     def __init__(self, args: MoEModelArgs):
@@ -120,15 +162,16 @@ class GroupedQueryAttention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.sdpa = ScaledDotProductAttention()
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, S, H], rope [S, r/2, 2], doc_ids None or [B, S_full] (see ScaledDotProductAttention)."""
+    def projection_weights(self) -> dict[str, torch.Tensor]:
+        return {"wq": self.wq.weight, "wk": self.wk.weight, "wv": self.wv.weight}
+
+    def project(self, ops, x, rope, w):
+        """x [B, S, H], rope [S, r/2, 2] -> q [B, S, h, d], k, v [B, S, h_kv, d]."""
         B, S, _ = x.shape
-        q = self.wq(x).view(B, S, self.n_heads, self.head_dim)     # [B, S, h, d]
-        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)  # [B, S, h_kv, d]
-        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)  # [B, S, h_kv, d]
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = self.sdpa(q, k, v) if doc_ids is None else self.sdpa(q, k, v, doc_ids)
-        return self.wo(out.reshape(B, S, self.n_heads * self.head_dim))  # [B, S, H]
+        q = ops.linear(x, w["wq"]).view(B, S, self.n_heads, self.head_dim)     # [B, S, h, d]
+        k = ops.linear(x, w["wk"]).view(B, S, self.n_kv_heads, self.head_dim)  # [B, S, h_kv, d]
+        v = ops.linear(x, w["wv"]).view(B, S, self.n_kv_heads, self.head_dim)  # [B, S, h_kv, d]
+        return apply_rope(q, rope), apply_rope(k, rope), v
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -136,7 +179,7 @@ class GroupedQueryAttention(nn.Module):
         _trunc_normal(self.wo.weight, init_std)
 
 
-class MultiHeadLatentAttention(nn.Module):
+class MultiHeadLatentAttention(_ProjectedAttention):
     """MLA: queries (optionally through a rank-q_lora_rank bottleneck) and keys/values through a
     rank-kv_lora_rank latent; the rotated key part (width r) is one head broadcast to all h."""
 
@@ -158,24 +201,29 @@ class MultiHeadLatentAttention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
         self.sdpa = ScaledDotProductAttention()
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, S, H], rope [S, r/2, 2], doc_ids None or [B, S_full] (see ScaledDotProductAttention)."""
+    def projection_weights(self) -> dict[str, torch.Tensor]:
+        q = ({"wq": self.wq.weight} if hasattr(self, "wq") else
+             {"wq_a": self.wq_a.weight, "q_norm": self.q_norm.weight, "wq_b": self.wq_b.weight})
+        return {**q, "wkv_a": self.wkv_a.weight, "kv_norm": self.kv_norm.weight, "wkv_b": self.wkv_b.weight}
+
+    def project(self, ops, x, rope, w):
+        """x [B, S, H], rope [S, r/2, 2] -> q, k [B, S, h, d_qk], v [B, S, h, d_v] (a view)."""
         B, S, _ = x.shape
-        if hasattr(self, "wq"):
-            q = self.wq(x)
+        if "wq" in w:
+            q = ops.linear(x, w["wq"])
         else:
-            q = self.wq_b(self.q_norm(self.wq_a(x)))
+            q = ops.linear(ops.rms_norm(ops.linear(x, w["wq_a"]), w["q_norm"], self.q_norm.eps), w["wq_b"])
         q = q.view(B, S, self.n_heads, self.nope_dim + self.rope_dim)     # [B, S, h, d_qk]
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_pe, rope)], dim=-1)
 
-        kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv, k_pe = ops.linear(x, w["wkv_a"]).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_pe = apply_rope(k_pe.unsqueeze(2), rope)                        # [B, S, 1, r]
-        kv = self.wkv_b(self.kv_norm(kv)).view(B, S, self.n_heads, self.nope_dim + self.v_dim)
+        kv = ops.linear(ops.rms_norm(kv, w["kv_norm"], self.kv_norm.eps), w["wkv_b"])
+        kv = kv.view(B, S, self.n_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)  # [B, S, h, d_qk]
-        out = self.sdpa(q, k, v) if doc_ids is None else self.sdpa(q, k, v, doc_ids)  # [B, S, h, d_v]
-        return self.wo(out.reshape(B, S, self.n_heads * self.v_dim))      # [B, S, H]
+        return q, k, v
 
     def init_weights(self, init_std: float) -> None:
         linears = [self.wkv_a, self.wkv_b] + ([self.wq] if hasattr(self, "wq") else [self.wq_a, self.wq_b])

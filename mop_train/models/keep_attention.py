@@ -160,11 +160,19 @@ def can_keep(backend: str, masked: bool) -> bool:
     return not masked or backend in MASKED_BACKENDS
 
 
-def attention_cores(model: nn.Module) -> list[nn.Module]:
-    """Every core attention module (ScaledDotProductAttention) in `model`, Ulysses-wrapped or not."""
-    from mop_train.models.attention import ScaledDotProductAttention
+class KeepableCore(nn.Module):
+    """A core attention module whose output and log-sum-exp can be kept across the recompute: the
+    switch `keep` is set from outside, between steps (`keep_attention`). attention.py's
+    ScaledDotProductAttention is one; this module needs no more of it than that."""
 
-    return [m for m in model.modules() if isinstance(m, ScaledDotProductAttention)]
+    def __init__(self):
+        super().__init__()
+        self.keep = False
+
+
+def attention_cores(model: nn.Module) -> list[KeepableCore]:
+    """Every core attention module (ScaledDotProductAttention) in `model`, Ulysses-wrapped or not."""
+    return [m for m in model.modules() if isinstance(m, KeepableCore)]
 
 
 def keep_attention(model: nn.Module, enabled: bool = True) -> int:

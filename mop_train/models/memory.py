@@ -1,6 +1,6 @@
 """What one decoder block keeps for its backward, per token position, from the model's own shapes.
 
-The planner (mop_train.train.plan) asks these for the activations of the block that is being
+The planner (mop_train.plan.terms) asks these for the activations of the block that is being
 recomputed and differentiated; the routed experts' share comes from the dispatch schedule
 (mop_train.ops.moe_dispatch.memory), since it depends on how routes reach experts.
 
@@ -16,6 +16,8 @@ E experts, F dense FFN width.
 from __future__ import annotations
 
 from mop_train.models.args import MoEModelArgs
+from mop_train.ops.tiling.memory import largest_tile, stage_working_bytes, swiglu_token_bytes
+from mop_train.ops.tiling.options import TilingOptions
 
 FP32_BYTES = 4
 
@@ -64,3 +66,83 @@ def block_gradient_bytes(args: MoEModelArgs, positions: int, act_bytes: int) -> 
     width = (h * (args.qk_nope_head_dim + args.qk_rope_head_dim) if args.attention == "mla"
              else h * args.head_dim)
     return positions * (2 * args.dim + 3 * width) * act_bytes
+
+
+# ------------------------------------------------------------------------------------------------
+# With sequence tiling ([mop.tiling], mop_train.ops.tiling): what stays whole, what one tile holds
+# ------------------------------------------------------------------------------------------------
+
+def _head_widths(args: MoEModelArgs) -> tuple[int, int, int, int]:
+    """(h, h_kv, d_qk, d_v) as the core sees them (MLA's keys and values have h heads)."""
+    if args.attention == "mla":
+        return args.n_heads, args.n_heads, args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim
+    return args.n_heads, args.n_kv_heads, args.head_dim, args.head_dim
+
+
+def core_saved_bytes(args: MoEModelArgs, positions: int, act_bytes: int) -> int:
+    """The attention core's q, k, v and output (whole, also when tiled) and its fp32 log-sum-exp."""
+    h, h_kv, d_qk, d_v = _head_widths(args)
+    return positions * ((h * d_qk + h_kv * d_qk + h_kv * d_v + h * d_v) * act_bytes + h * FP32_BYTES)
+
+
+def core_gradient_bytes(args: MoEModelArgs, positions: int, act_bytes: int) -> int:
+    """The core's backward beside what it saved: the output's gradient and dq, dk, dv (kernel
+    workspace not included: benchmarks/tiling.py measures it on the GPU)."""
+    h, h_kv, d_qk, d_v = _head_widths(args)
+    return positions * (h * d_v + h * d_qk + h_kv * d_qk + h_kv * d_v) * act_bytes
+
+
+def projection_elements(args: MoEModelArgs) -> int:
+    """Elements per token the norm, projections and RoPE save untiled (attention_saved_bytes without
+    the core's output and wo's input copy)."""
+    h, _, _, d_v = _head_widths(args)
+    return (attention_saved_bytes(args, 1, 1) - h * FP32_BYTES) - 2 * h * d_v
+
+
+def attention_stage_token_bytes(args: MoEModelArgs, act_bytes: int) -> int:
+    """One tile token's bytes in the backward of attention's tiled input stage (norm, projections,
+    RoPE): the recomputed graph, its gradients and the captured ones (3x what the stage saves), RoPE's
+    fp32 temporaries (5 per rotated element), and one linear's fp32 upcast for its weight gradient
+    (CPU, bf16). Checked against the CPU path in tests/models/test_tiled_block.py."""
+    h, h_kv, _, _ = _head_widths(args)
+    rotated = (h + (1 if args.attention == "mla" else h_kv)) * args.rope_dim
+    upcast = 0 if act_bytes == 4 else FP32_BYTES * max(out + inp for out, inp in _projection_shapes(args))
+    return 3 * projection_elements(args) * act_bytes + 5 * FP32_BYTES * rotated + upcast
+
+
+def _projection_shapes(args: MoEModelArgs) -> list[tuple[int, int]]:
+    """(out, in) of the input stage's linears."""
+    h, h_kv, d_qk, d_v = _head_widths(args)
+    H = args.dim
+    if args.attention == "gqa":
+        return [(h * d_qk, H), (h_kv * d_qk, H), (h_kv * d_v, H)]
+    q = [(h * d_qk, H)] if not args.q_lora_rank else [(args.q_lora_rank, H), (h * d_qk, args.q_lora_rank)]
+    return q + [(args.kv_lora_rank + args.qk_rope_head_dim, H), (h * (args.qk_nope_head_dim + d_v), args.kv_lora_rank)]
+
+
+def attention_stage_weights(args: MoEModelArgs) -> list[int]:
+    """Elements of each weight of the input stage (norms included) and of wo."""
+    h, _, _, d_v = _head_widths(args)
+    norms = [args.dim, args.kv_lora_rank] if args.attention == "mla" else [args.dim]
+    norms += [args.q_lora_rank] if args.attention == "mla" and args.q_lora_rank else []
+    return [out * inp for out, inp in _projection_shapes(args)] + norms + [h * d_v * args.dim]
+
+
+def tiled_attention_phase_bytes(args: MoEModelArgs, positions: int, tile: int, act_bytes: int) -> int:
+    """The attention half of a block-tiled block in backward: the core whole (saved + gradients),
+    then the input stage's backward (its input gradient [N, H], one tile, its weight gradients)."""
+    h, _, _, d_v = _head_widths(args)
+    stage = stage_working_bytes(positions, tile, in_elements=args.dim, tile_elements=0, weight_elements=
+                                attention_stage_weights(args), act_bytes=act_bytes)
+    stage += largest_tile(positions, tile) * attention_stage_token_bytes(args, act_bytes)
+    return core_saved_bytes(args, positions, act_bytes) + core_gradient_bytes(args, positions, act_bytes) + stage
+
+
+def tiling_options(section, args: MoEModelArgs, *, tokens: int, act_bytes: int) -> TilingOptions:
+    """[mop.tiling] resolved for `tokens` per rank: "auto" sized by the widest FFN and attention's
+    input stage (ops.tiling.memory.auto_tile_tokens)."""
+    widths = ([args.dense_ffn_dim] if args.n_dense_layers else []) + \
+        ([args.n_shared_experts * args.moe_inter_dim] if args.n_moe_layers and args.n_shared_experts else [])
+    return TilingOptions.resolve(section.ffn_tokens, section.block_tokens, tokens=tokens,
+                                 ffn_token_bytes=swiglu_token_bytes(args.dim, max(widths, default=0), act_bytes),
+                                 block_token_bytes=attention_stage_token_bytes(args, act_bytes))

@@ -4,6 +4,9 @@
     for block in layers:  h = h + attention(attention_norm(h)); h = h + ffn(ffn_norm(h))
     return norm(h)        # [B, S, H]: the output projection is applied by the loss, not here
 
+With `tile_blocks(model, ffn_tokens, block_tokens)` the FFNs and attention's row-wise stages run over
+token tiles (same values; mop_train.ops.tiling).
+
 `ffn` is `feed_forward` (dense SwiGLU) in the first n_dense_layers blocks and `moe` after.
 `output.weight [V, H]` is the vocabulary projection that the loss (e.g. Ring-DTP) consumes.
 Runs on one device; parallelism (FSDP, expert/sequence parallel) is applied from outside.
@@ -40,10 +43,15 @@ class TransformerBlock(nn.Module):
             self.moe = MoE(args)
         # Depth-scaled std for the projections that write into the residual stream.
         self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+        self.tile_tokens = 0   # set from outside (`tile_blocks`): 0 runs attention's stages untiled
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, S, H], rope [S, r/2, 2], doc_ids None or [B, S_full] int -> [B, S, H]."""
-        x = x + self.attention(self.attention_norm(x), rope, doc_ids)
+        tile = self.tile_tokens
+        if tile and x.shape[0] * x.shape[1] > tile:   # attention's norm, projections, RoPE and wo over tiles
+            x = x + self.attention.forward_tiled(x, self.attention_norm, rope, doc_ids, tile)
+        else:  # view_as: the norm's two uses of x reach x as one gradient, as the tiled path's do
+            x = x + self.attention(self.attention_norm(x.view_as(x)), rope, doc_ids)
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
         return x + ffn(self.ffn_norm(x))
 
@@ -52,6 +60,19 @@ class TransformerBlock(nn.Module):
         self.ffn_norm.reset_parameters()
         self.attention.init_weights(self.init_std)
         (self.moe if hasattr(self, "moe") else self.feed_forward).init_weights(self.init_std)
+
+
+def tile_blocks(model: nn.Module, ffn_tokens: int, block_tokens: int) -> tuple[int, int]:
+    """Set the token tiles of every block's stages ([mop.tiling], mop_train.ops.tiling): `ffn_tokens`
+    on each dense FFN and shared expert, `block_tokens` on each block's attention stages (0: untiled).
+    Call between steps. Returns (FFNs, blocks) set."""
+    ffns = [m for m in model.modules() if isinstance(m, FeedForward)]
+    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
+    for module in ffns:
+        module.tile_tokens = int(ffn_tokens)
+    for module in blocks:
+        module.tile_tokens = int(block_tokens)
+    return len(ffns), len(blocks)
 
 
 class MoETransformer(KeepFp32Buffers):

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from mop_train.models.args import MoEModelArgs
 from mop_train.models.router import TopKRouter
 from mop_train.ops.moe_dispatch import ExpertDispatch, moe_experts_forward
+from mop_train.ops.tiling import tiled_swiglu
 
 
 def _trunc_normal(weight: torch.Tensor, std: float) -> None:
@@ -35,15 +36,23 @@ def _local_weight(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x), w1/w3 nn.Linear(H, F), w2 nn.Linear(F, H)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x), w1/w3 nn.Linear(H, F), w2 nn.Linear(F, H).
+
+    `tile_tokens` (set from outside, `models.model.tile_blocks`): 0 runs it whole; T > 0 runs it over
+    tiles of T tokens once x holds more (ops.tiling.tiled_swiglu: same values, one tile's F-wide
+    intermediates alive at a time)."""
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.tile_tokens = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tile = self.tile_tokens
+        if tile and x.numel() > tile * x.shape[-1]:
+            return tiled_swiglu(x, self.w1.weight, self.w2.weight, self.w3.weight, tile)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
     def init_weights(self, init_std: float) -> None:

@@ -2,7 +2,8 @@
 
 Configs (DESIGN.md "Model zoo"):
 - debug: tiny MLA model (one dense block + MoE blocks), trains on CPU in seconds; V=2048 matches
-  the training loop's BPE tokenizer; I=32 keeps torch._grouped_mm's 16-byte row alignment in fp32.
+  the training loop's BPE tokenizer; I=32 keeps torch._grouped_mm's 16-byte row alignment in fp32;
+  norm_eps 1e-6 as DeepSeek-V3's (HF's latent norms use no other), so it exports (mop_train.hf).
 - small: ~3.3B MLA model for one H200 with all four operators on.
 - gpt-oss-20b-shape: gpt-oss-20b's dimensions (GQA 64/8 heads of width 64, 24 blocks, H=2880,
   32 experts of I=2880, top-4, V=201088); no biases or attention sinks.
@@ -42,7 +43,7 @@ _CONFIGS: dict[str, MoEModelArgs] = {
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=2048,
         n_dense_layers=1, dense_ffn_dim=192, num_experts=8, top_k=2, moe_inter_dim=32,
         n_shared_experts=1, score_func="sigmoid", route_norm=True, route_scale=1.0,
-        rope_theta=10000.0, max_seq_len=1 << 17),
+        rope_theta=10000.0, max_seq_len=1 << 17, norm_eps=1e-6),
     "small": MoEModelArgs(
         dim=1536, n_layers=12, attention="mla", n_heads=16, q_lora_rank=768, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=200_000,

@@ -7,13 +7,15 @@
     shards = parallelize(module, layout, options, sco=sco)          # module.model is the decoder
 
 `parallelize` applies, in order: Ulysses attention cores over the sequence group; attention kept
-across the recompute ([mop.attention] keep); expert shards over the expert group with the dispatch
+across the recompute ([mop.attention] keep); token tiles of the FFNs and attention's row-wise stages
+([mop.tiling]); expert shards over the expert group with the dispatch
 schedule bound to each MoE layer; the output projection's shard over the vocab group (P > 1);
 activation checkpointing of the chosen blocks (non-reentrant: a block's input is the retained
 boundary and everything inside is recomputed in backward; with an SCO host budget the block is
 wrapped by `SelectiveCheckpointOffload.wrap` instead, which also offloads boundaries to host);
-FSDP2 under one MixedPrecision policy. FSDP2 shards each block as one unit and the root
-(embeddings, final norm, output projection) as another, over all W ranks; weights sharded by a MoP
+torch.compile of each block and of the loss ([compile]: mop_train/parallel/compile.py); FSDP2
+under one MixedPrecision policy. FSDP2 shards each block as one unit and the root (embeddings,
+final norm, output projection) as another, over all W ranks; weights sharded by a MoP
 group (experts over E_p, the projection over P) stay out of FSDP2. Gradients are summed over ranks,
 not averaged: the loop divides the summed token loss by the global token count, so the sum is the
 exact gradient of the mean. Each check of the job against the layout and the model is made once, in
@@ -33,8 +35,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from mop_train.layout import divisors
 from mop_train.models.keep_attention import keep_attention
+from mop_train.models.memory import tiling_options
+from mop_train.models.model import tile_blocks
 from mop_train.ops.moe_dispatch import DispatchOptions, dispatch_options
+from mop_train.ops.tiling import TilingOptions
 from mop_train.parallel.apply import apply_expert_parallel, apply_sequence_parallel, apply_vocab_parallel
+from mop_train.parallel.compile import CompileOptions, apply_compile
 from mop_train.parallel.precision import MixedPrecision
 
 
@@ -104,16 +110,23 @@ class ParallelizeOptions:
     checkpointed: tuple[int, ...]         # blocks under activation checkpointing (or SCO)
     preserve_rng_state: bool              # [activation_checkpoint] preserve_rng_state
     precision: MixedPrecision             # FSDP2's policy, also followed by the shards kept out of it
+    tiling: TilingOptions = TilingOptions()   # [mop.tiling], "auto" resolved for this rank's tokens
+    compile: CompileOptions | None = None  # [compile]; None: eager
 
     @classmethod
     def from_config(cls, cfg, model_args) -> ParallelizeOptions:
-        """From [mop.moe], [mop.attention], [activation_checkpoint] and [training]."""
+        """From [mop.moe], [mop.attention], [mop.tiling], [activation_checkpoint] and [training]."""
         ac = cfg.activation_checkpoint
+        precision = MixedPrecision.from_training(cfg.training)
+        tokens = cfg.training.local_batch_size * cfg.training.seq_len // cfg.mop.layout.seq_degree
         return cls(dispatch=dispatch_options(cfg.mop.moe.dispatch, cfg.mop.moe),
                    keep_attention=cfg.mop.attention.keep,
+                   tiling=tiling_options(cfg.mop.tiling, model_args, tokens=tokens,
+                                                 act_bytes=precision.activation_bytes),
                    checkpointed=tuple(checkpointed_layer_ids(ac, model_args.n_layers)),
                    preserve_rng_state=ac.preserve_rng_state,
-                   precision=MixedPrecision.from_training(cfg.training))
+                   precision=precision,
+                   compile=CompileOptions.from_config(cfg.compile))
 
 
 @dataclass
@@ -140,10 +153,13 @@ def parallelize(module: nn.Module, layout, options: ParallelizeOptions, *, sco=N
     model = module.model
     apply_sequence_parallel(model, layout.seq_group)
     keep_attention(model, options.keep_attention)
+    tile_blocks(model, options.tiling.ffn_tokens, options.tiling.block_tokens)
     expert_params = apply_expert_parallel(model, layout.expert_mesh, layout.expert_group, options.dispatch)
     vocab_params = apply_vocab_parallel(model, layout.vocab_mesh) if layout.vocab_size > 1 else []
     apply_activation_checkpointing(model, options.checkpointed, preserve_rng_state=options.preserve_rng_state,
                                    sco=sco)
+    if options.compile is not None:
+        apply_compile(module, options.compile, device_type=layout.mesh.device_type)
     apply_fsdp(module, model, layout.mesh, param_dtype=options.precision.param_dtype,
                reduce_dtype=options.precision.reduce_dtype, ignored_params=set(expert_params + vocab_params))
     return ParallelizedShards(expert_params, vocab_params, list(options.checkpointed))

@@ -9,8 +9,11 @@ initialised whole (same RNG stream on every rank, so the shards are slices of th
 whatever the layout); the loss is chosen (chunked cross-entropy or Ring-DTP); `parallelize` applies
 Ulysses cores, kept attention, expert and vocab shards, checkpointing (SCO's wrapper when it has a
 host budget) and FSDP2; a large model is then initialised shard by shard. The memory plans
-(mop_train.train.job_plan) are checked against the host, OffloadStreamAdamW's device share is
-resolved from them, and the checkpointer resumes the run when the dump folder holds a checkpoint.
+(mop_train.plan.job) are checked against the host, OffloadStreamAdamW's device share is
+resolved from them, and the checkpointer resumes the run when the dump folder holds a checkpoint
+(or a fresh run starts from `checkpoint.initial_load_path`: DCP, or Hugging Face safetensors through
+mop_train.hf.load). Rank 0 records the model in `{dump_folder}/mop_model.json` (mop_train.hf.run_record)
+so that `mop-train export` can convert the run's checkpoints alone.
 
 Legend: W ranks, D sequence degree, E_p expert degree, P vocab degree, B local batch, S sequence.
 """
@@ -26,22 +29,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mop_train.hf.run_record import write_run_record
 from mop_train.layout import RankLayout, plan_layout
 from mop_train.models import zoo
 from mop_train.models.args import MoEModelArgs
 from mop_train.models.model import MoETransformer
 from mop_train.ops.offload_adamw import forward_units
+from mop_train.parallel.fake_world import apply_routing_profile, fake_world_note, in_fake_world
 from mop_train.parallel.parallelize import (ParallelizeOptions, check_layout_fits, check_titan_parallelism,
                                             parallelize)
 from mop_train.parallel.precision import MixedPrecision
 from mop_train.parallel.sharding import local
+from mop_train.plan.job import plan_from_parts
+from mop_train.plan.terms import check_host_memory, format_plan
 from mop_train.train.checkpoint import TrainState, build_checkpointer
-from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir
-from mop_train.train.job_plan import run_plans
+from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir, tokenizer_folder
 from mop_train.train.loss import IGNORE_INDEX, LanguageModelLoss, chunked_cross_entropy_sum
 from mop_train.train.optim import (OFFLOAD_ADAMW, attach_streaming, build_lr_schedulers, build_optimizers,
                                    describe_offload, free_device_bytes, resolve_device_fraction)
-from mop_train.train.plan import check_host_memory, format_plan
 from mop_train.units import parse_bytes
 
 
@@ -60,8 +65,9 @@ class ModelSpec:
     active_params: int                 # what one token touches (zoo.param_counts)
 
     @classmethod
-    def resolve(cls, flavor: str) -> ModelSpec:
-        args = zoo.get_model_args(flavor)
+    def resolve(cls, flavor: str, args: MoEModelArgs | None = None) -> ModelSpec:
+        """`flavor`'s args from the zoo, or `args` (a variant of it) when given."""
+        args = zoo.get_model_args(flavor) if args is None else args
         counts = zoo.param_counts(args)
         return cls(flavor, args, counts["total"], counts["active"])
 
@@ -177,28 +183,32 @@ class Run:
     schedule_steps: int                # the LR schedule's length: past it, the final LR is held
     train_state: TrainState
     checkpointer: object               # mop_train.train.checkpoint.Checkpointer
+    initial_weights: str | None = None  # where a fresh start's weights came from (checkpoint.initial_load_path)
 
 
-def build_run(cfg, device: torch.device) -> Run:
+def build_run(cfg, device: torch.device, *, model_args: MoEModelArgs | None = None) -> Run:
     """Build a run's parts in the launch order (module docstring), resume it from the dump folder's
-    checkpoint when there is one, and print its description on rank 0."""
+    checkpoint when there is one, and print its description on rank 0 (in a fake world: its rank).
+    `model_args` replaces model.flavor's args (a variant of that zoo model)."""
     lay = cfg.mop.layout
     layout = RankLayout.build(plan_layout(dist.get_world_size(), lay.seq_degree, lay.expert_degree,
                                           lay.vocab_degree), device_type=device.type)
-    spec = ModelSpec.resolve(cfg.model.flavor)
+    spec = ModelSpec.resolve(cfg.model.flavor, model_args)
     check_layout_fits(layout.plan, cfg.training, spec.args)
     micro_batches = check_titan_parallelism(cfg.parallelism, cfg.training, data_size=layout.data_size)
     parallel = ParallelizeOptions.from_config(cfg, spec.args)
     if cfg.debug.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=cfg.debug.deterministic_warn_only)
     seed = seed_everything(cfg.debug.seed, device)
-    dataloader, eos_id = _build_data(cfg, layout, spec)
+    dataloader, eos_id, tokenizer_dir = _build_data(cfg, layout, spec)
     parts = build_model(cfg, layout, device, spec, parallel)
+    _force_routing(cfg, layout, parts)
     plan_terms, host_terms = _check_plans(cfg, layout, parts, spec)
     free_bytes = free_device_bytes(plan_terms, device)
     device_share = _offload_device_share(cfg, parts, free_bytes)
     if device_share:  # the printed plan holds the optimizer state that stays on the device
-        plan_terms, host_terms = run_plans(cfg, layout, parts, spec, device_fraction=device_share)
+        plan_terms, host_terms = plan_from_parts(cfg, layout.plan, parts, spec.args, spec.total_params,
+                                                 device_fraction=device_share)
     optimizers = build_optimizers([parts.module], cfg.optimizer, cfg.mop.offload_adamw,
                                   world_size=dist.get_world_size(), device_fraction=device_share)
     if cfg.mop.offload_adamw.overlap:
@@ -215,7 +225,8 @@ def build_run(cfg, device: torch.device) -> Run:
                                       optimizers=optimizers, lr_schedulers=lr_schedulers,
                                       dataloader=dataloader, train_state=train_state,
                                       reliability=cfg.mop.reliability, device=device)
-    checkpointer.load(step=cfg.checkpoint.load_step)
+    fresh = cfg.checkpoint.enable and not os.path.isdir(checkpointer.folder)   # torchtitan's initial-load branch
+    loaded = checkpointer.load(step=cfg.checkpoint.load_step)
     if train_state.step == 0:  # fresh start or a model-only load: offloaded masters follow the weights
         for opt in optimizers:
             if hasattr(opt, "reset_masters_from_params"):
@@ -224,18 +235,43 @@ def build_run(cfg, device: torch.device) -> Run:
         if getattr(opt, "working", None) is not None:
             opt.refresh_working()
     run = Run(layout, spec, seed, micro_batches, dataloader, eos_id, parts, optimizers, lr_schedulers,
-              schedule_steps, train_state, checkpointer)
-    if dist.get_rank() == 0:
+              schedule_steps, train_state, checkpointer,
+              initial_weights=_initial_weights(cfg.checkpoint) if fresh and loaded else None)
+    if dist.get_rank() == 0 and not in_fake_world():
+        write_run_record(cfg.job.dump_folder, flavor=spec.flavor, args=spec.args, tokenizer_folder=tokenizer_dir,
+                         checkpoint_folder=cfg.checkpoint.folder)
+    if dist.get_rank() == 0 or in_fake_world():
         print(describe_run(cfg, run, device, host_terms, plan_terms,
                            free_device_bytes=free_bytes if device.type == "cuda" else None), flush=True)
     return run
 
 
+def _initial_weights(checkpoint) -> str:
+    kind = "Hugging Face safetensors" if checkpoint.initial_load_in_hf else "DCP"
+    return f"{checkpoint.initial_load_path} ({kind}{', model only' if checkpoint.initial_load_model_only else ''})"
+
+
+def routing_profile_of(cfg) -> str:
+    """The profile every MoE layer routes by ("" for the router's own choice): [mop.moe]
+    routing_profile, "balanced" by default in a fake world."""
+    return cfg.mop.moe.routing_profile or ("balanced" if in_fake_world() else "")
+
+
+def _force_routing(cfg, layout, parts: ModelParts) -> None:
+    """Route by the run's profile (`routing_profile_of`); a skewed one's hot experts sit on this
+    rank's experts in a fake world (its receiver bound is the one exercised), on position 0's otherwise."""
+    profile = routing_profile_of(cfg)
+    if profile:
+        apply_routing_profile(parts.model, profile, expert_position=layout.expert_rank if in_fake_world() else 0,
+                              expert_degree=layout.expert_size)
+
+
 def _build_data(cfg, layout, spec: ModelSpec):
-    """(dataloader, eos_id): this rank's sequence group's slice of the data, and the EOS id that
-    splits packed documents (None without [mop.data] document_mask)."""
+    """(dataloader, eos_id, tokenizer folder): this rank's sequence group's slice of the data, the EOS id
+    that splits packed documents (None without [mop.data] document_mask), where the tokenizer was read."""
     cache_dir = cfg.mop.data.cache_dir or default_cache_dir()
-    tokenizer = build_tokenizer(cfg.model.hf_assets_path, cache_dir=cache_dir)
+    folder = tokenizer_folder(cfg.model.hf_assets_path, cache_dir=cache_dir)
+    tokenizer = build_tokenizer(folder, cache_dir=cache_dir)
     vocab = spec.args.vocab_size
     if tokenizer.get_vocab_size() > vocab:
         raise ValueError(f"the tokenizer at model.hf_assets_path = {cfg.model.hf_assets_path!r} has "
@@ -243,14 +279,14 @@ def _build_data(cfg, layout, spec: ModelSpec):
                          f"{vocab}; use a model with a larger vocabulary or a smaller tokenizer")
     dataloader = build_dataloader(cfg.training, tokenizer, layout.data_rank, layout.data_size,
                                   cache_dir=cache_dir, text_column=cfg.mop.data.text_column)
-    return dataloader, document_eos_id(cfg, tokenizer)
+    return dataloader, document_eos_id(cfg, tokenizer), folder
 
 
 def _check_plans(cfg, layout, parts: ModelParts, spec: ModelSpec):
     """The per-rank device and pinned host plans; stops the launch when the host's ranks do not fit."""
     from mop_train.ops.sco.budget import available_host_bytes
 
-    plan_terms, host_terms = run_plans(cfg, layout, parts, spec)
+    plan_terms, host_terms = plan_from_parts(cfg, layout.plan, parts, spec.args, spec.total_params)
     check_host_memory(host_terms, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                       available_bytes=available_host_bytes())
     dist.barrier()  # every rank has read the free host memory before any rank pins its share
@@ -275,7 +311,9 @@ def describe_run(cfg, run: Run, device, host_terms, plan_terms, *, free_device_b
     spec, layout, parts, t = run.spec, run.layout, run.parts, cfg.training
     args, micro_batches = spec.args, run.micro_batches
     lines = [
-        f"model {spec.flavor}: {spec.total_params:,} parameters ({spec.active_params:,} active per token), "
+        *([fake_world_note()] if in_fake_world() else []),
+        f"model {spec.flavor}{'' if spec.args == zoo.get_model_args(spec.flavor) else ' (variant)'}: "
+        f"{spec.total_params:,} parameters ({spec.active_params:,} active per token), "
         f"{args.n_layers} blocks, H={args.dim}, V={args.vocab_size}",
         layout.plan.describe().splitlines()[0],
         f"device {device}, W={layout.plan.world_size}, B={t.local_batch_size}, S={t.seq_len}, "
@@ -285,7 +323,8 @@ def describe_run(cfg, run: Run, device, host_terms, plan_terms, *, free_device_b
         f"dispatch {cfg.mop.moe.dispatch}, loss "
         f"{'ring_dtp' if uses_ring_dtp(cfg, layout) else 'chunked cross-entropy'}"
         + (", document mask on" if cfg.mop.data.document_mask else "")
-        + (", attention kept across the recompute" if cfg.mop.attention.keep else ""),
+        + (", attention kept across the recompute" if cfg.mop.attention.keep else "")
+        + (f", routing profile {routing_profile_of(cfg)}" if routing_profile_of(cfg) else ""),
         format_plan(plan_terms),
         format_plan(host_terms, title="per-rank pinned host memory")]
     offload_line = describe_offload(run.optimizers, free_device_bytes=free_device_bytes)
@@ -293,6 +332,8 @@ def describe_run(cfg, run: Run, device, host_terms, plan_terms, *, free_device_b
         lines.append(offload_line)
     if run.checkpointer.note:
         lines.append(run.checkpointer.note)
+    if run.initial_weights:
+        lines.append(f"initial weights from {run.initial_weights}")
     step = run.train_state.step
     if step:
         lines.append(f"resumed from step {step} in {run.checkpointer.folder}")

@@ -5,6 +5,8 @@
                                       lr_schedulers=..., dataloader=..., train_state=train_state,
                                       reliability=cfg.mop.reliability, device=device)
     checkpointer.load(step=cfg.checkpoint.load_step)   # resumes if {dump}/{folder}/step-N exists
+    batches = iter(dataloader)                         # draws a seed from the torch CPU generator
+    train_state.restore_rng()                          # the loaded RNG states, after every start-up draw
     ...
     checkpointer.save(step, last_step=step == steps)
 
@@ -12,15 +14,18 @@ A checkpoint holds: the model (router biases included: they are persistent buffe
 optimizer, the LR schedulers, every rank's dataloader position (sample index + token buffer),
 and `train_state`: the step, the tokens seen, and every rank's RNG states (torch CPU, CUDA,
 Python, NumPy), which torchtitan's own checkpoints leave out. Per-rank entries use per-rank keys,
-so each rank writes and reads only its own.
+so each rank writes and reads only its own. The loaded RNG states are applied by
+`TrainState.restore_rng()`, which the loop calls after the last draw of its start-up (the
+dataloader iterator's seed), so the steps after a resume draw what an uninterrupted run's draw.
 
 Nothing in a checkpoint runs code on load: non-tensor entries load with `weights_only=True`, the
 RNG states are tensors, and the dataloader's pickled state is checked to be plain data first.
 `Checkpointer` wraps the manager with what it leaves out: a model or optimizer state holding a
 NaN/inf is never saved (CheckpointError); a re-save into an existing step folder first removes
 it; after each commit every file gets a checksum in `manifest.json` (`integrity`), and a load
-verifies the one it takes (or falls back to an older verified one when asked) and then checks
-the loaded state finite; `keep_latest_k` also holds after the last save.
+skips newer saves that were cut short (no manifest: set aside, said in one line), verifies the
+one it takes (or falls back to an older verified one when asked) and then checks the loaded state
+finite; `keep_latest_k` also holds after the last save.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.checkpoint import CheckpointManager
 
+from mop_train.hf.load import load_hf_weights
 from mop_train.train import integrity
 from mop_train.train.optim import wait_for_weights
 from mop_train.train.reliability import CheckpointError, state_is_finite, tensors_of
@@ -111,10 +117,10 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
 
 
 def _weights_only_dcp_load(manager: CheckpointManager):
-    """torchtitan's `dcp_load` (DCP checkpoints, no HF) with the weights-only planner."""
+    """torchtitan's `dcp_load` with the weights-only planner (DCP), or our HF import (from_hf)."""
     def dcp_load(state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
-        if from_hf:
-            raise ValueError("loading HF safetensors is not supported by mop_train (no state-dict adapter)")
+        if from_hf:  # [checkpoint] initial_load_in_hf: Hugging Face DeepseekV3 safetensors (mop_train.hf.load)
+            return load_hf_weights(manager.states["model"], state_dict, checkpoint_id)
         dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=WeightsOnlyLoadPlanner())
         manager.states["model"].load_state_dict(state_dict)
     return dcp_load
@@ -129,6 +135,7 @@ class TrainState(Stateful):
         self.tokens_seen = 0
         self.skipped_steps = 0   # non-finite steps that updated nothing
         self.rng_source = rank   # whose saved RNG state a load takes (another when the world shrank/grew)
+        self.loaded_rng: dict[str, torch.Tensor] | None = None   # applied by restore_rng()
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": torch.tensor(self.step, dtype=torch.int64),
@@ -149,7 +156,15 @@ class TrainState(Stateful):
             raise CheckpointError(f"the checkpoint keeps rank {self.rank}'s RNG state pickled (written before "
                                   f"issue 19); it is not unpickled (arbitrary code); resume with the commit "
                                   f"that wrote it or start afresh")
-        restore_rng_state(state_dict[key])
+        self.loaded_rng = dict(state_dict[key])
+
+    def restore_rng(self) -> None:
+        """Apply the RNG states a load brought (no-op without one). Call it after everything that
+        draws at start-up and before the first step: the saved states are those after step N's
+        draws, and the start-up draws happen again on resume."""
+        if self.loaded_rng is not None:
+            restore_rng_state(self.loaded_rng)
+            self.loaded_rng = None
 
 
 def build_checkpointer(checkpoint, dump_folder: str, *, model: nn.Module, optimizers, lr_schedulers,
@@ -163,8 +178,8 @@ def build_checkpointer(checkpoint, dump_folder: str, *, model: nn.Module, optimi
         reliability: the `[mop.reliability]` section (resume_from_verified).
     """
     if checkpoint.last_save_in_hf:
-        raise ValueError("checkpoint.last_save_in_hf = true needs a state-dict adapter, which mop_train "
-                         "models do not have; set it to false")
+        raise ValueError("checkpoint.last_save_in_hf = true is not implemented (no in-run HF save); set it "
+                         "to false and run `mop-train export` on the saved checkpoint")
     manager = CheckpointManager(dataloader=SafeDataloaderState(dataloader), model_parts=[model],
                                 optimizers=optimizers, lr_schedulers=lr_schedulers,
                                 states={"train_state": train_state}, checkpoint_config=checkpoint,
@@ -182,7 +197,8 @@ class Checkpointer:
         self.manager, self.model, self.optimizers, self.device = manager, model, optimizers, device
         self.fallback = fallback
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.note: str | None = None  # set by load when it fell back to an older checkpoint
+        self.note: str | None = None  # set by load: saves it skipped, or the fallback it took
+        self.last_saved: str | None = None  # the newest complete checkpoint of this run (loaded or saved)
 
     @property
     def folder(self) -> str:
@@ -201,8 +217,13 @@ class Checkpointer:
         """Resume from the verified checkpoint `step` (-1: the newest); False when there is none."""
         if not self.manager.enable or not os.path.isdir(self.folder):
             return self.manager.load(step=step)   # torchtitan's initial_load_path, if any
-        chosen, self.note = integrity.choose_step(self.folder, step, fallback=self.fallback,
-                                                  rank=self.rank, world=self.world)
+        resume = integrity.choose_step(self.folder, step, fallback=self.fallback, rank=self.rank,
+                                       world=self.world)
+        chosen, notes = resume.step, [resume.note] if resume.note else []
+        if resume.incomplete:
+            moved = integrity.set_aside(self.folder, resume.incomplete, rank=self.rank, world=self.world)
+            notes.insert(0, integrity.describe_skipped(self.folder, resume.incomplete, moved, chosen))
+        self.note = "\n".join(notes) or None
         if chosen == -1:
             return False
         self._match_saved_world(os.path.join(self.folder, f"step-{chosen}"))
@@ -210,7 +231,9 @@ class Checkpointer:
         if not state_is_finite(self._state_tensors(), self.device):
             raise CheckpointError(f"checkpoint {self.folder}/step-{chosen} passed its checksums but holds "
                                   f"NaN/inf in the model or optimizer state (saved before manifests "
-                                  f"existed?); resume from an older step with --checkpoint.load_step")
+                                  f"existed?); resume from an older step with --checkpoint.load_step",
+                                  agreed=True)
+        self.last_saved = os.path.join(self.folder, f"step-{chosen}")
         return loaded
 
     def _match_saved_world(self, folder: str) -> None:
@@ -238,7 +261,8 @@ class Checkpointer:
         wait_for_weights(self.optimizers)
         if not state_is_finite(self._state_tensors(), self.device):
             raise CheckpointError(f"step {step}: the model or optimizer state holds NaN/inf; not saving it "
-                                  f"(the newest checkpoint in {self.folder} is the last finite state)")
+                                  f"(the newest checkpoint in {self.folder} is the last finite state)",
+                                  agreed=True)
         folder = m._create_checkpoint_id(step)
         if self.rank == 0 and os.path.isdir(folder):  # a re-save: never leave old files beside new ones
             shutil.rmtree(folder)
@@ -250,6 +274,8 @@ class Checkpointer:
         finally:
             m.last_save_model_only = model_only
         integrity.write_manifest(folder, rank=self.rank, world=self.world)
+        if not (m.last_save_model_only and last_step and not resumable):
+            self.last_saved = folder   # a model-only last save cannot be resumed from
         if last_step or resumable:  # torchtitan's last-step save skips the purge
             m._purge_stale_checkpoints()
         return True

@@ -3,9 +3,11 @@
     tokenizer = build_tokenizer(cfg.model.hf_assets_path, cache_dir=...)
     dataloader = build_dataloader(cfg.training, tokenizer, dp_rank, dp_world_size, cache_dir=...)
 
-Sources (`[training] dataset`, with `dataset_path`):
+Sources (`[training] dataset`, with `dataset_path`; `[validation]` takes the same):
   "embedded"                   a corpus built from the Python standard library's own .py sources
-                               (ships with every Python; no file outside the install is read)
+                               (ships with every Python; no file outside the install is read):
+                               training reads its top-level modules, validation its held-out split,
+                               the modules of the packages HELD_OUT_PACKAGES, which training never reads
   "jsonl" | "parquet" | "text" local files: one file, a directory of them, or a glob
   "hub"                        `datasets.load_dataset(dataset_path)`: a hub id or a local dataset repo
 Tokenizer (`[model] hf_assets_path`): "embedded" (a byte-level BPE of 2048 tokens trained once on the
@@ -47,6 +49,9 @@ LOCAL_FORMATS = {"jsonl": ("json", (".jsonl", ".json", ".jsonl.gz", ".json.gz"))
                  "text": ("text", (".txt", ".text", ".md"))}
 SOURCES = (EMBEDDED, *LOCAL_FORMATS, "hub")
 _ASSETS_VERSION = "1"  # bump when the corpus or tokenizer recipe changes
+HELD_OUT_PACKAGES = ("json", "html", "urllib", "http")
+"""Standard-library packages whose modules form the embedded corpus's held-out (validation) split:
+training reads only top-level modules, so the two never share a document (about 0.5 MB of text)."""
 
 
 def default_cache_dir() -> str:
@@ -70,6 +75,23 @@ def _stdlib_documents() -> list[str]:
     if not docs:
         raise ValueError(f"found no .py sources under the standard library folder {stdlib!r}; "
                          f"use [training] dataset = \"jsonl\" with a dataset_path instead")
+    return docs
+
+
+def _held_out_documents() -> list[str]:
+    """The .py files of the HELD_OUT_PACKAGES of this Python's standard library, in sorted order."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    paths = sorted(p for pkg in HELD_OUT_PACKAGES for p in glob.glob(os.path.join(stdlib, pkg, "*.py")))
+    docs = []
+    for path in paths:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        if text.strip():
+            docs.append(text)
+    if not docs:
+        raise ValueError(f"found none of the standard library packages {HELD_OUT_PACKAGES} under {stdlib!r} "
+                         f"for the embedded validation split; use [validation] dataset = \"jsonl\" with a "
+                         f"dataset_path instead")
     return docs
 
 
@@ -117,13 +139,41 @@ def embedded_assets(cache_dir: str) -> str:
     return folder
 
 
+def embedded_validation_corpus(cache_dir: str) -> str:
+    """Write (once) and return the held-out split's corpus file, `<cache_dir>/embedded-validation-<hash>.jsonl`
+    (its own file: the training corpus, its folder and the tokenizer are those of runs before it)."""
+    docs = _held_out_documents()
+    digest = hashlib.sha256(_ASSETS_VERSION.encode())
+    for doc in docs:
+        digest.update(doc.encode())
+    path = os.path.join(cache_dir, f"embedded-validation-{digest.hexdigest()[:16]}.jsonl")
+    if os.path.isfile(path):
+        return path
+    os.makedirs(cache_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".embedded-validation-", dir=cache_dir)
+    try:
+        with os.fdopen(fd, "w") as f:
+            for doc in docs:
+                f.write(json.dumps({"text": doc}) + "\n")
+        os.replace(tmp, path)  # concurrent writers write the same bytes
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
 # ------------------------------------------------------------------------------------------------
 # Tokenizer
 # ------------------------------------------------------------------------------------------------
 
+def tokenizer_folder(hf_assets_path: str, *, cache_dir: str) -> str:
+    """The folder the tokenizer is read from: the embedded one's build folder, or `hf_assets_path`."""
+    return embedded_assets(cache_dir) if hf_assets_path == EMBEDDED else hf_assets_path
+
+
 def build_tokenizer(hf_assets_path: str, *, cache_dir: str) -> HuggingFaceTokenizer:
     """torchtitan's HF tokenizer from `hf_assets_path` ("embedded" or a folder with tokenizer.json)."""
-    path = embedded_assets(cache_dir) if hf_assets_path == EMBEDDED else hf_assets_path
+    path = tokenizer_folder(hf_assets_path, cache_dir=cache_dir)
     if not os.path.isdir(path):
         raise ValueError(f"model.hf_assets_path = {path!r} is not a folder; point it at a folder holding "
                          f"tokenizer.json, or set it to \"{EMBEDDED}\" for the built-in tokenizer")
@@ -142,7 +192,7 @@ def build_tokenizer(hf_assets_path: str, *, cache_dir: str) -> HuggingFaceTokeni
 # Dataset
 # ------------------------------------------------------------------------------------------------
 
-def _local_files(path: str, fmt: str) -> list[str]:
+def _local_files(path: str, fmt: str, section: str = "training") -> list[str]:
     _, suffixes = LOCAL_FORMATS[fmt]
     if os.path.isdir(path):
         files = sorted(p for p in glob.glob(os.path.join(path, "**", "*"), recursive=True)
@@ -152,29 +202,35 @@ def _local_files(path: str, fmt: str) -> list[str]:
     else:
         files = sorted(glob.glob(path))
     if not files:
-        raise ValueError(f"training.dataset_path = {path!r} names no {fmt} file (looked for "
+        raise ValueError(f"{section}.dataset_path = {path!r} names no {fmt} file (looked for "
                          f"{', '.join(suffixes)}); pass an existing file, folder or glob")
     return files
 
 
-def load_documents(source: str, path: str | None, *, cache_dir: str, text_column: str = "text"):
-    """Load the raw documents as a `datasets` Dataset (or IterableDataset for "hub")."""
+def load_documents(source: str, path: str | None, *, cache_dir: str, text_column: str = "text",
+                   section: str = "training"):
+    """Load the raw documents as a `datasets` Dataset (or IterableDataset for "hub").
+
+    `section`: "training", or "validation" (the embedded source then reads its held-out split;
+    error messages name the section's keys)."""
     from datasets import load_dataset
     from datasets.utils.logging import disable_progress_bar
 
     disable_progress_bar()
 
     if source not in SOURCES:
-        raise ValueError(f"training.dataset = {source!r} is not a known source; use one of {SOURCES}")
+        raise ValueError(f"{section}.dataset = {source!r} is not a known source; use one of {SOURCES}")
     if source != EMBEDDED and not path:
-        raise ValueError(f"training.dataset = {source!r} needs training.dataset_path "
+        raise ValueError(f"{section}.dataset = {source!r} needs {section}.dataset_path "
                          f"(a file, folder or glob{'; or a hub id' if source == 'hub' else ''})")
     if source == "hub":
         files = None
+    elif source == EMBEDDED and section == "validation":
+        files = [embedded_validation_corpus(cache_dir)]
     elif source == EMBEDDED:
         files = [os.path.join(embedded_assets(cache_dir), "corpus.jsonl")]
     else:
-        files = _local_files(path, source)
+        files = _local_files(path, source, section)
     try:
         if files is None:
             ds = load_dataset(path, split="train", streaming=True)
@@ -182,7 +238,7 @@ def load_documents(source: str, path: str | None, *, cache_dir: str, text_column
             builder = "json" if source == EMBEDDED else LOCAL_FORMATS[source][0]
             ds = load_dataset(builder, data_files=files, split="train")
     except Exception as err:  # datasets reports parse failures through several exception types
-        raise ValueError(f"could not read training.dataset_path = {path or files[0]!r} as {source}: "
+        raise ValueError(f"could not read {section}.dataset_path = {path or files[0]!r} as {source}: "
                          f"{type(err).__name__}: {err}") from None
     columns = ds.column_names
     if columns is not None and text_column not in columns:
@@ -204,14 +260,14 @@ class PackedTextDataset(HuggingFaceTextDataset):
     """
 
     def __init__(self, docs, tokenizer, *, seq_len: int, dp_rank: int, dp_world_size: int,
-                 rows_per_rank: int, text_column: str = "text", name: str = "documents"):
+                 rows_per_rank: int, text_column: str = "text", name: str = "documents", infinite: bool = True):
         if rows_per_rank < 1:
             raise ValueError(f"training.local_batch_size = {rows_per_rank} must be >= 1")
         self.dataset_name = name
         self._data = docs
         self._tokenizer = tokenizer
         self.seq_len = seq_len
-        self.infinite = True
+        self.infinite = infinite          # False: one pass over the documents (validation.steps = -1)
         self._text_processor = operator.itemgetter(text_column)
         self._sample_idx = 0
         self._token_buffer: list[int] = []
@@ -248,3 +304,22 @@ def build_dataloader(training, tokenizer, dp_rank: int, dp_world_size: int, *,
                                 text_column=text_column, name=training.dataset_path or training.dataset)
     return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,
                                    batch_size=training.local_batch_size, **asdict(training.dataloader))
+
+
+def build_validation_dataloader(validation, docs, tokenizer, dp_rank: int, dp_world_size: int, *,
+                                text_column: str = "text") -> ParallelAwareDataloader:
+    """A fresh dataloader over the held-out `docs` from their first document, yielding ({"input":
+    tokens [B, S]}, labels [B, S]) for this rank; packed like training's (the same global batches
+    whatever the layout). It loops over the documents when validation.steps > 0 (torchtitan's
+    rule) and makes one pass for -1.
+
+    Args:
+        validation: the `[validation]` section (local_batch_size, seq_len, steps, dataloader).
+        docs: `load_documents(..., section="validation")`, loaded once per run.
+    """
+    dataset = PackedTextDataset(docs, tokenizer, seq_len=validation.seq_len, dp_rank=dp_rank,
+                                dp_world_size=dp_world_size, rows_per_rank=validation.local_batch_size,
+                                text_column=text_column, name=validation.dataset_path or validation.dataset,
+                                infinite=validation.steps != -1)
+    return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,
+                                   batch_size=validation.local_batch_size, **asdict(validation.dataloader))

@@ -2,13 +2,17 @@
 
     write_manifest(folder, rank=r, world=W)          # every rank, after the DCP save returned
     problems = verify(folder, rank=r, world=W)       # every rank; the same list everywhere
-    step, note = choose_step(base, requested, ...)   # the checkpoint to resume from, or an error
+    resume = choose_step(base, requested, ...)       # the checkpoint to resume from, or an error
+    moved = set_aside(base, resume.incomplete, ...)  # saves cut short: out of torchtitan's sight
 
 `{base}/step-N/manifest.json` lists every file of the checkpoint (every rank's `.distcp` shards
 and `.metadata`) with its size and SHA-256. The files are hashed by all ranks (file i by rank
 i mod W) and rank 0 writes the manifest last, atomically, so a folder without one is not a
 complete checkpoint, whatever `.metadata` says: torchtitan 0.2.2 takes `.metadata` alone as
 complete, and a re-save that dies before its commit leaves an old `.metadata` beside new data.
+A resume skips such folders (newest first) and renames them out of torchtitan's `step-N` pattern;
+a complete checkpoint whose bytes differ from its manifest is refused (exit 4) unless asked to
+fall back to an older verified one.
 
 Legend: W ranks.
 """
@@ -19,6 +23,7 @@ import hashlib
 import json
 import os
 import re
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
@@ -108,35 +113,93 @@ def step_folders(base: str) -> list[int]:
     return sorted(int(m.group(1)) for n in os.listdir(base) if (m := re.fullmatch(r"step-(\d+)", n)))
 
 
-def choose_step(base: str, requested: int, *, fallback: bool, rank: int, world: int) -> tuple[int, str | None]:
-    """The step to resume from (-1: none) and a note for the log; raises ValueError when the
-    checkpoint to resume from fails verification (CheckpointError naming the files, and the newest
-    older one that passes) unless `fallback` takes that one.
+@dataclass(frozen=True)
+class Resume:
+    """What `choose_step` decided: the step to load (-1: none), a note for the log, and the newer
+    step folders skipped because they hold no manifest (saves cut short: never checkpoints)."""
 
-    Args:
-        requested: checkpoint.load_step (-1: the newest step folder).
+    step: int
+    note: str | None = None
+    incomplete: tuple[int, ...] = ()
+
+
+def choose_step(base: str, requested: int, *, fallback: bool, rank: int, world: int) -> Resume:
+    """The checkpoint to resume from; raises CheckpointError when it fails verification (naming
+    the files, and the newest older one that passes) unless `fallback` takes that one.
+
+    With `requested` = -1 (checkpoint.load_step's default: the newest), step folders without a
+    manifest, newest first, are skipped (`Resume.incomplete`): a save that was cut short (torchrun's
+    SIGKILL 30 s after SIGTERM, a crash mid-save) never became a checkpoint. A complete checkpoint
+    whose bytes do not match its manifest is refused. A folder named by `requested` must verify.
     """
     steps = step_folders(base)
     if not steps:
-        return -1, None
-    step = max(steps) if requested == -1 else requested
-    folder = os.path.join(base, f"step-{step}")
-    if not os.path.isdir(folder):
-        raise ValueError(f"checkpoint.load_step = {requested} but {folder} does not exist; "
+        return Resume(-1)
+    if requested != -1 and requested not in steps:
+        raise ValueError(f"checkpoint.load_step = {requested} but {_folder(base, requested)} does not exist; "
                          f"available steps: {steps}")
-    problems = verify(folder, rank=rank, world=world)
+    incomplete: list[int] = []
+    if requested == -1:
+        for s in reversed(steps):
+            if os.path.isfile(os.path.join(_folder(base, s), MANIFEST)):
+                break
+            incomplete.append(s)
+        if len(incomplete) == len(steps):
+            return Resume(-1, None, tuple(incomplete))
+    step = requested if requested != -1 else steps[len(steps) - 1 - len(incomplete)]
+    problems = verify(_folder(base, step), rank=rank, world=world)
     if not problems:
-        return step, None
+        return Resume(step, None, tuple(incomplete))
     older = next((s for s in reversed(steps) if s < step
-                  and not verify(os.path.join(base, f"step-{s}"), rank=rank, world=world)), None)
+                  and not verify(_folder(base, s), rank=rank, world=world)), None)
+    folder = _folder(base, step)
     head = f"checkpoint {folder} failed verification: " + "; ".join(problems[:5]) + (
         f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
     if older is None:
         raise CheckpointError(f"{head}. No older complete, verified checkpoint exists in {base}; move {folder} "
-                         f"away to start afresh")
+                              f"away to start afresh", agreed=True)
     if fallback:
-        return older, (f"{head}; resuming from {os.path.join(base, f'step-{older}')}, the newest complete "
-                       f"verified checkpoint (mop.reliability.resume_from_verified)")
-    raise CheckpointError(f"{head}. The newest complete, verified checkpoint is {os.path.join(base, f'step-{older}')}: "
-                     f"resume from it with --mop.reliability.resume_from_verified (or --checkpoint.load_step "
-                     f"{older})")
+        return Resume(older, f"{head}; resuming from {_folder(base, older)}, the newest complete verified "
+                             f"checkpoint (mop.reliability.resume_from_verified)", tuple(incomplete))
+    raise CheckpointError(f"{head}. The newest complete, verified checkpoint is {_folder(base, older)}: resume "
+                          f"from it with --mop.reliability.resume_from_verified (or --checkpoint.load_step "
+                          f"{older})", agreed=True)
+
+
+def _folder(base: str, step: int) -> str:
+    return os.path.join(base, f"step-{step}")
+
+
+SET_ASIDE = "incomplete-{step}"
+"""Where `set_aside` moves an incomplete `step-N` folder: a name torchtitan's `step-(\d+)` search
+(its load and its keep_latest_k purge) does not match, so it neither takes nor counts it."""
+
+
+def set_aside(base: str, steps: tuple[int, ...], *, rank: int, world: int) -> list[str]:
+    """Rank 0 renames each incomplete `{base}/step-N` to `{base}/incomplete-N` (`incomplete-N.K`
+    when that exists) once every rank has decided; returns the new paths (rank 0's, on every rank)."""
+    if world > 1:
+        dist.barrier()   # every rank has looked at the folders before any is renamed
+    moved: list = [None]
+    if rank == 0:
+        moved[0] = []
+        for step in steps:
+            target, k = os.path.join(base, SET_ASIDE.format(step=step)), 1
+            while os.path.exists(target + (f".{k}" if k > 1 else "")):
+                k += 1
+            target += f".{k}" if k > 1 else ""
+            os.rename(_folder(base, step), target)
+            moved[0].append(target)
+    if world > 1:
+        dist.broadcast_object_list(moved, src=0)
+    return moved[0]
+
+
+def describe_skipped(base: str, steps: tuple[int, ...], moved: list[str], taken: int) -> str:
+    """The one log line that says which incomplete saves a resume skipped and what it took."""
+    names = ", ".join(f"step-{s}" for s in steps)
+    where = ", ".join(moved)
+    took = (f"resuming from {_folder(base, taken)}" if taken != -1 else
+            "no complete checkpoint remains, so training starts from step 0")
+    return (f"skipped {names} in {base}: no {MANIFEST}, a save cut short that never became a checkpoint "
+            f"(moved aside to {where}; delete it when not needed); {took}")

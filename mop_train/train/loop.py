@@ -24,6 +24,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -33,21 +34,31 @@ from mop_train.config import load_job_config
 from mop_train.models import zoo
 from mop_train.models.document_mask import document_ids
 from mop_train.parallel.apply import dispatch_metrics
+from mop_train.parallel.fake_world import COMM_MODE as FAKE_MODE
+from mop_train.parallel.fake_world import fake_world_from_env, fake_world_note, in_fake_world, init_fake_world
 from mop_train.parallel.sharding import (clip_coefficient, clip_grads_with_norm_, reduce_replica_grads,
                                          total_grad_norm)
 from mop_train.train.build import ModelParts, Run, build_run
 from mop_train.train.loss import IGNORE_INDEX
 from mop_train.train.optim import grad_streams
 from mop_train.train.metrics import DeviceSpan, MetricLogger, flops_per_token, peak_tflops
+from mop_train.train.profiling import RunProfiler
 from mop_train.train.reliability import (CollectiveTimeout, DumpFolderLock, DumpFolderLocked, Fault,
                                          NonFiniteGuard, StepVerdict, StopFlag, StopRequested,
                                          exit_with_parent, install_a2a_split_check, is_timeout,
                                          set_collective_timeout)
+from mop_train.train.validate import build_validator
 
 
-def init_distributed(timeout_s: float = 300) -> torch.device:
-    """Join the torchrun world, or make a world of one (in-memory store) under plain python.
+def init_distributed(timeout_s: float = 300, comm_mode: str = "default") -> torch.device:
+    """Join the torchrun world, or make a world of one (in-memory store) under plain python; with
+    comm_mode "fake_backend", join a fake world as rank RANK of WORLD_SIZE on the local GPU (or CPU).
     `timeout_s`: how long a collective may wait before it fails (comm.init_timeout_seconds)."""
+    if comm_mode == FAKE_MODE:
+        world_size, rank = fake_world_from_env()
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        init_fake_world(world_size, rank, device, timeout_s)
+        return device
     single = "RANK" not in os.environ
     kwargs = dict(store=dist.HashStore(), rank=0, world_size=1) if single else {}
     kwargs["timeout"] = timedelta(seconds=timeout_s)
@@ -163,40 +174,50 @@ def lock_dump_folder(cfg) -> DumpFolderLock | None:
     """Rank 0 takes the dump folder's lock; every rank raises DumpFolderLocked when it is held."""
     if not cfg.mop.reliability.lock_dump_folder:
         return None
-    lock, outcome = DumpFolderLock(cfg.job.dump_folder), [None, None]
-    if dist.get_rank() == 0:
+    lock, outcome, alone = DumpFolderLock(cfg.job.dump_folder), [None, None], in_fake_world()
+    if dist.get_rank() == 0 or alone:  # a fake world's one process takes it and tells no one
         try:
             outcome[0] = lock.acquire()
         except DumpFolderLocked as err:
             outcome[1] = str(err)
-    dist.broadcast_object_list(outcome, src=0)
+    if not alone:
+        dist.broadcast_object_list(outcome, src=0)
     if outcome[1] is not None:
         raise DumpFolderLocked(outcome[1])
-    if outcome[0] and dist.get_rank() == 0:
+    if outcome[0] and (dist.get_rank() == 0 or alone):
         print(outcome[0], flush=True)
     return lock
 
 
-def train(cfg, device: torch.device, stop: StopFlag) -> None:
-    """Build the run (mop_train.train.build), run its steps, and say where its outputs are."""
+def train(cfg, device: torch.device, stop: StopFlag, *, model_args=None) -> None:
+    """Build the run (mop_train.train.build), run its steps, and say where its outputs are.
+    `model_args`: MoEModelArgs replacing model.flavor's (benchmarks and tests: a variant of a zoo model)."""
     lock = lock_dump_folder(cfg)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        run = build_run(cfg, device)
-        metrics = MetricLogger(cfg.metrics, cfg.job.dump_folder, rank=rank, device=device,
-                               run_config=cfg.to_dict())
-        args = run.spec.args
-        flops = flops_per_token(run.spec.active_params, args.vocab_size * args.dim, args.n_layers, args.n_heads,
-                                args.qk_head_dim, cfg.training.seq_len)
-        guards = StepGuards(NonFiniteGuard(cfg.mop.reliability, rank=rank, world=world, device=device), stop,
+        logs = rank == 0 or in_fake_world()           # a fake world's one process is its own log
+        profiler = RunProfiler(cfg.profiling, cfg.job.dump_folder, rank=rank, device=device)  # checked first
+        run = build_run(cfg, device, model_args=model_args)
+        validator = build_validator(cfg, run, prepare=partial(_micro_batch, layout=run.layout, device=device,
+                                                              eos_id=run.eos_id))
+        metrics = MetricLogger(cfg.metrics, cfg.job.dump_folder, rank=0 if logs else rank, device=device,
+                               run_config=cfg.to_dict(), total_steps=cfg.training.steps,
+                               resume_step=run.train_state.step)
+        if metrics.note:
+            print(metrics.note, flush=True)
+        flops = flops_per_token(run.spec.args, cfg.training.seq_len, active_params=run.spec.active_params)
+        guards = StepGuards(NonFiniteGuard(cfg.mop.reliability, rank=rank, world=world, device=device,
+                                           last_checkpoint=lambda: run.checkpointer.last_saved), stop,
                             run.schedule_steps, Fault.from_env())
         try:
-            run_steps(cfg, run, metrics, device=device, flops_per_token=flops, guards=guards)
+            with profiler.running(start_step=run.train_state.step):
+                run_steps(cfg, run, metrics, device=device, flops_per_token=flops, guards=guards,
+                          validator=validator, profiler=profiler)
         finally:
             metrics.close()
             run.checkpointer.close()
-        if rank == 0:
-            print(f"done: metrics in {metrics.jsonl_path}"
+        if logs:
+            print((f"{fake_world_note()}\n" if in_fake_world() else "") + f"done: metrics in {metrics.jsonl_path}"
                   + (f", TensorBoard events in {metrics.tb_dir}" if cfg.metrics.enable_tensorboard else "")
                   + (f", W&B run in {metrics.wandb_dir}" if cfg.metrics.enable_wandb else "")
                   + (f", checkpoints in {run.checkpointer.folder}" if cfg.checkpoint.enable else ""), flush=True)
@@ -205,15 +226,21 @@ def train(cfg, device: torch.device, stop: StopFlag) -> None:
             lock.release()
 
 
-def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards: StepGuards) -> None:
+def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards: StepGuards,
+              validator=None, profiler: RunProfiler | None = None) -> None:
     """Steps from the run's position to training.steps: one `train_step` each, metrics at the log
     interval (and on a skipped step), checkpoints at the checkpointer's interval; a collective that
-    times out names the step's phase, a stop signal saves and stops at the step boundary."""
+    times out names the step's phase, a stop signal saves and stops at the step boundary.
+    `validator` (mop_train.train.validate) scores the held-out batches at its steps, logged in the
+    step's record (its time left out of tokens/s); `profiler` (mop_train.train.profiling) is told
+    each step's end."""
     steps, peak, sco = cfg.training.steps, peak_tflops(device), run.parts.sco
     train_state, checkpointer, optimizers = run.train_state, run.checkpointer, run.optimizers
     micro_batches = run.micro_batches
-    batches = iter(run.dataloader)
-    window_start, window_tokens, timeout_set = time.perf_counter(), 0, False
+    batches = iter(run.dataloader)        # draws its seed from the torch CPU generator
+    train_state.restore_rng()             # so a resumed run's generators continue where they were saved
+    window_start, window_tokens = time.perf_counter(), 0
+    timeout_set = in_fake_world()  # a fake world's collectives never wait: no timeout to set
     while train_state.step < steps:
         train_state.step += 1
         step = train_state.step
@@ -240,7 +267,9 @@ def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards:
         train_state.tokens_seen += n_tokens
         window_tokens += n_tokens
         last = step == steps
-        if metrics.should_log(step, last) or verdict.skip:
+        validation = validator.run(step) if validator and validator.due(step) and not verdict.stop_requested else {}
+        window_start += validation.get("validation/s", 0.0)               # tokens/s: training time only
+        if metrics.should_log(step, last) or verdict.skip or validation:
             loss_sum = out["loss_sum"].clone()
             dist.all_reduce(loss_sum)
             if device.type == "cuda":
@@ -262,11 +291,16 @@ def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards:
             if sco is not None:
                 values.update({f"sco_{k}": v for k, v in sco.last_step_stats().items()})
             values.update({f"moe_{k}": v for k, v in out["dispatch"].items()})
+            values.update(validation)
+            if in_fake_world():
+                values["fake_world"] = fake_world_note()
             metrics.log(step, values)
             window_start, window_tokens = time.perf_counter(), 0
         if verdict.stop_requested:
             stop_cleanly(cfg, checkpointer, step)
         checkpointer.save(step, last_step=last)
+        if profiler is not None:
+            profiler.step(step)
 
 
 def exposed_optimizer_seconds(optimizers) -> float | None:
@@ -284,20 +318,20 @@ def stop_cleanly(cfg, checkpointer, step: int) -> None:
                            "mop.reliability.save_on_sigterm = false)"))
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, *, model_args=None) -> None:
     init_logger()
     logger.setLevel("ERROR")  # torchtitan warns that hf_assets_path = "embedded" is not a folder
-    cfg = load_job_config(argv, model_flavors=zoo.names())
+    cfg = load_job_config(argv, model_flavors=zoo.names(), world_size=int(os.environ.get("WORLD_SIZE", "1")))
     logger.setLevel("INFO")
     warnings.filterwarnings("ignore", message=".*set_vital.*")
     exit_with_parent()
     stop = StopFlag().install()
-    device = init_distributed(cfg.comm.init_timeout_seconds)
+    device = init_distributed(cfg.comm.init_timeout_seconds, cfg.comm.mode)
     if cfg.mop.reliability.check_a2a_splits:
         install_a2a_split_check()
-    if dist.get_rank() != 0:
+    if dist.get_rank() != 0 and not in_fake_world():
         logger.setLevel("WARNING")
     try:
-        train(cfg, device, stop)
+        train(cfg, device, stop, model_args=model_args)
     finally:
         dist.destroy_process_group()

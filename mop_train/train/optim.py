@@ -32,7 +32,7 @@ from torchtitan.distributed import ParallelDims
 
 from mop_train.units import parse_device_fraction
 
-OFFLOAD_ADAMW = "OffloadStreamAdamW"
+from mop_train.ops.offload_adamw import OFFLOAD_ADAMW  # noqa: F401  (re-exported for the loop)
 TITAN_OPTIMIZERS = ("AdamW", "Adam")
 
 __all__ = ["build_optimizers", "build_lr_schedulers", "resolve_device_fraction", "free_device_bytes",

@@ -38,20 +38,26 @@ EXIT_LOCKED = 7        # another live job holds the dump folder
 
 
 class TrainingStop(Exception):
-    """Ends training with `exit_code`; the message is the same on every rank (rank 0 prints it)
-    unless `every_rank` (a message that differs by rank)."""
+    """Ends training with `exit_code`. `agreed`: every rank raises it with the same message after
+    a collective decision (an all-reduce or a broadcast), so rank 0 alone prints it and the others
+    leave at once; otherwise a rank other than 0 waits before printing (mop_train.train.__main__).
+    `every_rank`: a message that differs by rank, printed by each."""
 
     exit_code = 1
     every_rank = False
+    agreed = False
 
-    def __init__(self, message: str, exit_code: int | None = None):
+    def __init__(self, message: str, exit_code: int | None = None, *, agreed: bool | None = None):
         super().__init__(message)
         if exit_code is not None:
             self.exit_code = exit_code
+        if agreed is not None:
+            self.agreed = agreed
 
 
 class NonFiniteError(TrainingStop):
     exit_code = EXIT_NONFINITE
+    agreed = True          # from the all-reduced step verdict
 
 
 class CheckpointError(TrainingStop):
@@ -60,10 +66,12 @@ class CheckpointError(TrainingStop):
 
 class StopRequested(TrainingStop):
     exit_code = EXIT_STOPPED
+    agreed = True          # from the all-reduced step verdict
 
 
 class DumpFolderLocked(TrainingStop):
     exit_code = EXIT_LOCKED
+    agreed = True          # rank 0's outcome, broadcast
 
 
 class CollectiveTimeout(TrainingStop):
@@ -96,10 +104,14 @@ class StepVerdict:
 class NonFiniteGuard:
     """Judges each step on every rank alike and counts skips (see the module docstring)."""
 
-    def __init__(self, reliability, *, rank: int, world: int, device: torch.device):
+    def __init__(self, reliability, *, rank: int, world: int, device: torch.device,
+                 last_checkpoint=lambda: None):
         """Args:
             reliability: the `[mop.reliability]` section (on_nonfinite, max_consecutive_skips).
+            last_checkpoint: () -> the folder of the run's newest resumable checkpoint, or None
+                (named by the stop message).
         """
+        self.last_checkpoint = last_checkpoint
         self.on_nonfinite = reliability.on_nonfinite
         self.max_consecutive = reliability.max_consecutive_skips
         self.rank, self.world, self.device = rank, world, device
@@ -130,10 +142,14 @@ class NonFiniteGuard:
         why = ("mop.reliability.on_nonfinite = \"stop\"" if self.on_nonfinite == "stop" else
                f"{self.consecutive} non-finite steps in a row (mop.reliability.max_consecutive_skips = "
                f"{self.max_consecutive})")
-        raise NonFiniteError(f"non-finite {' and '.join(w for w in what if w)} at step {step}; "
-                             f"{first_nonfinite_grad(list(named_params), self.rank, self.world, self.device, grad_terms)}; stopping after "
-                             f"{why}. The last saved checkpoint holds finite state; lower optimizer.lr or "
-                             f"training.max_norm and resume from it")
+        saved = self.last_checkpoint()
+        advice = (f"The run's last checkpoint, {saved}, holds finite state: lower optimizer.lr or "
+                  f"training.max_norm and resume from it" if saved else
+                  "No checkpoint of this run has been saved (checkpoint.enable = false, or the run stopped "
+                  "before its first checkpoint.interval): lower optimizer.lr or training.max_norm and start again")
+        grad = first_nonfinite_grad(list(named_params), self.rank, self.world, self.device, grad_terms)
+        raise NonFiniteError(f"non-finite {' and '.join(w for w in what if w)} at step {step}; {grad}; "
+                             f"stopping after {why}. {advice}")
 
 
 def first_nonfinite_grad(named_params: list, rank: int, world: int, device: torch.device,

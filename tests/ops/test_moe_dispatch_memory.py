@@ -7,8 +7,14 @@ import math
 import random
 
 from mop_train.ops.moe_dispatch import EPOptions, LLEPOptions, PipelinedLLEPOptions
-from mop_train.ops.moe_dispatch.memory import routed_activation_bytes
+from mop_train.ops.moe_dispatch.memory import RoutedShapes, device_bound
 from tests.utils import fresh_seed
+
+
+def routed_activation_bytes(options, **shapes):
+    """The dispatch bound's (saved, working, how) as a tuple."""
+    bound = device_bound(options, RoutedShapes(**shapes))
+    return bound.saved, bound.working, bound.how
 
 
 def _shape(rng):

@@ -19,7 +19,7 @@ from mop_train.models import zoo
 from mop_train.ops.moe_dispatch import PipelinedLLEPOptions
 from mop_train.parallel.parallelize import (ParallelizeOptions, check_layout_fits, check_titan_parallelism,
                                             checkpointed_layer_ids)
-from mop_train.train.plan import check_host_memory, host_memory_plan
+from mop_train.plan.terms import check_host_memory, host_memory_plan
 from tests.utils import assert_close, fresh_seed
 
 

@@ -30,6 +30,32 @@ def test_metrics_stay_strict_json():
     assert strict_json_record(clean) is clean
 
 
+def test_resumed_metrics_read_as_one_run(tmp_path):
+    """Resuming from step 4: records past it, and a line a crash cut short, move aside in order;
+    records up to 4 stay; nothing moves when nothing is past the step."""
+    from mop_train.train.metrics import supersede_records
+
+    path = str(tmp_path / "metrics.jsonl")
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 4, 5, 6)]
+    with open(path, "w") as f:
+        f.writelines(lines + ['{"step": 7, "lo'])           # the crash cut the last record short
+    note = supersede_records(path, after_step=4)
+    assert open(path).readlines() == lines[:3]
+    (aside,) = [n for n in os.listdir(tmp_path) if n.startswith("metrics.jsonl.superseded-")]
+    assert open(tmp_path / aside).read().splitlines() == [lines[3].strip(), lines[4].strip(), '{"step": 7, "lo']
+    for part in ("2 records past step 4 (steps 5-6)", "1 unreadable line", aside):
+        assert part in note, note
+    assert supersede_records(path, after_step=4) is None and open(path).readlines() == lines[:3]
+
+
+def test_log_line_says_step_of_total_elapsed_and_eta():
+    record = {"step": 120, "total_steps": 200, "run_elapsed_s": 83.4, "eta_s": 55.6, "loss": 2.5,
+              "grad_norm": 0.5, "lr": 1e-3, "tokens_per_s": 100.0, "peak_mem_gib": 0.5}
+    assert format_line(record).startswith("step 120/200  elapsed 0:01:23  eta 0:00:56  loss 2.5000")
+    assert format_line({**record, "step": 7}).startswith("step   7/200  ")
+    assert format_line({**record, "eta_s": None}).startswith("step 120/200  elapsed 0:01:23  eta ?  ")
+
+
 def _fake_checkpoint(base, step: int) -> str:
     folder = os.path.join(base, f"step-{step}")
     os.makedirs(folder)
@@ -44,33 +70,57 @@ def test_manifest_catches_truncation_flips_and_missing_files(tmp_path):
     base = str(tmp_path / "checkpoint")
     older, newest = _fake_checkpoint(base, 2), _fake_checkpoint(base, 4)
     assert integrity.verify(newest, rank=0, world=1) == []
-    assert integrity.choose_step(base, -1, fallback=False, rank=0, world=1) == (4, None)
+    assert integrity.choose_step(base, -1, fallback=False, rank=0, world=1) == integrity.Resume(4)
     shard = os.path.join(newest, "__1_0.distcp")
     damages = {
         "truncated": lambda: os.truncate(shard, 3000),
         "SHA-256 differs": lambda: _flip_byte(shard, 4321),
         "missing": lambda: os.unlink(shard),
     }
-    for needle, damage in damages.items():
+    for needle, damage in damages.items():   # a complete checkpoint whose bytes differ: refused
         backup = open(shard, "rb").read() if os.path.exists(shard) else None
         damage()
         with pytest.raises(CheckpointError) as info:
             integrity.choose_step(base, -1, fallback=False, rank=0, world=1)
-        assert info.value.exit_code == 4
+        assert info.value.exit_code == 4 and info.value.agreed
         msg = str(info.value)
         for part in (needle, shard, newest, older, "--mop.reliability.resume_from_verified"):
             assert part in msg, f"{part!r} missing from: {msg}"
-        step, note = integrity.choose_step(base, -1, fallback=True, rank=0, world=1)
-        assert step == 2 and older in note
+        resume = integrity.choose_step(base, -1, fallback=True, rank=0, world=1)
+        assert resume.step == 2 and older in resume.note
         with open(shard, "wb") as f:
             f.write(backup)
-    # A folder with .metadata but no manifest (a save that died before its commit) is incomplete.
-    os.unlink(os.path.join(newest, integrity.MANIFEST))
-    with pytest.raises(CheckpointError, match="never completed"):
-        integrity.choose_step(base, -1, fallback=False, rank=0, world=1)
+    _flip_byte(shard, 4321)
     _flip_byte(os.path.join(older, "__0_0.distcp"), 10)
     with pytest.raises(CheckpointError, match="No older complete, verified checkpoint"):
         integrity.choose_step(base, -1, fallback=True, rank=0, world=1)
+
+
+def test_a_save_cut_short_is_skipped_not_refused(tmp_path):
+    """Folders without a manifest (.metadata or not: saves that died before their commit), newest
+    first, are skipped and set aside out of torchtitan's step-N pattern, named in one line with the
+    checkpoint taken; asked for by --checkpoint.load_step, such a folder is refused."""
+    base = str(tmp_path / "checkpoint")
+    _fake_checkpoint(base, 2)
+    for step in (4, 6):
+        os.unlink(os.path.join(_fake_checkpoint(base, step), integrity.MANIFEST))
+    os.unlink(os.path.join(base, "step-6", "__1_0.distcp"))
+    resume = integrity.choose_step(base, -1, fallback=False, rank=0, world=1)
+    assert resume == integrity.Resume(2, None, (6, 4))
+    with pytest.raises(CheckpointError, match="never completed"):
+        integrity.choose_step(base, 4, fallback=False, rank=0, world=1)
+    os.makedirs(os.path.join(base, "incomplete-4"))          # an earlier cut save at the same step
+    moved = integrity.set_aside(base, resume.incomplete, rank=0, world=1)
+    assert moved == [os.path.join(base, "incomplete-6"), os.path.join(base, "incomplete-4.2")]
+    assert integrity.step_folders(base) == [2] and all(os.path.isdir(m) for m in moved)
+    note = integrity.describe_skipped(base, resume.incomplete, moved, resume.step)
+    assert "\n" not in note
+    for part in ("step-6, step-4", "no manifest.json", *moved, os.path.join(base, "step-2")):
+        assert part in note, f"{part!r} missing from: {note}"
+    os.unlink(os.path.join(base, "step-2", integrity.MANIFEST))   # nothing complete left: start afresh
+    resume = integrity.choose_step(base, -1, fallback=False, rank=0, world=1)
+    assert resume == integrity.Resume(-1, None, (2,))
+    assert "starts from step 0" in integrity.describe_skipped(base, (2,), ["x"], -1)
 
 
 def _flip_byte(path: str, offset: int) -> None:
@@ -165,8 +215,10 @@ def _guards_worker(rank: int, world: int, folder: str) -> None:
     try:
         guard.after(verdict, step=7, named_params=list(model.named_parameters()))
     except NonFiniteError as err:
-        for part in ("step 7", f"loss on rank(s) [{world - 1}]", "first non-finite gradient: bias (rank 1)"):
+        for part in ("step 7", f"loss on rank(s) [{world - 1}]", "first non-finite gradient: bias (rank 1)",
+                     "No checkpoint of this run has been saved"):
             assert part in str(err), str(err)
+        assert "holds finite state" not in str(err) and err.agreed
     else:
         raise AssertionError("on_nonfinite = 'stop' did not stop")
     # A non-finite state is neither saved nor taken from a checkpoint.

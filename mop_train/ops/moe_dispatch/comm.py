@@ -32,6 +32,14 @@ def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def stands_for_identical_ranks(group) -> bool:
+    """True when `group` is a fake world's (`--comm.mode fake_backend`, mop_train.parallel.fake_world):
+    one process stands for every rank, each peer taken to hold this rank's data. A schedule whose
+    receive sizes depend on the sender's rank computes them itself then (the exchange can only
+    return this rank's own counts)."""
+    return bool(getattr(group, "stands_for_identical_ranks", False))
+
+
 def group_rank(group) -> int:
     """This rank's index in `group`; 0 for None."""
     return 0 if group is None else dist.get_rank(group)

@@ -109,7 +109,7 @@ def ep_experts_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
     send_splits = counts.view(P, E_l).sum(1).tolist()
     token = order // k                                             # [R]
     if stats is not None:
-        record_stats(stats, [int(recv_counts.sum())], group, x.device)
+        record_stats(stats, [int(recv_counts.sum())], group, x.device, chunk_sent=[sum(send_splits)])
     expert_fn = functools.partial(weighted_experts, w1=w1, w2=w2, w3=w3)
     out = exchange_and_compute(x[token], weights.reshape(-1)[order], send_splits, recv_counts,
                                expert_fn, group)                   # [R, H]

@@ -29,7 +29,8 @@ from mop_train.ops.moe_dispatch.chunked_experts import (ChunkExperts, ExpertGrad
                                                         TokenGradSum, TokenSource, in_backward,
                                                         slot_swiglu)
 from mop_train.ops.moe_dispatch.comm import (AllToAllStart, AllToAllWait, Ticket, all_gather_counts,
-                                             exchange_counts, group_rank, group_size, host_to_device)
+                                             exchange_counts, group_rank, group_size, host_to_device,
+                                             stands_for_identical_ranks)
 from mop_train.ops.moe_dispatch.ep import inverse_permutation, receive_order
 from mop_train.ops.moe_dispatch.llep_plan import LLEPPlan, llep_plan
 from mop_train.ops.moe_dispatch.local import local_experts_forward
@@ -151,6 +152,31 @@ class _Chunk:
     slot_counts: torch.Tensor    # [S] rows per slot (CPU)
 
 
+def _route_keys(flat, order, plan, C, chunk, source: int, P: int) -> torch.Tensor:
+    """[R] key (chunk * P + destination) * E + expert of each route, were these routes (expert-sorted
+    `order`) those of group rank `source`: the plan sends a route by its position in its expert's
+    source-major route list, so the destination depends on the source."""
+    E, device = C.shape[1], flat.device
+    dest = torch.empty_like(flat)
+    ranks, runs = plan.destination_runs(C, source)
+    dest[order] = torch.repeat_interleave(host_to_device(ranks, device), host_to_device(runs, device),
+                                          output_size=flat.numel())       # [R] plan destination
+    return (chunk * P + dest) * E + flat
+
+
+def _identical_ranks_recv_counts(flat, order, plan, C, chunk, num_chunks, P, rank) -> torch.Tensor:
+    """[P(src), K, E] what every source's plan sends `rank` when every source holds these routes (a
+    fake world, `stands_for_identical_ranks`): the count exchange there returns only our own row."""
+    E = C.shape[1]
+    rows = []
+    for source in range(P):
+        key = _route_keys(flat, order, plan, C, chunk, source, P)               # (chunk, dest, expert)
+        to_me = ((key // E) % P == rank).to(torch.int64)                         # no host sync
+        rows.append(torch.zeros(num_chunks * P * E, dtype=torch.int64, device=flat.device)
+                    .index_add_(0, key, to_me).view(num_chunks, P, E)[:, rank])  # [K, E]
+    return torch.stack(rows)
+
+
 def _plan_chunks(indices, plan, C, chunk_of_token, num_chunks, group) -> list[_Chunk]:
     """Route ids, split sizes and receive order of every chunk (one count exchange per layer)."""
     N, k = indices.shape
@@ -158,17 +184,16 @@ def _plan_chunks(indices, plan, C, chunk_of_token, num_chunks, group) -> list[_C
     E, device = C.shape[1], indices.device
     flat = indices.reshape(-1)                                               # [R]
     order = torch.argsort(flat, stable=True)                                 # expert-sorted routes
-    dest = torch.empty_like(flat)
-    ranks, runs = plan.destination_runs(C, rank)
-    dest[order] = torch.repeat_interleave(host_to_device(ranks, device), host_to_device(runs, device),
-                                          output_size=flat.numel())       # [R] plan destination
     chunk = chunk_of_token.to(device).repeat_interleave(k)                   # [R]
-    key = (chunk * P + dest) * E + flat                                      # (chunk, dest, expert)
+    key = _route_keys(flat, order, plan, C, chunk, rank, P)                  # (chunk, dest, expert)
     send_order = torch.argsort(key, stable=True)                             # [R]
     send_counts = torch.zeros(num_chunks * P * E, dtype=torch.int64, device=device)
     send_counts = send_counts.index_add_(0, key, torch.ones_like(key)).view(num_chunks, P, E)
     send_counts = send_counts.permute(1, 0, 2).contiguous()                 # [P(dst), K, E]
-    recv_counts = exchange_counts(send_counts, group)                        # [P(src), K, E]
+    if stands_for_identical_ranks(group):
+        recv_counts = _identical_ranks_recv_counts(flat, order, plan, C, chunk, num_chunks, P, rank)
+    else:
+        recv_counts = exchange_counts(send_counts, group)                    # [P(src), K, E]
     both = torch.stack([send_counts, recv_counts]).cpu()                     # the layer's second sync
     send_counts, recv_counts = both[0].permute(1, 0, 2), both[1]             # [K, P, E], [P, K, E]
     slots = slot_of_expert(plan, rank)
@@ -249,7 +274,7 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
         record_stats(stats, [sum(c.recv_splits) for c in chunks], group, x.device,
                      relocated_routes=plan.relocated_routes, migrated_experts=len(plan.transfers),
                      weight_transfer_bytes=len(plan.transfers) * copy_bytes,
-                     received_bound=received_bound)
+                     received_bound=received_bound, chunk_sent=[sum(c.send_splits) for c in chunks])
     if token_anchor is not None:
         y = y + token_anchor.to(y.dtype)
     return y + anchor.to(y.dtype)

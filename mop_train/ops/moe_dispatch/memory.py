@@ -22,16 +22,37 @@ E_l experts on this rank, c_eff tokens per chunk = ceil(N / K), K = min(ceil(N /
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from mop_train.ops.bound import DeviceBound
 from mop_train.ops.moe_dispatch.options import DispatchOptions, LLEPOptions, PipelinedLLEPOptions
 from mop_train.ops.moe_dispatch.pipelined_llep import max_received_bound, num_chunks
 
 
-def routed_activation_bytes(options: DispatchOptions | None, *, tokens: int, hidden: int, inter: int, top_k: int,
-                            group_size: int, local_experts: int, act_bytes: int) -> tuple[int, int, str]:
-    """(saved, transient, how): the bytes one MoE layer's routed experts save for backward on this
-    rank, the most they add while their backward runs, and the formula. `options`: the layer's
-    dispatch options (None: "local"), whose settings (c, K_max, alpha, threshold, m) size the bound."""
-    H, I, k = hidden, inter, top_k
+@dataclass(frozen=True)
+class RoutedShapes:
+    """One MoE layer's sizes on this rank, as the dispatch bound needs them."""
+    tokens: int             # N, this rank's token positions
+    hidden: int             # H
+    inter: int              # I, one expert's width
+    top_k: int              # k
+    group_size: int         # E_p (1 for "local")
+    local_experts: int      # E_l = E / E_p
+    act_bytes: int          # bytes per activation element (2 for bf16)
+
+
+def device_bound(options: DispatchOptions | None, shapes: RoutedShapes) -> DeviceBound:
+    """The bytes one MoE layer's routed experts save for backward on this rank (`saved`), the most
+    they add while their backward runs (`working`), and the formula. `options`: the layer's dispatch
+    options (None: "local"), whose settings (c, K_max, alpha, threshold, m) size the bound."""
+    saved, transient, how = _routed_bytes(options, shapes)
+    return DeviceBound(saved, transient, how)
+
+
+def _routed_bytes(options: DispatchOptions | None, shapes: RoutedShapes) -> tuple[int, int, str]:
+    tokens, group_size, local_experts, act_bytes = (shapes.tokens, shapes.group_size, shapes.local_experts,
+                                                    shapes.act_bytes)
+    H, I, k = shapes.hidden, shapes.inter, shapes.top_k
     name = "local" if options is None else options.name
     if isinstance(options, LLEPOptions):
         # LLEP relocates above threshold x the mean load, up to alpha x the mean per rank.

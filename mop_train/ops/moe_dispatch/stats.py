@@ -31,6 +31,7 @@ class DispatchStats:
     weight_transfer_bytes: int = 0                       # bytes of those copies (w1+w2+w3; group total,
                                                          # forward; backward returns as many)
     chunk_received: list[int] = field(default_factory=list)  # routes this rank received, per chunk
+    chunk_sent: list[int] = field(default_factory=list)      # routes this rank sent, per chunk
     received_bound: int = 0                              # E_p * k * c_eff, the receiver bound
     _chunk_peak: torch.Tensor | list[int] | None = field(default=None, repr=False)
 
@@ -49,9 +50,11 @@ class DispatchStats:
 
 def record_stats(stats: DispatchStats, chunk_received: list[int], group, device, *,
                  relocated_routes: int = 0, migrated_experts: int = 0, weight_transfer_bytes: int = 0,
-                 received_bound: int = 0) -> None:
-    """Fill `stats`; the max over destinations costs one small all-reduce, read lazily."""
+                 received_bound: int = 0, chunk_sent: list[int] | None = None) -> None:
+    """Fill `stats`; the max over destinations costs one small all-reduce, read lazily.
+    `chunk_sent`: routes this rank sent per chunk (None: as many as it received, no exchange)."""
     stats.num_chunks = len(chunk_received)
+    stats.chunk_sent = list(chunk_received if chunk_sent is None else chunk_sent)
     stats.relocated_routes = relocated_routes
     stats.migrated_experts = migrated_experts
     stats.weight_transfer_bytes = weight_transfer_bytes

@@ -27,7 +27,10 @@ from mop_train.ops.offload_adamw.optimizer import (DEFAULT_BUCKET_PARAMS, DEFAUL
                                                    OffloadStreamAdamW)
 from mop_train.ops.offload_adamw.reference import adamw_reference_step, reference_adamw
 
-__all__ = ["OffloadStreamAdamW", "OffloadStepStats", "staging_bytes_bound", "host_state_bytes",
+OFFLOAD_ADAMW = "OffloadStreamAdamW"
+"""The `optimizer.name` that selects this optimizer (its class name)."""
+
+__all__ = ["OFFLOAD_ADAMW", "OffloadStreamAdamW", "OffloadStepStats", "staging_bytes_bound", "host_state_bytes",
            "plan_buckets", "reference_adamw", "adamw_reference_step", "host_update", "fit_device_fraction",
            "device_bytes_per_element", "AUTO_MARGIN_BYTES", "forward_order", "forward_units",
            "DEFAULT_BUCKET_PARAMS", "DEFAULT_SLOTS"]

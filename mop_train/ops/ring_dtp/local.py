@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import torch
 
-from mop_train.ops.ring_dtp import kernels
-
 _LOW_PRECISION_ROWS = 2048  # rows per fp32 partial product when the cuBLAS fp32-output addmm is missing
 FINAL_BLOCK_DIVISOR = 8    # single_shard_backward's last step uses blocks of block_size // 8 rows
 _FUSED_FP32_ADDMM: dict[str, bool] = {}  # device type -> whether addmm(out_dtype=fp32, out=acc) works
+
+
+def _kernels():
+    """The Triton block kernels (impl="triton", CUDA), imported at first use: a CPU install has no triton."""
+    from mop_train.ops.ring_dtp import kernels
+    return kernels
 
 
 def new_stats(n: int, device: torch.device) -> torch.Tensor:
@@ -64,7 +68,7 @@ def fold_shard(x: torch.Tensor, w: torch.Tensor, offset: int, targets: torch.Ten
     for start in range(0, w.shape[0], block_size):
         z = x @ w[start:start + block_size].t()                         # [n, b] the only logits block
         if impl == "triton":
-            kernels.lse_update_(z, targets, offset + start, stats)
+            _kernels().lse_update_(z, targets, offset + start, stats)
         else:
             _torch_lse_update(z, targets, offset + start, stats)
         del z
@@ -116,7 +120,7 @@ def shard_backward(x: torch.Tensor, w: torch.Tensor, offset: int, targets: torch
         w_blk = w[start:start + block_size]                             # [b, H]
         z = x @ w_blk.t()                                               # [n, b] recomputed logits
         if impl == "triton":
-            kernels.softmax_grad_(z, targets, offset + start, lse, scale)
+            _kernels().softmax_grad_(z, targets, offset + start, lse, scale)
             g = z                                                       # gradient written in place
         else:
             g = _torch_softmax_grad(z, targets, offset + start, lse, scale)
@@ -182,7 +186,7 @@ def block_stats(z: torch.Tensor, targets: torch.Tensor, offset: int, *, block_si
     whose columns are global rows offset..offset+V_r; the torch path reads b columns at a time."""
     stats = new_stats(z.shape[0], z.device)
     if impl == "triton":
-        kernels.lse_update_(z, targets, offset, stats)
+        _kernels().lse_update_(z, targets, offset, stats)
         return stats
     for start in range(0, z.shape[1], block_size):
         _torch_lse_update(z[:, start:start + block_size], targets, offset + start, stats)
@@ -193,7 +197,7 @@ def block_grad_(z: torch.Tensor, targets: torch.Tensor, offset: int, lse: torch.
                 block_size: int, impl: str) -> None:
     """Overwrite the stored block z [n, V_r] with scale * (softmax - onehot), from the final lse [n]."""
     if impl == "triton":
-        kernels.softmax_grad_(z, targets, offset, lse, scale)
+        _kernels().softmax_grad_(z, targets, offset, lse, scale)
         return
     for start in range(0, z.shape[1], block_size):
         cols = slice(start, start + block_size)

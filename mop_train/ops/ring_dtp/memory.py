@@ -21,8 +21,11 @@ P vocab-group size, S = ceil(V/P), b = min(block_size, S), c tokens per grad_in_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from mop_train.ops.bound import DeviceBound
 from mop_train.ops.ring_dtp.local import FINAL_BLOCK_DIVISOR, borrowed_rows
 
 MODES = ("auto", "move_activations", "move_weights")
@@ -150,3 +153,31 @@ def ring_dtp_largest_tensor_bytes(n: int, h: int, v: int, p: int, *, dtype: torc
     if impl != "triton":
         candidates += [n_meet * h * 4, b * h * 4]                         # fp32 upcasts of X, W block
     return max(candidates)
+
+
+@dataclass(frozen=True)
+class RingDTPSettings:
+    """The [mop.ring_dtp] settings that size the bound (schedule resolved: "recompute" or "grad_in_forward")."""
+    mode: str = "auto"
+    schedule: str = "recompute"
+    block_size: int = 8192
+    token_chunk: int | None = None
+
+
+@dataclass(frozen=True)
+class VocabShapes:
+    """The loss's sizes on this rank."""
+    tokens: int             # N
+    hidden: int             # H
+    vocab: int              # V
+    vocab_degree: int       # P
+    dtype: torch.dtype      # the compute dtype
+
+
+def device_bound(settings: RingDTPSettings, shapes: VocabShapes) -> DeviceBound:
+    """Ring-DTP's working set (`ring_dtp_peak_bytes`): alive only while the loss runs forward and backward."""
+    s = shapes
+    peak = ring_dtp_peak_bytes(s.tokens, s.hidden, s.vocab, s.vocab_degree, dtype=s.dtype, mode=settings.mode,
+                               block_size=settings.block_size, schedule=settings.schedule,
+                               token_chunk=settings.token_chunk)
+    return DeviceBound(0, peak, f"Ring-DTP bound ({settings.schedule}, P={s.vocab_degree})")

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mop_train.ops.bound import DeviceBound
 from mop_train.units import parse_bytes
 
 AUTO_HOST_FRACTION = 0.5
@@ -49,6 +50,26 @@ def retained_boundary_bytes(sizes: Sequence[int], host_budget_bytes: int) -> int
     """Device bytes of boundaries kept through forward (the SCO term of the per-rank budget)."""
     offloaded = set(select_offloaded(sizes, host_budget_bytes))
     return sum(nbytes for index, nbytes in enumerate(sizes) if index not in offloaded)
+
+
+IN_FLIGHT = 2
+"""Offloaded boundaries on the device at once in backward: the one being recomputed and the prefetch."""
+
+
+def device_bound(host_budget_bytes: int, boundary_sizes: Sequence[int]) -> DeviceBound:
+    """Device bytes of the checkpoint boundaries through the step: those SCO keeps (`saved`) and the
+    offloaded ones back on the device in backward (`working`: up to IN_FLIGHT of the largest).
+
+    Args:
+        host_budget_bytes: [mop.sco] host_budget resolved, per rank (0: SCO off, every boundary kept).
+        boundary_sizes: B_l, bytes of each checkpointed layer's input in forward order.
+    """
+    offloaded = select_offloaded(boundary_sizes, host_budget_bytes)
+    retained = retained_boundary_bytes(boundary_sizes, host_budget_bytes)
+    largest = max((boundary_sizes[i] for i in offloaded), default=0)
+    return DeviceBound(retained, min(len(offloaded), IN_FLIGHT) * largest,
+                       f"{len(boundary_sizes)} checkpointed block inputs, {len(offloaded)} offloaded by SCO "
+                       f"({IN_FLIGHT} in flight in backward)")
 
 
 def available_host_bytes(meminfo_path: str = "/proc/meminfo") -> int:

@@ -10,14 +10,20 @@ from mop_train.models import zoo
 from mop_train.models.attention import rope_cos_sin, rope_inv_freq
 from mop_train.models.memory import attention_saved_bytes, ffn_saved_bytes
 from mop_train.models.model import TransformerBlock
-from mop_train.ops.moe_dispatch.memory import routed_activation_bytes
+from mop_train.ops.moe_dispatch.memory import RoutedShapes, device_bound
 from mop_train.ops.moe_dispatch.options import EPOptions, LLEPOptions, PipelinedLLEPOptions
 from mop_train.ops.moe_dispatch.pipelined_llep import max_received_bound
 from mop_train.ops.offload_adamw.buckets import staging_bytes_bound
 from mop_train.ops.ring_dtp.memory import ring_dtp_peak_bytes
 from mop_train.ops.sco.budget import retained_boundary_bytes
-from mop_train.train.plan import MemoryPlanInputs, OperatorPlan, memory_plan
+from mop_train.plan.terms import MemoryPlanInputs, OperatorPlan, memory_plan
 from tests.utils import fresh_seed
+
+
+def routed_activation_bytes(options, **shapes):
+    """The dispatch bound's (saved, working, how) as a tuple."""
+    bound = device_bound(options, RoutedShapes(**shapes))
+    return bound.saved, bound.working, bound.how
 
 
 def _saved_bytes(block, x, rope) -> tuple[int, int]:

@@ -7,21 +7,23 @@ memory the offloading operators will pin, checked against what the node has befo
     check_host_memory(host, local_ranks=8, available_bytes=available_host_bytes())
 
 Each term is (name, bytes, how it was computed); where an operator is on, its line is the operator's
-own bound function, so the plan changes when the operator does:
+own bound (`device_bound(settings, shapes) -> DeviceBound`, mop_train.ops.bound), so the plan changes
+when the operator does:
   parameters   this rank's fp32 shards                                   4 * local params
   gradients    their fp32 gradients                                      4 * local params
   optimizer    AdamW's moments on the device (8 B / param), or OffloadStreamAdamW's staging
-               (`staging_bytes_bound`) plus its device share (`device_bytes_per_element`)
+               (offload_adamw.memory.device_bound: staging plus its device share)
   gathered     FSDP2: two blocks unsharded in the compute dtype (prefetch) and the root unit
                (embeddings, projection unless vocab-sharded), which stays unsharded all step
-  boundaries   checkpointed block inputs B*S/D*H, less what SCO offloads (`retained_boundary_bytes`)
+  boundaries   checkpointed block inputs B*S/D*H, less what SCO offloads (sco.budget.device_bound)
   kept attn    attention outputs and log-sum-exps kept across the recompute ([mop.attention] keep)
-  block        one block in backward: what attention and the FFN save (mop_train.models.memory),
-               the routed experts' share (`routed_activation_bytes` of the dispatch schedule), the
-               gradients alive beside them; blocks that are not checkpointed keep theirs all step
+  block        one block in backward (plan.block): what attention and the FFN save (mop_train.models.memory),
+               the routed experts' share (moe_dispatch.memory.device_bound of the schedule), the
+               gradients alive beside them, one tile of each tiled stage ([mop.tiling]: ops.tiling.memory);
+               blocks that are not checkpointed keep theirs all step
   head         the final norm's saved input and output and the fp32 gradient of the hidden states
   loss         chunked cross-entropy: one chunk's logits, softmax and grad (3 * chunk * V fp32); or
-               Ring-DTP's bound (`ring_dtp_peak_bytes`)
+               Ring-DTP's bound (ring_dtp.memory.device_bound)
 
 Legend: W ranks, D sequence degree, E_p expert degree, P vocab degree, L blocks, B local batch,
 S sequence, H hidden, V vocab, k top-k. A rank holds B * S/D token positions.
@@ -35,14 +37,16 @@ import torch
 
 from mop_train.models.args import MoEModelArgs
 from mop_train.models.keep_attention import kept_attention_bytes
-from mop_train.models.memory import (attention_saved_bytes, block_gradient_bytes, dense_ffn_gradient_bytes,
-                                     ffn_saved_bytes)
-from mop_train.ops.moe_dispatch.memory import routed_activation_bytes
+from mop_train.ops.bound import DeviceBound
+from mop_train.ops.moe_dispatch import memory as dispatch_memory
 from mop_train.ops.moe_dispatch.options import DispatchOptions
-from mop_train.ops.offload_adamw.buckets import staging_bytes_bound
-from mop_train.ops.offload_adamw.device_share import device_bytes_per_element
-from mop_train.ops.ring_dtp.memory import ring_dtp_peak_bytes
-from mop_train.ops.sco.budget import retained_boundary_bytes
+from mop_train.ops.offload_adamw import memory as offload_memory
+from mop_train.ops.offload_adamw.buckets import host_state_bytes
+from mop_train.ops.offload_adamw.host_update import host_share_bytes
+from mop_train.ops.ring_dtp import memory as ring_dtp_memory
+from mop_train.ops.sco import budget as sco_memory
+from mop_train.ops.tiling import TilingOptions
+from mop_train.plan.block import block_bound
 
 GIB = 2**30
 
@@ -67,6 +71,8 @@ class OperatorPlan:
     offload_host_share: bool = False
     offload_device_fraction: float = 0.0
     keep_attention: bool = False
+    tiling: TilingOptions = field(default_factory=TilingOptions)
+    """[mop.tiling], resolved: token tiles of the FFNs and attention's row-wise stages (0: untiled)."""
 
 
 @dataclass(frozen=True)
@@ -100,55 +106,34 @@ def compute_dtype(act_bytes: int) -> torch.dtype:
     return torch.bfloat16 if act_bytes == 2 else torch.float32
 
 
-def _optimizer_term(x: MemoryPlanInputs) -> tuple[int, str]:
+def _optimizer_bound(x: MemoryPlanInputs) -> DeviceBound:
     o, mine = x.ops, x.local_params
     if not o.offload_optimizer:
-        return 8 * mine, "AdamW moments: 8 B x local params"
-    staging = staging_bytes_bound(o.offload_bucket_params, o.offload_slots, o.offload_host_share)
-    on_device = round(o.offload_device_fraction * mine)
+        return DeviceBound(8 * mine, 0, "AdamW moments: 8 B x local params")
+    settings = offload_memory.OffloadSettings(o.offload_bucket_params, o.offload_slots, o.offload_host_share,
+                                              o.offload_device_fraction)
     # Working weights are FSDP2's fp32 shards: their own masters, so 8 B per element kept here.
-    share = on_device * device_bytes_per_element(fp32_weights=True)
-    return staging + share, (f"OffloadStreamAdamW: staging {o.offload_slots} x {o.offload_bucket_params:,} x 12 B "
-                             f"+ grad buffer, device share {o.offload_device_fraction:g} x 8 B")
+    return offload_memory.device_bound(settings, mine, fp32_weights=True)
 
 
 def _block_term(x: MemoryPlanInputs, tokens: int) -> tuple[int, int, str]:
     """(peak bytes of one checkpointed block in backward, bytes a non-checkpointed block saves, how)."""
     a, o, act = x.model, x.ops, x.act_bytes
-    attention = attention_saved_bytes(a, tokens, act)
-    ffn = ffn_saved_bytes(a, tokens, act, moe=True)
     expert_degree = x.expert_degree if o.dispatch is not None else 1
-    routed, routed_grads, how = routed_activation_bytes(
-        o.dispatch, tokens=tokens, hidden=a.dim, inter=a.moe_inter_dim, top_k=a.top_k, group_size=expert_degree,
-        local_experts=a.num_experts // expert_degree, act_bytes=act)
-    incoming = 2 * tokens * a.dim * act                               # the block's output and residual grads
-    attention_phase = attention + block_gradient_bytes(a, tokens, act)
-    saved = attention + ffn + routed
-    # The FFN runs backward first, with everything the block saved alive; attention's own backward
-    # comes after the FFN's tensors are freed. Dense-FFN blocks (the first n_dense_layers) compete.
-    peak = max(saved + routed_grads, attention_phase) + incoming
-    kind = "MoE"
-    if a.n_dense_layers:
-        dense = attention + ffn_saved_bytes(a, tokens, act, moe=False)
-        dense_peak = max(dense + dense_ffn_gradient_bytes(a, tokens, act), attention_phase) + incoming
-        if dense_peak > peak:
-            peak, kind = dense_peak, "dense-FFN"
-            how = f"dense FFN {ffn_saved_bytes(a, tokens, act, moe=False) / GIB:.2f} GiB saved + 2F in backward"
-            return peak, saved, (f"{kind} block: attention {attention / GIB:.2f} GiB + {how}, "
-                                 f"grads in {incoming / GIB:.2f} GiB")
-    return peak, saved, (f"{kind} block: attention {attention / GIB:.2f} + FFN {ffn / GIB:.2f} + routed "
-                         f"{routed / GIB:.2f} saved, {routed_grads / GIB:.2f} in backward ({how}), grads in "
-                         f"{incoming / GIB:.2f} GiB")
+    routed = dispatch_memory.device_bound(o.dispatch, dispatch_memory.RoutedShapes(
+        tokens=tokens, hidden=a.dim, inter=a.moe_inter_dim, top_k=a.top_k, group_size=expert_degree,
+        local_experts=a.num_experts // expert_degree, act_bytes=act))
+    return block_bound(a, tokens, act, o.tiling, routed)
 
 
-def _loss_term(x: MemoryPlanInputs, tokens: int) -> tuple[int, str]:
+def _loss_bound(x: MemoryPlanInputs, tokens: int) -> DeviceBound:
     a, o = x.model, x.ops
-    if not o.ring_dtp:
-        return 3 * min(o.loss_chunk, tokens) * a.vocab_size * 4, "one loss chunk: 3 * chunk * V fp32"
-    bound = ring_dtp_peak_bytes(tokens, a.dim, a.vocab_size, x.vocab_degree, dtype=compute_dtype(x.act_bytes),
-                                mode=o.ring_dtp_mode, block_size=o.ring_dtp_block_size,
-                                schedule=o.ring_dtp_schedule, token_chunk=o.ring_dtp_token_chunk)
-    return bound, f"Ring-DTP bound ({o.ring_dtp_schedule}, P={x.vocab_degree})"
+    if not o.ring_dtp:  # mop_train.train.loss.chunked_cross_entropy_sum: one chunk's logits, softmax, grad
+        return DeviceBound(0, 3 * min(o.loss_chunk, tokens) * a.vocab_size * 4, "one loss chunk: 3 * chunk * V fp32")
+    settings = ring_dtp_memory.RingDTPSettings(mode=o.ring_dtp_mode, schedule=o.ring_dtp_schedule,
+                                               block_size=o.ring_dtp_block_size, token_chunk=o.ring_dtp_token_chunk)
+    return ring_dtp_memory.device_bound(settings, ring_dtp_memory.VocabShapes(
+        tokens, a.dim, a.vocab_size, x.vocab_degree, compute_dtype(x.act_bytes)))
 
 
 PHASES = ("loss", "first block backward", "last block backward")
@@ -167,16 +152,17 @@ def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
     tokens = x.local_batch * x.seq_len // x.seq_degree
     boundary = tokens * a.dim * act
     L_ckpt = x.checkpointed_layers
-    retained = retained_boundary_bytes([boundary] * L_ckpt, o.sco_host_budget)
-    offloaded = L_ckpt - (retained // boundary if boundary else 0)
-    in_flight = min(offloaded, 2) * boundary                          # SCO's fetched + prefetched boundary
+    boundaries = sco_memory.device_bound(o.sco_host_budget, [boundary] * L_ckpt)
+    offloaded = L_ckpt - (boundaries.saved // boundary if boundary else 0)
     kept_layer = kept_attention_bytes(a, 1, tokens, 1, act) if o.keep_attention else 0
     block_peak, block_saved, block_how = _block_term(x, tokens)
     plain_blocks = (a.n_layers - L_ckpt) * block_saved                # not checkpointed: saved all step
-    loss, loss_how = _loss_term(x, tokens)
-    optimizer, optimizer_how = _optimizer_term(x)
+    loss_bound = _loss_bound(x, tokens)
+    loss, loss_how = loss_bound.device_bytes, loss_bound.how
+    optimizer_bound = _optimizer_bound(x)
+    optimizer, optimizer_how = optimizer_bound.device_bytes, optimizer_bound.how
     head = tokens * a.dim * (2 * act + 4)
-    early = dict(boundaries=retained + in_flight, kept=L_ckpt * kept_layer, grads=4 * x.first_grad_params)
+    early = dict(boundaries=boundaries.device_bytes, kept=L_ckpt * kept_layer, grads=4 * x.first_grad_params)
     candidates = {
         "loss": {**early, "block": plain_blocks, "head": head, "loss": loss},
         "first block backward": {**early, "block": plain_blocks + block_peak, "head": 0, "loss": 0},
@@ -213,8 +199,6 @@ def host_memory_plan(local_params: int, *, offload_optimizer: bool, host_fractio
     state = share = 0
     streamed = local_params - round(device_fraction * local_params)
     if offload_optimizer:
-        from mop_train.ops.offload_adamw.buckets import host_state_bytes
-        from mop_train.ops.offload_adamw.host_update import host_share_bytes
         state, share = host_state_bytes(streamed), host_share_bytes(streamed, host_fraction)
     return [
         ("optimizer state", state, f"OffloadStreamAdamW: fp32 master + 2 moments, 12 B x {streamed:,} params "

@@ -27,7 +27,7 @@ bias balancing aims for), the CPU share of OffloadStreamAdamW (host_fraction), o
 optimizer with the next forward, kept attention, document masks.
 
 Against the 19 measured `small` runs it was fitted on (1 and 2 H200s, 4K-524K, operators off and on; listed
-in tests/test_auto_plan.py), the predicted tokens/s are within -12% .. +11%, except every operator on at 4K on
+in tests/plan/test_auto_plan.py), the predicted tokens/s are within -12% .. +11%, except every operator on at 4K on
 2 GPUs (+32%: fixed per-step costs of a 0.1 s step that no term models).
 
 Legend: W ranks, R ranks per node, D / E_p / P the degrees, L blocks, N = B*S/D tokens per rank
@@ -41,10 +41,9 @@ from dataclasses import dataclass
 from mop_train.models.args import MoEModelArgs
 from mop_train.ops.moe_dispatch.options import PipelinedLLEPOptions
 from mop_train.ops.moe_dispatch.pipelined_llep import num_chunks
-from mop_train.train.metrics import PEAK_BF16_TFLOPS
-
-PEAK_FLOPS = PEAK_BF16_TFLOPS["H200"] * 1e12
-"""Dense bf16 peak of an H200 (989 TFLOP/s), the denominator of every MFU in RESULTS.md."""
+PEAK_FLOPS = 989e12
+"""Dense bf16 peak of an H200 by its spec sheet (989 TFLOP/s; torchtitan's get_peak_flops and
+mop_train.train.metrics use the same figure): the unit the efficiencies below were fitted in."""
 
 MFU_DENSE = 0.15
 """Achieved share of the peak on 6 FLOPs per active non-embedding parameter per token (full recompute

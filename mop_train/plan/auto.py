@@ -5,12 +5,12 @@
     result = planner.longest_context()          # or planner.fastest_at(seq_len); NothingFits otherwise
     print(format_result(planner, result))
 
-A configuration (auto_settings.Settings) is the degrees (D, E_p, P), the dispatch and PipelinedLLEP's
+A configuration (settings.Settings) is the degrees (D, E_p, P), the dispatch and PipelinedLLEP's
 token budget c, Ring-DTP on or off, activation checkpointing (full or none) -- its *structure* -- and
 two *knobs*: SCO's host budget (0 .. every checkpointed boundary, in quarters) and the optimizer
 (AdamW on the device, or OffloadStreamAdamW keeping 3/4 .. none of its state on the device). Memory
 comes from the job's own plan (`plan_for_config`'s terms, with the meta model kept per flavor:
-auto_settings.fast_plan); speed from the ranking model of mop_train.train.cost_model.
+settings.fast_plan); speed from the ranking model of mop_train.plan.cost_model.
 
   pruning            a family (E_p, P, dispatch, Ring-DTP, checkpointing) is dropped when its frugal
                      knobs (every boundary on the host, the optimizer state off the device) do not fit
@@ -37,11 +37,18 @@ import time
 from dataclasses import dataclass, field, replace
 
 from mop_train.layout import divisors, plan_layout
-from mop_train.train.auto_settings import (SEARCHED_KEYS, Evaluation, Settings, configure, fast_plan, fixed_keys,
-                                           flavor_model)
-from mop_train.train.cost_model import StepInputs, StepPrediction, predict_step
-from mop_train.train.optim import OFFLOAD_ADAMW
-from mop_train.train.plan import GIB
+from mop_train.ops.moe_dispatch.pipelined_llep import num_chunks
+from mop_train.ops.offload_adamw import OFFLOAD_ADAMW
+from mop_train.ops.sco.budget import resolve_host_budget, retained_boundary_bytes
+from mop_train.parallel.parallelize import check_layout_fits, checkpointed_layer_ids
+from mop_train.parallel.precision import MixedPrecision
+from mop_train.plan.cost_model import StepInputs, StepPrediction, format_prediction, predict_step
+from mop_train.plan.job import plan_for_config
+from mop_train.plan.report import plan_job
+from mop_train.plan.settings import (SEARCHED_KEYS, Evaluation, Settings, configure, fast_plan, fixed_keys,
+                                    flavor_model)
+from mop_train.plan.terms import GIB
+from mop_train.units import parse_device_fraction
 
 __all__ = ["AutoPlanner", "NothingFits", "Result", "Settings", "fixed_keys", "format_result", "SEARCHED_KEYS"]
 
@@ -96,7 +103,6 @@ class AutoPlanner:
 
     def __init__(self, base, *, fixed: set[str], world: int, ranks_per_node: int, gpu_bytes: int,
                  host_bytes: int, headroom: int = 0):
-        from mop_train.parallel.parallelize import check_layout_fits
 
         if headroom >= gpu_bytes:
             raise ValueError(f"--headroom ({headroom / GIB:.1f} GiB) leaves nothing of --gpu-memory ({gpu_bytes / GIB:.1f} "
@@ -191,7 +197,6 @@ class AutoPlanner:
         """PipelinedLLEP's c, smallest first: powers of two from ceil(N / K_max) up, one per chunk count K."""
         if dispatch != "pipelined_llep" or "mop.moe.token_budget" in self.fixed:
             return [self.base.mop.moe.token_budget]
-        from mop_train.ops.moe_dispatch.pipelined_llep import num_chunks
         k_max, seen, out = self.base.mop.moe.max_chunks, set(), []
         c = 1 << math.ceil(math.log2(max(1, math.ceil(tokens / k_max))))
         while True:
@@ -256,12 +261,10 @@ class AutoPlanner:
         return self._family_floor[key]
 
     def _boundary_bytes(self, s: Settings) -> int:
-        from mop_train.parallel.precision import MixedPrecision
         act = MixedPrecision.from_training(self.base.training).activation_bytes
         return self.base.training.local_batch_size * s.seq_len // s.seq_degree * self.model.args.dim * act
 
     def _checkpointed(self, s: Settings) -> int:
-        from mop_train.parallel.parallelize import checkpointed_layer_ids
         ac = replace(self.base.activation_checkpoint, mode=s.ac_mode)
         return len(checkpointed_layer_ids(ac, self.model.args.n_layers))
 
@@ -273,10 +276,6 @@ class AutoPlanner:
         return self._predictions[s]
 
     def _step_inputs(self, s: Settings) -> StepInputs:
-        from mop_train.ops.sco.budget import resolve_host_budget, retained_boundary_bytes
-        from mop_train.parallel.precision import MixedPrecision
-        from mop_train.units import parse_device_fraction
-
         m, t, W = self.model, self.base.training, self.world
         layout = plan_layout(W, s.seq_degree, s.expert_degree, s.vocab_degree)
         boundary, layers = self._boundary_bytes(s), self._checkpointed(s)
@@ -312,7 +311,6 @@ class AutoPlanner:
 
     def verify(self, e: Evaluation) -> list[str]:
         """Re-plan `e` with `plan_for_config` itself; the differences from `fast_plan`, if any."""
-        from mop_train.train.plan_cli import plan_for_config
         if e.verified or e.plan is None:
             return []
         fast, e.verified = e.plan, True
@@ -470,6 +468,16 @@ class AutoPlanner:
 
     # -- when nothing fits ------------------------------------------------------------------------
 
+    def _memory_fix(self, e: Evaluation) -> str:
+        """What that configuration needs: more GPU memory, more host memory, or both together."""
+        gpu = f"--gpu-memory {math.ceil((e.device + self.headroom) / GIB)}GiB"
+        host = f"--host-memory {math.ceil(e.host / GIB)}GiB"
+        short_gpu, short_host = e.device > e.device_limit, e.host > e.host_limit
+        if short_gpu and short_host:
+            return f"that configuration with {gpu} and {host} per node together (it is short of both; neither alone)"
+        return (f"that configuration with {gpu} alone (its host memory fits)" if short_gpu else
+                f"that configuration with {host} per node alone (its GPU memory fits)")
+
     def nothing_fits(self, seq_len: int, where: str, *, context_hint: bool = False) -> NothingFits:
         """The error with the numbers: the closest configuration and what would make one fit."""
         planned = [e for e in self._memo.values() if e.settings.seq_len == seq_len and e.plan is not None] or [
@@ -482,12 +490,12 @@ class AutoPlanner:
             refused = next((e.error for e in self._memo.values() if e.error), None)
             return NothingFits(f"{head}: " + (refused or "no layout of the searched degrees is valid for this model"))
         closest = min(planned, key=lambda e: e.overshoot)
-        lines = [head + ".", f"closest ({len(self._memo)} configurations planned): {closest.settings.label()}: "
-                 f"{closest.device / GIB:.1f} GiB per rank, {closest.host / GIB:.1f} GiB host per node", "would fit:"]
-        if closest.device > closest.device_limit:
-            lines.append(f"  with --gpu-memory {math.ceil((closest.device + self.headroom) / GIB)}GiB (that configuration)")
-        if closest.host > closest.host_limit:
-            lines.append(f"  with --host-memory {math.ceil(closest.host / GIB)}GiB per node (that configuration)")
+        least_device = min(planned, key=lambda e: (e.device, e.overshoot))
+        lines = [head + ".", f"closest ({len(self._memo)} configurations planned; measure: the larger of planned / "
+                 f"usable for the GPU and for the host, smallest first): {_memories(closest)}", "would fit:",
+                 f"  {self._memory_fix(closest)}"]
+        if least_device is not closest and least_device.device < closest.device:
+            lines.append(f"  the least GPU memory: {_memories(least_device)}; {self._memory_fix(least_device)}")
         for world in (2 * self.world, 4 * self.world, 8 * self.world):
             other = AutoPlanner(self.base, fixed=self.fixed, world=world, ranks_per_node=self.ranks_per_node,
                                 gpu_bytes=self.gpu_bytes, host_bytes=self.host_bytes, headroom=self.headroom)
@@ -504,6 +512,12 @@ class AutoPlanner:
             except NothingFits:
                 lines.append("  at no context on these ranks")
         return NothingFits("\n".join(lines))
+
+
+def _memories(e: Evaluation) -> str:
+    """A configuration and its two memories against what is usable (x: planned / usable)."""
+    return (f"{e.settings.label()}: {e.device / GIB:.1f} GiB per rank ({e.device / e.device_limit:.2f}x the GPU's usable "
+            f"{e.device_limit / GIB:.1f} GiB), {e.host / GIB:.1f} GiB host per node ({e.host / e.host_limit:.2f}x)")
 
 
 def _family(s: Settings) -> tuple:
@@ -537,9 +551,6 @@ def _table(rows: list[Evaluation], *, with_context: bool = False) -> list[str]:
 def format_result(planner: AutoPlanner, r: Result) -> str:
     """The chosen overrides (flags and TOML), the predicted peak and step, the chosen plan term by
     term, the runners-up and what would have been better but does not fit."""
-    from mop_train.train.cost_model import format_prediction
-    from mop_train.train.plan_cli import plan_job
-
     p, e, base = planner, r.chosen, planner.base
     lines = [f"mop-train plan --auto: objective {r.objective} on W={p.world} ranks ({p.ranks_per_node} per node), "
              f"{p.gpu_bytes / GIB:.1f} GiB per GPU ({p.headroom / GIB:.1f} GiB of it kept free), "

@@ -10,12 +10,12 @@ Two steps, run from the folder where `mutmut run` ran (it holds `mutants/`):
 
     # 1. every test of the marker once, with a hook that records in every process (ranks included) which
     #    mutated functions it entered: {function: [test ids]}, and which tests failed unmutated
-    python benchmarks/mutants_in_ranks.py map --marker "slow and not gpu" --jobs 16 --out map_slow.json
+    python tools/mutants_in_ranks.py map --marker "slow and not gpu" --jobs 16 --out map_slow.json
     # 2. each survivor (and each mutant without a test) against the tests that reach its function
-    python benchmarks/mutants_in_ranks.py run --map map_slow.json --jobs 12 --budget-s 500 --out run_slow.json
+    python tools/mutants_in_ranks.py run --map map_slow.json --jobs 12 --budget-s 500 --out run_slow.json
 
 `run` skips mutants already in --out, so a second call resumes. A verdict is "killed" only when pytest
-reports a failed test (exit code 1); the failing test is recorded. Results: benchmarks/results/mutmut_*.md.
+reports a failed test (exit code 1); the failing test is recorded. Results: tools/results/mutmut_*.md.
 """
 
 from __future__ import annotations

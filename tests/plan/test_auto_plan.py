@@ -1,4 +1,4 @@
-"""`mop-train plan --auto` (mop_train.train.auto_plan) and its cost model (mop_train.train.cost_model).
+"""`mop-train plan --auto` (mop_train.plan.auto) and its cost model (mop_train.plan.cost_model).
 
 The search's answers are judged against `plan_for_config` itself, not against the cached planner it
 searches with: what it chooses fits, what it reports as better does not, the longest context it
@@ -8,6 +8,7 @@ orderings RESULTS.md measured."""
 
 import dataclasses
 import functools
+import math
 import re
 
 import pytest
@@ -15,10 +16,10 @@ import pytest
 from mop_train.cli import main
 from mop_train.config import load_job_config
 from mop_train.models import zoo
-from mop_train.train.auto_plan import TIE_SHARE, AutoPlanner, NothingFits, fixed_keys
-from mop_train.train.auto_settings import Settings, configure, fast_plan
-from mop_train.train.plan import GIB
-from mop_train.train.plan_cli import plan_for_config
+from mop_train.plan.auto import TIE_SHARE, AutoPlanner, NothingFits, fixed_keys
+from mop_train.plan.settings import Settings, configure, fast_plan
+from mop_train.plan.terms import GIB
+from mop_train.plan.job import plan_for_config
 from tests.train.cli import DEBUG_CONFIG
 
 SMALL, BIG = "configs/small_1gpu.toml", "configs/mop_667b.toml"
@@ -141,10 +142,40 @@ def test_nothing_fits_exits_1_with_the_numbers(capsys):
     assert main(["plan", "--auto", "--world", "1", "--gpu-memory", "8GiB", "--host-memory", "16GiB", SMALL]) == 1
     out = capsys.readouterr().out
     assert "nothing fits at training.seq_len = 4,096 on W=1 ranks" in out
-    assert re.search(r"closest \(\d+ configurations planned\): D1 Ep1 P1 .* GiB per rank", out)
-    assert "--gpu-memory" in out and re.search(r"on --world \d+ ranks|not on up to 8 ranks", out)
+    closest = re.search(r"closest \(\d+ configurations planned; measure: the larger of planned / usable for the "
+                        r"GPU and for the host, smallest first\): (D1 Ep1 P1 .*) GiB per rank \(([\d.]+)x the GPU's "
+                        r"usable 6.0 GiB\), ([\d.]+) GiB host per node \(([\d.]+)x\)", out)
+    assert closest, out
+    gpu_x, host_x = float(closest.group(2)), float(closest.group(4))
+    assert gpu_x > 1, "8 GiB less 2 GiB of headroom is short for small"
+    need = "that configuration with --gpu-memory"
+    if host_x > 1:
+        assert f"{need}" in out and "together (it is short of both; neither alone)" in out, out
+    else:
+        assert f"{need}" in out and "alone (its host memory fits)" in out and "together" not in out, out
+    assert re.search(r"on --world \d+ ranks|not on up to 8 ranks", out)
     with pytest.raises(NothingFits, match="closest"):
         planner(SMALL, world=1, gpu=8 * GIB, host=16 * GIB).longest_context()
+
+
+def test_nothing_fits_says_when_both_memories_are_needed_together():
+    """The closest configuration is the one with the smallest larger-of-the-two memory ratios; short
+    of GPU and host memory at once, its line names both flags as needed together; short of GPU memory
+    alone, a configuration's fix names that flag alone."""
+    p = planner(SMALL, world=1, gpu=8 * GIB, host=16 * GIB)
+    with pytest.raises(NothingFits) as info:
+        p.fastest_at(4096)
+    text = str(info.value)
+    planned = [e for e in p._memo.values() if e.plan is not None and e.settings.seq_len == 4096]
+    closest = min(planned, key=lambda e: max(e.device / e.device_limit, e.host / e.host_limit))
+    assert f"smallest first): {closest.settings.label()}:" in text, text
+    assert closest.device > closest.device_limit and closest.host > closest.host_limit, "the case under test"
+    (fix,) = [line for line in text.splitlines() if line.startswith("  that configuration")]
+    assert f"--gpu-memory {math.ceil(closest.device / GIB)}GiB and --host-memory {math.ceil(closest.host / GIB)}GiB" \
+        in fix and "together" in fix and "neither alone" in fix, fix
+    gpu_only = next(e for e in planned if e.device > e.device_limit and e.host <= e.host_limit)
+    alone = p._memory_fix(gpu_only)
+    assert "--gpu-memory" in alone and "alone (its host memory fits)" in alone and "--host-memory" not in alone
 
 
 def test_mop_667b_on_64_ranks_is_searched_within_a_bounded_number_of_plans():

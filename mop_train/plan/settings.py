@@ -1,4 +1,4 @@
-"""One configuration of `mop-train plan --auto` (mop_train.train.auto_plan): the searched keys, the
+"""One configuration of `mop-train plan --auto` (mop_train.plan.auto): the searched keys, the
 TOML overrides that set them, the job with them applied, and its memory plan and predicted step.
 
     s = Settings(seq_len=131072, seq_degree=2, expert_degree=2, vocab_degree=1, dispatch="pipelined_llep",
@@ -7,8 +7,8 @@ TOML overrides that set them, the job with them applied, and its memory plan and
     s.flags(base)          # ["--training.seq_len", "131072", "--mop.layout.seq_degree", "2", ...]
     fast_plan(configure(base, s), world=2, ranks_per_node=2, host_bytes=256 * GIB)   # a JobPlan
 
-`fast_plan` is `plan_cli.plan_for_config` with the meta model built once per flavor (building it is
-most of a plan's cost: ~90 ms for mop-667b, against ~0.4 ms for the rest); tests/test_auto_plan.py
+`fast_plan` is `job.plan_for_config` with the meta model built once per flavor (building it is
+most of a plan's cost: ~90 ms for mop-667b, against ~0.4 ms for the rest); tests/plan/test_auto_plan.py
 checks the two agree term by term.
 
 Legend: W ranks, D / E_p / P the degrees, S context.
@@ -21,10 +21,18 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+import torch
+
 from mop_train.layout import plan_layout
-from mop_train.train.cost_model import StepPrediction
-from mop_train.train.optim import OFFLOAD_ADAMW
-from mop_train.train.plan_cli import JobPlan
+from mop_train.models import zoo
+from mop_train.models.model import MoETransformer
+from mop_train.ops.offload_adamw import OFFLOAD_ADAMW
+from mop_train.ops.sco import resolve_host_budget
+from mop_train.parallel.parallelize import check_layout_fits, check_titan_parallelism, checkpointed_layer_ids
+from mop_train.parallel.precision import MixedPrecision
+from mop_train.plan.cost_model import StepPrediction
+from mop_train.plan.job import (JobPlan, fsdp_block_params, fsdp_root_params, kept_out_of_fsdp, local_param_count,
+                                local_root_params, memory_plans)
 
 SEARCHED_KEYS = ("training.seq_len", "mop.layout.seq_degree", "mop.layout.expert_degree", "mop.layout.vocab_degree",
                  "mop.moe.dispatch", "mop.moe.token_budget", "mop.ring_dtp.enable", "mop.sco.host_budget",
@@ -157,11 +165,6 @@ class FlavorModel:
     """One flavor's meta model and the parameter counts `plan_for_config` reads off it, cached per layout."""
 
     def __init__(self, flavor: str):
-        import torch
-
-        from mop_train.models import zoo
-        from mop_train.models.model import MoETransformer
-
         self.args = zoo.get_model_args(flavor)
         with torch.device("meta"):
             self.model = MoETransformer(self.args)
@@ -176,13 +179,11 @@ class FlavorModel:
         return self._cache[key]
 
     def _kept_out(self, layout, dispatch: str) -> tuple[int, int]:
-        """(routed-expert, projection) parameters a MoP group shards instead of FSDP2 (plan_cli's rule)."""
-        from mop_train.train.plan_cli import kept_out_of_fsdp
+        """(routed-expert, projection) parameters a MoP group shards instead of FSDP2 (job.kept_out_of_fsdp's rule)."""
         return self._cached(("kept", dispatch == "local", layout.vocab_degree > 1), lambda: tuple(
             sum(p.numel() for p in ps) for ps in kept_out_of_fsdp(self.model, layout, dispatch=dispatch)))
 
     def local_params(self, layout, dispatch: str) -> int:
-        from mop_train.train.plan_cli import local_param_count
         key = ("local", layout.world_size, layout.expert_degree, layout.vocab_degree, dispatch == "local")
         return self._cached(key, lambda: local_param_count(self.model, layout, dispatch=dispatch))
 
@@ -197,9 +198,6 @@ class FlavorModel:
 
     def block_and_root(self, layout, dispatch: str) -> tuple[int, int]:
         """(largest block's, root unit's) parameters FSDP2 gathers."""
-        from mop_train.train.job_plan import fsdp_block_params, fsdp_root_params
-        from mop_train.train.plan_cli import kept_out_of_fsdp
-
         def count():
             kept = {id(p) for ps in kept_out_of_fsdp(self.model, layout, dispatch=dispatch) for p in ps}
             return (max(fsdp_block_params(b, kept) for b in self.model.layers.values()),
@@ -207,7 +205,6 @@ class FlavorModel:
         return self._cached(("gathered", dispatch == "local", layout.vocab_degree > 1), count)
 
     def local_root(self, layout) -> int:
-        from mop_train.train.plan_cli import local_root_params
         return self._cached(("first", layout.world_size, layout.vocab_degree),
                             lambda: local_root_params(self.model, layout))
 
@@ -219,12 +216,7 @@ def flavor_model(flavor: str) -> FlavorModel:
 
 def fast_plan(cfg, *, world: int, ranks_per_node: int, host_bytes: int | None) -> JobPlan:
     """`plan_for_config` with the meta model built once per flavor: the same steps in the same order
-    (tests/test_auto_plan.py checks that the two agree term by term)."""
-    from mop_train.ops.sco import resolve_host_budget
-    from mop_train.parallel.parallelize import check_layout_fits, check_titan_parallelism, checkpointed_layer_ids
-    from mop_train.parallel.precision import MixedPrecision
-    from mop_train.train.job_plan import memory_plans
-
+    (tests/plan/test_auto_plan.py checks that the two agree term by term)."""
     lay, t, m = cfg.mop.layout, cfg.training, flavor_model(cfg.model.flavor)
     layout = plan_layout(world, lay.seq_degree, lay.expert_degree, lay.vocab_degree)
     check_layout_fits(layout, t, m.args)

@@ -1,0 +1,327 @@
+"""Where a training step's time goes: a few steps of our trainer under torch.profiler, kernel time by kind.
+
+    python benchmarks/step_profile.py --config configs/small_1gpu.toml --auto --seq-len 4096 --batch 2 \
+        --out $OUT/prof_4k                                   # ours as `plan --auto` picks it, one GPU
+    python benchmarks/step_profile.py --config configs/small_1gpu.toml --out $OUT/prof -- \
+        --training.seq_len 32768 --training.local_batch_size 1 --mop.moe.dispatch local   # given flags
+    python benchmarks/step_profile.py --analyse $OUT/prof/trace.json --vocab 200000  # a trace again, no run
+
+How: our trainer's run is built as `mop_train.train` builds it (build_run) and its `train_step` runs
+--wait + --warmup + --active times under torch.profiler (CPU and CUDA activities, input shapes); the
+active steps' Chrome trace is written and read back. Each device activity (kernel, memcpy, memset)
+is tied to the CPU op that launched it (the trace's "External id") and that op's ancestors (CPU ops,
+record_function ranges, Python frames with --with-stack); on CPU alone each CPU op's self time
+stands in for kernels. `classify` names its kind from those names and the GEMM's shapes:
+  communication   nccl / gloo / c10d collectives (the kernel, its op, or a c10d ancestor)
+  copies          memcpy, memset, and copy / cast / cat kernels outside attention and the loss
+  optimizer       under Optimizer.step, or adam kernels
+  attention       flash / fmha / efficient / cudnn attention, SDPA and its math ops
+  vocab_loss      the output projection (a GEMM with a vocabulary-wide dim: V, V/P, or Ring-DTP's block
+                  when no token or hidden dim equals it) and the loss (cross-entropy, log-softmax,
+                  NLL, log-sum-exp, Ring-DTP's kernels and backward)
+  expert_gemm     grouped GEMMs (torch._grouped_mm, grouped kernels, the expert dispatch's frames)
+  dense_gemm      every other GEMM (attention and dense-FFN projections, shared experts, router)
+  elementwise     the rest: norms, RoPE, activations, routing (top-k, sort, scatter), reductions
+  idle            the device window (first to last activity) not covered by any activity
+Kernels on several streams overlap: each kind's time is its own kernels' sum; `exposed_*` is the part
+of communication and copies that no compute kernel overlaps. Prints a table (ms per step, % of the
+window) and the largest kernels; writes <out>/step_profile.json (and trace.json).
+Taken as a model: Holistic Trace Analysis (HTA, Meta) kernel and temporal breakdowns over kineto traces.
+
+Legend: V vocab, P vocab degree, S context, B local batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+KINDS = ("communication", "copies", "optimizer", "attention", "vocab_loss", "expert_gemm", "dense_gemm",
+         "elementwise")
+_RE = {k: re.compile(v, re.IGNORECASE) for k, v in {
+    "communication": r"nccl|gloo|c10d::|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|broadcast_|SendRecv",
+    "collective": r"nccl|gloo:|c10d::",
+    "memcpy": r"^Memcpy|^Memset|^cudaMemcpy",
+    "optimizer": r"Optimizer\.step|adam|offload_adamw",
+    "attention": r"flash|fmha|attention|sdpa|scaled_dot_product|_attn_",
+    "attention_scope": r"scaled_dot_product|attention_backends|keep_attention|_attn_",  # not attention.py's projections
+    "loss": r"cross_entropy|log_softmax|nll_loss|logsumexp|ring_dtp|RingDTP|lse_update|softmax_grad|train/loss\.py"
+            r"|chunked_cross_entropy",
+    "embedding": r"embedding",
+    "expert": r"grouped|GroupedMm|moe_dispatch|experts_forward|grouped_swiglu|llep",
+    "gemm": r"gemm|gemv|cutlass|cublas|nvjet|xmma|wgmma|^aten::(mm|bmm|addmm|baddbmm|matmul|linear|_grouped_mm)$",
+    "copy": r"copy|_to_copy|aten::to$|clone|contiguous|^aten::cat$|CatArray",
+}.items()}
+
+
+def classify(name: str, ancestors: list[str], shapes=None, vocab_dims: frozenset = frozenset()) -> str:
+    """The kind (a KINDS entry) of one activity. `name`: the kernel's (or leaf CPU op's) name;
+    `ancestors`: its launching CPU op first, then that op's ancestors outward; `shapes`: the
+    launching op's input shapes (nested lists); `vocab_dims`: the vocabulary widths (V, V/P)."""
+    names = [name, *ancestors]
+
+    def hit(key: str, among=names) -> bool:
+        return any(_RE[key].search(n) for n in among)
+
+    if hit("communication", names[:2]) or hit("collective"):  # FSDP's all_gather_copy_in is a copy
+        return "communication"
+    if hit("memcpy", [name]):
+        return "copies"
+    if hit("optimizer"):
+        return "optimizer"
+    if hit("attention", names[:2]) or hit("attention_scope"):
+        return "attention"
+    gemm = hit("gemm", names[:2])  # the kernel itself or the op that launched it
+    if not hit("embedding") and (hit("loss") or (gemm and vocab_dims & set(_flat(shapes)))):
+        return "vocab_loss"
+    if gemm and hit("expert"):
+        return "expert_gemm"
+    if gemm:
+        return "dense_gemm"
+    if hit("copy", names[:2]) and not name.startswith("triton"):  # inductor names fused kernels by their ops
+        return "copies"
+    return "elementwise"
+
+
+def _flat(shapes) -> list:
+    if isinstance(shapes, (list, tuple)):
+        return [d for s in shapes for d in _flat(s)]
+    return [shapes] if isinstance(shapes, int) else []
+
+
+# -- the trace ----------------------------------------------------------------------------------
+
+CPU_CATS = ("cpu_op", "user_annotation", "python_function")
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def activities(trace: dict) -> tuple[list[dict], bool]:
+    """([{name, ts, dur, ancestors, shapes}], on_device) from a Chrome trace: the device's kernels,
+    memcpys and memsets when there are any (each with its launching op's ancestry), else the CPU ops'
+    self time (the parts of each op's span its children do not cover)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    cpu = sorted((e for e in events if e.get("cat") in CPU_CATS), key=lambda e: (e["pid"], e["tid"], e["ts"], -e["dur"]))
+    parent, children, stack = {}, {}, []
+    for i, e in enumerate(cpu):  # nesting by time on each thread
+        while stack and (cpu[stack[-1]]["pid"], cpu[stack[-1]]["tid"]) == (e["pid"], e["tid"]) and \
+                e["ts"] >= cpu[stack[-1]]["ts"] + cpu[stack[-1]]["dur"]:
+            stack.pop()
+        if stack and (cpu[stack[-1]]["pid"], cpu[stack[-1]]["tid"]) != (e["pid"], e["tid"]):
+            stack = []
+        if stack:
+            parent[i] = stack[-1]
+            children.setdefault(stack[-1], []).append(i)
+        stack.append(i)
+
+    def chain(i: int) -> list[str]:
+        out = []
+        while i in parent:
+            i = parent[i]
+            out.append(cpu[i]["name"])
+        return out
+
+    by_external = {e["args"]["External id"]: i for i, e in enumerate(cpu)
+                   if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
+    device = [e for e in events if e.get("cat") in DEVICE_CATS]
+    if device:
+        out = []
+        for e in device:
+            i = by_external.get(e.get("args", {}).get("External id"))
+            op = cpu[i] if i is not None else None
+            out.append({"name": e["name"], "ts": e["ts"], "dur": e["dur"],
+                        "ancestors": ([op["name"]] + chain(i)) if op else [],
+                        "shapes": op.get("args", {}).get("Input Dims") if op else None})
+        return out, True
+    out = []  # CPU alone: each op's self time (its span less its children's), pieces on the timeline
+    for i, e in enumerate(cpu):
+        if e.get("cat") != "cpu_op":
+            continue
+        for s, t in self_segments(e, [cpu[c] for c in children.get(i, [])]):
+            out.append({"name": e["name"], "ts": s, "dur": t - s, "ancestors": chain(i),
+                        "shapes": e.get("args", {}).get("Input Dims")})
+    return out, False
+
+
+def self_segments(event: dict, kids: list[dict]) -> list[tuple[float, float]]:
+    """[start, end) pieces of `event`'s span not covered by its children's spans."""
+    pieces, at = [], event["ts"]
+    for k in sorted(kids, key=lambda k: k["ts"]):
+        if k["ts"] > at:
+            pieces.append((at, k["ts"]))
+        at = max(at, k["ts"] + k["dur"])
+    if event["ts"] + event["dur"] > at:
+        pieces.append((at, event["ts"] + event["dur"]))
+    return pieces
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by [start, end) intervals."""
+    total, end = 0.0, -math.inf
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def breakdown(acts: list[dict], *, vocab_dims: frozenset = frozenset(), steps: int = 1) -> dict:
+    """Per kind: summed time (ms per step) and share of the window; idle; exposed communication and
+    copies (not overlapped by compute); the 15 largest (name, kind) pairs by summed time."""
+    if not acts:
+        raise ValueError("the trace holds no activity: profile at least one active step (--active >= 1)")
+    kinds = {k: [] for k in KINDS}
+    top: dict[str, list] = {}
+    for a in acts:
+        kind = classify(a["name"], a["ancestors"], a.get("shapes"), vocab_dims)
+        kinds[kind].append((a["ts"], a["ts"] + a["dur"]))
+        entry = top.setdefault((a["name"][:120], kind), [0.0, 0])
+        entry[0], entry[1] = entry[0] + a["dur"], entry[1] + 1
+    start, end = min(a["ts"] for a in acts), max(a["ts"] + a["dur"] for a in acts)
+    window = end - start
+    busy = union_us([iv for ivs in kinds.values() for iv in ivs])
+    compute = [iv for k, ivs in kinds.items() if k not in ("communication", "copies") for iv in ivs]
+    ms = lambda us: round(us / 1e3 / steps, 3)  # noqa: E731
+    out = {"window_ms_per_step": ms(window), "busy_ms_per_step": ms(busy), "steps": steps,
+           "kinds": {k: {"ms_per_step": ms(sum(e - s for s, e in ivs)), "count": len(ivs),
+                         "pct_of_window": round(100 * sum(e - s for s, e in ivs) / window, 2)} for k, ivs in kinds.items()},
+           "idle": {"ms_per_step": ms(window - busy), "pct_of_window": round(100 * (window - busy) / window, 2)}}
+    for k in ("communication", "copies"):
+        exposed = union_us(kinds[k] + compute) - union_us(compute)
+        out["kinds"][k]["exposed_ms_per_step"] = ms(exposed)
+    out["largest"] = [{"name": n, "ms_per_step": ms(t), "count": c, "kind": k}
+                      for (n, k), (t, c) in sorted(top.items(), key=lambda kv: -kv[1][0])[:15]]
+    return out
+
+
+def format_breakdown(b: dict, title: str) -> str:
+    lines = [title, f"window {b['window_ms_per_step']} ms per step over {b['steps']} steps, busy {b['busy_ms_per_step']} ms",
+             f"{'kind':<14} {'ms/step':>10} {'% window':>9} {'count':>8}  exposed ms/step"]
+    for k, v in b["kinds"].items():
+        lines.append(f"{k:<14} {v['ms_per_step']:>10.3f} {v['pct_of_window']:>9.2f} {v['count']:>8}  "
+                     + (f"{v['exposed_ms_per_step']:.3f}" if "exposed_ms_per_step" in v else ""))
+    lines.append(f"{'idle':<14} {b['idle']['ms_per_step']:>10.3f} {b['idle']['pct_of_window']:>9.2f}")
+    lines.append("largest:")
+    lines += [f"  {x['ms_per_step']:>10.3f} ms  x{x['count']:<6} {x['kind']:<13} {x['name']}" for x in b["largest"]]
+    return "\n".join(lines)
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+def auto_flags(config: str, seq_len: int, batch: int, *, world: int) -> list[str]:
+    """The overrides `mop-train plan --auto` picks at (seq_len, batch) on this machine's GPU and host."""
+    import torch
+
+    from benchmarks.e2e_settings import AutoSettings
+    from mop_train.ops.sco.budget import available_host_bytes
+
+    if not torch.cuda.is_available():
+        raise ValueError("--auto plans for the GPU's memory: run it on a GPU, or give the flags after --")
+    auto = AutoSettings(config, world=world, gpu_bytes=torch.cuda.get_device_properties(0).total_memory,
+                        host_bytes=available_host_bytes()).at(seq_len, batch)
+    if auto is None:
+        raise ValueError(f"plan --auto fits nothing at --seq-len {seq_len} --batch {batch}; give the flags after --")
+    return auto.flags()
+
+
+def profile_run(argv: list[str], *, out: str, wait: int, warmup: int, active: int, with_stack: bool) -> dict:
+    """Build our run from job-config flags `argv`, run wait + warmup + active steps, the active ones
+    profiled; rank 0 writes <out>/trace.json. Returns {trace, step_s, tokens_per_step, vocab_dims}."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from mop_train.config import load_job_config
+    from mop_train.models import zoo
+    from mop_train.train.build import build_run
+    from mop_train.train.loop import StepGuards, init_distributed, train_step
+    from mop_train.train.reliability import NonFiniteGuard, StopFlag
+
+    cfg = load_job_config([*argv, "--job.dump_folder", os.path.join(out, "run"), "--checkpoint.no-enable",
+                           "--metrics.no-enable-tensorboard"], model_flavors=zoo.names())
+    device = init_distributed(cfg.comm.init_timeout_seconds)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run = build_run(cfg, device)
+    guards = StepGuards(NonFiniteGuard(cfg.mop.reliability, rank=rank, world=world, device=device), StopFlag(),
+                        run.schedule_steps)
+    batches, trace, step_s = iter(run.dataloader), os.path.join(out, "trace.json"), []
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts, schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+                 record_shapes=True, with_stack=with_stack,
+                 on_trace_ready=(lambda p: p.export_chrome_trace(trace)) if rank == 0 else None) as prof:
+        for step in range(1, wait + warmup + active + 1):
+            start = time.perf_counter()
+            if run.parts.sco is not None:
+                run.parts.sco.begin_step()
+            train_step(run.parts, run.layout, [next(batches) for _ in range(run.micro_batches)], run.optimizers,
+                       run.lr_schedulers, max_norm=cfg.training.max_norm, bias_rate=cfg.mop.moe.bias_update_rate,
+                       device=device, guards=guards, step=step, eos_id=run.eos_id)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            step_s.append(time.perf_counter() - start)
+            prof.step()
+    args, p = run.spec.args, cfg.mop.layout.vocab_degree
+    tokens = cfg.training.seq_len * cfg.training.local_batch_size * run.micro_batches * world // cfg.mop.layout.seq_degree
+    vocab = {args.vocab_size, math.ceil(args.vocab_size / p)}
+    rows = cfg.training.seq_len * cfg.training.local_batch_size // cfg.mop.layout.seq_degree
+    if (cfg.mop.ring_dtp.enable or p > 1) and cfg.mop.ring_dtp.block_size not in (rows, rows * p, args.dim):
+        vocab.add(cfg.mop.ring_dtp.block_size)  # Ring-DTP's GEMMs are [N, H] x [H, block]
+    dist.destroy_process_group()
+    return {"trace": trace, "step_s": step_s, "tokens_per_step": tokens, "rank": rank,
+            "vocab_dims": sorted(vocab)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/small_1gpu.toml", help="our job config")
+    p.add_argument("--auto", action="store_true", help="take the flags `plan --auto` picks at --seq-len / --batch")
+    p.add_argument("--seq-len", type=int, default=None, help="training.seq_len (with --auto, or as a flag)")
+    p.add_argument("--batch", type=int, default=None, help="training.local_batch_size")
+    p.add_argument("--wait", type=int, default=1, help="steps before profiling (allocation, autotuning)")
+    p.add_argument("--warmup", type=int, default=1, help="profiler warm-up steps (traced, discarded)")
+    p.add_argument("--active", type=int, default=2, help="profiled steps")
+    p.add_argument("--with-stack", action="store_true", help="Python frames in the trace (finer kinds, more overhead)")
+    p.add_argument("--analyse", default=None, metavar="TRACE", help="classify an existing trace.json, run nothing")
+    p.add_argument("--vocab", type=int, nargs="*", default=[], help="with --analyse: the vocabulary widths (V, V/P)")
+    p.add_argument("--out", default=os.environ.get("OUT", "outputs") + "/step_profile", help="output folder")
+    p.add_argument("flags", nargs="*", help="job-config flags after --, e.g. -- --mop.moe.dispatch local")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.analyse:
+        meta = {"trace": args.analyse, "vocab_dims": args.vocab, "steps": args.active}
+    else:
+        flags = ["--job.config_file", args.config]
+        flags += ["--training.seq_len", str(args.seq_len)] if args.seq_len else []
+        flags += ["--training.local_batch_size", str(args.batch)] if args.batch else []
+        if args.auto:
+            if not (args.seq_len and args.batch):
+                p.error("--auto needs --seq-len and --batch")
+            flags += auto_flags(args.config, args.seq_len, args.batch, world=int(os.environ.get("WORLD_SIZE", "1")))
+        meta = {**profile_run(flags + args.flags, out=args.out, wait=args.wait, warmup=args.warmup,
+                              active=args.active, with_stack=args.with_stack),
+                "flags": flags + args.flags, "steps": args.active}
+        if meta["rank"] != 0:
+            return
+        profiled = meta["step_s"][args.wait + args.warmup:]
+        meta["tokens_per_s_profiled"] = meta["tokens_per_step"] * len(profiled) / sum(profiled)
+    with open(meta["trace"]) as f:
+        acts, on_device = activities(json.load(f))
+    result = {**meta, "on_device": on_device,
+              **breakdown(acts, vocab_dims=frozenset(meta["vocab_dims"]), steps=meta["steps"])}
+    with open(os.path.join(args.out, "step_profile.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    title = ("device kernels" if on_device else "CPU ops (no device: their self time stands in for kernels)") + \
+        (f"; {result['tokens_per_s_profiled']:,.0f} tokens/s under the profiler" if "tokens_per_s_profiled" in result else "")
+    print(format_breakdown(result, title))
+    print(f"results: {os.path.join(args.out, 'step_profile.json')}, trace {meta['trace']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One H200 call of the 2026-12-01 wave (issues 32-37): the named steps, each under its own time limit,
+# logs and JSON in $OUT. Usage (on the GPU machine, repo root, wheels carried in .whl/):
+#   bash scripts/h200_wave.sh STEP ...
+# Steps:
+#   offload_repro      torchtitan's one-rank CPU offload, its own entry point (benchmarks/titan_offload_repro.py)
+#   fake_smoke         the fake world's GPU path (benchmarks/fake_world.py smoke)
+#   fake_37b_64k       one rank of mop-37b at W=8, 64K tokens (fake world)
+#   fake_120b_64k      one rank of mop-120b at W=16, 64K tokens (fake world)
+#   profile_2x4k       where ours-auto's step time goes at 2 x 4K (benchmarks/step_profile.py)
+#   gpu_tests          the wave's gpu-marked tests
+#   small_1m           `small` at 1M tokens, every operator + tiling (+ streaming), one step
+#   stream_2x4k        `small` 2 x 4K with each weights/gradients setting (issue 32)
+#   compile_2x4k       compile gain at 2 x 4K, ours and torchtitan (benchmarks/compile_gain.py)
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=$PWD:/tmp/site || exit 1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+  MOP_TRAIN_CACHE=/tmp/mop_cache
+want=" $* "
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  [[ $want == *" $name "* ]] || return 0
+  echo "=== $name (limit ${limit}s): $*"
+  local t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "=== $name rc=$rc in $(( $(date +%s) - t0 ))s"; tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+git log --oneline -1 2>/dev/null || true
+ALL_OPS=(--training.local_batch_size 1 --mop.moe.dispatch pipelined_llep --mop.ring_dtp.enable
+         --mop.sco.host_budget auto --optimizer.name OffloadStreamAdamW)
+TAIL=12 step offload_repro 150 python3 benchmarks/titan_offload_repro.py --out "$OUT/offload_repro"
+TAIL=12 step fake_smoke 120 python3 benchmarks/fake_world.py smoke --out "$OUT/fake"
+TAIL=12 step fake_37b_64k 200 python3 benchmarks/fake_world.py run mop-37b-w8-64k --out "$OUT/fake"
+TAIL=12 step fake_120b_64k 200 python3 benchmarks/fake_world.py run mop-120b-w16-64k --out "$OUT/fake"
+TAIL=40 step profile_2x4k 150 python3 benchmarks/step_profile.py --config configs/small_1gpu.toml --auto \
+  --seq-len 4096 --batch 2 --out "$OUT/prof_2x4k"
+TAIL=15 step gpu_tests 150 python3 -m pytest -q -m gpu tests/train/test_profiling.py ${GPU_TESTS:-} -p no:cacheprovider
+TAIL=30 step small_1m 590 torchrun --standalone --nproc_per_node=1 -m mop_train.train \
+  --job.config_file configs/small_1gpu.toml --job.dump_folder /tmp/run_1m --training.steps 1 \
+  --training.seq_len 1048576 "${ALL_OPS[@]}" ${SMALL_1M_FLAGS:-}
+TAIL=30 step compile_2x4k 420 python3 benchmarks/compile_gain.py --shapes 2x4096 --out "$OUT/compile"
+exit 0
