@@ -23,6 +23,7 @@ follows the same learning rates as a straight one.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.lr_scheduler import build_lr_schedulers as titan_build_lr_schedulers
@@ -140,8 +141,10 @@ def attach_streaming(optimizers, parts, layout, offload_adamw) -> None:
         if offload_adamw.gradients == "stream":
             def replica(group):
                 return lambda grad: reduce_replica_grad(grad, group, reduce_dtype=reduce_dtype)
-            blocks = [GradBlock(params, replica(layout.expert_replica_group)) for params, _ in experts]
-            blocks += [GradBlock(params, replica(layout.vocab_replica_group)) for params, _ in vocab]
+            blocks = []  # a block waits for all its gradients only when its replica group sums them
+            for group, shards in ((layout.expert_replica_group, experts), (layout.vocab_replica_group, vocab)):
+                if group is not None and dist.get_world_size(group) > 1:
+                    blocks += [GradBlock(params, replica(group)) for params, _ in shards]
             opt.grad_stream = GradientStream(opt, blocks, grad_norm_term)
 
 

@@ -55,7 +55,7 @@ class _Model(nn.Module):
         torch.manual_seed(seed)
         self.embed = nn.Linear(5, H)
         self.layers = nn.ModuleList([_Block(expert_mesh) for _ in range(N_BLOCKS)])
-        self.head = nn.Linear(H, 3)
+        self.head = nn.Linear(H, 40)  # the root unit larger than a block (its own one-off buffer)
         self.to(device)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         self.experts = [block.w for block in self.layers]
@@ -154,6 +154,10 @@ def _working_worker(rank, world_size, sync_check):
             assert any(backward for _, backward in shards.log)
             # FSDP2 units: gathered from a slot each time they are gathered (forward, and backward)
             assert units.stats["loads"] >= STEPS * 2 * (2 * N_BLOCKS)
+            # the slots hold the largest block unit; the root unit (gathered once per micro-batch) its own buffer
+            root = sum(p.to_local().numel() for name, p in model.named_parameters() if "layers" not in name)
+            assert units._slots.capacity < root and units.stats["transient"] == STEPS * 2, units.stats
+            assert units._slots.device_bytes() == 2 * units._slots.capacity * 2
 
 
 class _nothing:

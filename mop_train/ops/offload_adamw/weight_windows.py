@@ -2,7 +2,8 @@
 block ahead of their use into a fixed set of block-sized slots, reused after the block's last use.
 
 Two windows, each `weight_window` slots (s_w, default 2):
-- `UnitWindow`: FSDP2 units. FSDP2 reads a parameter's all-gather source from
+- `UnitWindow`: FSDP2 units (slots of the largest block unit; the root unit, gathered once a step
+  at the forward's start and kept all step, gets a one-off buffer). FSDP2 reads a parameter's all-gather source from
   `FSDPParam._sharded_param_data` inside `FSDPParamGroup.unshard` (world size > 1: copied into the
   all-gather buffer on its copy-in stream) or `wait_for_unshard` (world size 1: copied on the current
   stream). This is where FSDP2's CPUOffloadPolicy makes its host -> device copy (in
@@ -50,12 +51,23 @@ class _Slots:
         self.loaded = [None] * count  # event: the slot's copy-in is done
         self.busy = [False] * count
         self.stamp = [0] * count      # last load or use (the least recently used free slot is taken)
+        self.transient: set[int] = set()  # one-off buffers larger than a slot
         self._clock = 0
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
 
-    def take(self) -> tuple[int, bool]:
-        """The least recently used slot not in use (a new one when all are); (index, overflow)."""
-        free = [k for k, b in enumerate(self.busy) if not b]
+    def take(self, numel: int = 0) -> tuple[int, bool]:
+        """The least recently used slot not in use (a new one when all are); (index, overflow). A
+        request larger than the slots (FSDP2's root unit, gathered once a step, before the peak)
+        gets a buffer of its own, dropped on release."""
+        if numel > self.capacity:
+            self.buffers.append(torch.empty(numel, dtype=self.dtype, device=self.device))
+            self.freed.append(None)
+            self.loaded.append(None)
+            self.busy.append(True)
+            self.stamp.append(0)
+            self.transient.add(len(self.buffers) - 1)
+            return len(self.buffers) - 1, False
+        free = [k for k, b in enumerate(self.busy) if not b and k not in self.transient]
         overflow = not free
         if overflow:
             self.buffers.append(torch.zeros(self.capacity, dtype=self.dtype, device=self.device))
@@ -88,14 +100,24 @@ class _Slots:
             for offset, src in copies:
                 buffer[offset:offset + src.numel()].copy_(src, non_blocking=True)
         self.loaded[k] = self.h2d.record_event()
+        if k in self.transient:
+            buffer.record_stream(self.h2d)
 
     def wait_loaded(self, k: int, stream=None) -> None:
         if self.cuda and self.loaded[k] is not None:
             (stream or torch.cuda.current_stream(self.device)).wait_event(self.loaded[k])
 
     def release(self, k: int) -> None:
+        if k in self.transient:  # (freed on the current stream, which has waited for its readers)
+            self.buffers[k] = torch.empty(0, dtype=self.dtype, device=self.device)
+            return
         self.busy[k] = False
         self.freed[k] = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
+
+    def device_bytes(self) -> int:
+        """Bytes of the slots (one-off buffers excluded)."""
+        kept = [b for k, b in enumerate(self.buffers) if k not in self.transient]
+        return sum(b.numel() * b.element_size() for b in kept)
 
 
 class UnitWindow:
@@ -104,12 +126,14 @@ class UnitWindow:
     units: [(FSDPParamGroup, [(FSDPParam, optimizer index, slot offset, padded numel)])];
     host: the flat pinned working views with FSDP2's padding, per optimizer index."""
 
-    def __init__(self, units, host, slots: int, dtype: torch.dtype, device: torch.device, wait_for_params):
-        capacity = max((sum(n for *_, n in entries) for _, entries in units), default=0)
+    def __init__(self, units, host, slots: int, dtype: torch.dtype, device: torch.device, wait_for_params,
+                 root=None):
+        sizes = {id(group): sum(n for *_, n in entries) for group, entries in units}
+        capacity = max((n for key, n in sizes.items() if key != id(root)), default=0)  # the root: its own buffer
         self._slots = _Slots(slots, capacity, dtype, device)
         self._host, self._wait_for_params = host, wait_for_params
         self._pending: dict[int, int] = {}  # id(group) -> slot, between unshard and wait_for_unshard
-        self.stats = {"loads": 0, "overflow": 0}
+        self.stats = {"loads": 0, "overflow": 0, "transient": 0}
         self.log: list[tuple[str, bool]] = []  # (unit's module name, in backward) per load
         for group, entries in units:
             self._wrap(group, entries)
@@ -136,8 +160,10 @@ class UnitWindow:
         if stale is not None:
             self._slots.release(stale)
         self._wait_for_params([fp.sharded_param for fp, *_ in entries])
-        k, overflow = self._slots.take()
+        numel = sum(n for *_, n in entries)
+        k, overflow = self._slots.take(numel)
         self.stats["overflow"] += overflow
+        self.stats["transient"] += k in self._slots.transient
         self._slots.load(k, [(offset, self._host[i][:n]) for _, i, offset, n in entries])
         buffer = self._slots.buffers[k]
         for fsdp_param, _, offset, n in entries:

@@ -96,7 +96,8 @@ class WorkingWeights:
         if mode == "stream":
             wait = opt.wait_for_params
             units = [(g, self._unit_entries(g, padded)) for g in groups]
-            self.units = UnitWindow([u for u in units if u[1]], padded, window, dtype, opt.device, wait)
+            root = roots[0]._get_fsdp_state()._fsdp_param_group if hasattr(roots[0], "_get_fsdp_state") else None
+            self.units = UnitWindow([u for u in units if u[1]], padded, window, dtype, opt.device, wait, root=root)
             self.shards = ShardWindow(blocks, self._index, self.views, window, dtype, opt.device, wait,
                                       version=lambda: opt.weights_version)
 
@@ -157,8 +158,7 @@ class WorkingWeights:
         """Device bytes of the working weights: the bf16 tensors, or the two windows' slots."""
         if self.mode == "bf16":
             return self._storage.numel() * self._storage.element_size()
-        slots = [self.units._slots, self.shards._slots]
-        return sum(len(s.buffers) * s.capacity * s.buffers[0].element_size() for s in slots if s.buffers)
+        return self.units._slots.device_bytes() + self.shards._slots.device_bytes()
 
 
 def bind_weight_sources(modules: list[nn.Module], working: WorkingWeights) -> None:
