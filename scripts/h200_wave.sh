@@ -40,6 +40,6 @@ TAIL=40 step profile_2x4k 150 python3 benchmarks/step_profile.py --config config
 TAIL=15 step gpu_tests 150 python3 -m pytest -q -m gpu tests/train/test_profiling.py ${GPU_TESTS:-} -p no:cacheprovider
 TAIL=30 step small_1m 590 torchrun --standalone --nproc_per_node=1 -m mop_train.train \
   --job.config_file configs/small_1gpu.toml --job.dump_folder /tmp/run_1m --training.steps 1 \
-  --training.seq_len 1048576 "${ALL_OPS[@]}" ${SMALL_1M_FLAGS:-}
+  --training.seq_len ${SEQ:-1048576} "${ALL_OPS[@]}" ${SMALL_1M_FLAGS:-}
 TAIL=30 step compile_2x4k 420 python3 benchmarks/compile_gain.py --shapes 2x4096 --out "$OUT/compile"
 exit 0

@@ -5,8 +5,9 @@
     if validator is not None and validator.due(step):
         values.update(validator.run(step))        # {"validation/loss", "validation/batches", ...}
 
-How: a fresh pass from the first held-out document every time (so every validation scores the
-same batches), packed and split like training's (every rank packs the same global stream and keeps
+How: the first `steps` batches of the held-out stream, read once and kept in host memory (steps x
+B x S token ids twice), so every validation scores the same batches without tokenizing them again
+(steps = -1: a fresh pass over the whole set each time); packed and split like training's (every rank packs the same global stream and keeps
 its rows; the D ranks of a sequence group take their S/D slices), the training model's own forward
 under torch.no_grad with every operator as configured (Ring-DTP takes its loss-only path, SCO and
 PipelinedLLEP's chunk checkpoints see no graph and save nothing). No gradient, no optimizer step.
@@ -52,6 +53,7 @@ class Validator:
         self.validation, self.docs, self.tokenizer = validation, docs, tokenizer
         self.run_parts, self.layout, self.optimizers = run.parts, run.layout, run.optimizers
         self.prepare, self.text_column = prepare, text_column
+        self._kept: list | None = None           # this rank's batches, after the first validation
 
     def due(self, step: int) -> bool:
         return step % self.validation.freq == 0
@@ -94,8 +96,7 @@ class Validator:
 
     def _loss_sums(self, module) -> list[torch.Tensor]:
         v = self.validation
-        batches = iter(build_validation_dataloader(v, self.docs, self.tokenizer, self.layout.data_rank,
-                                                   self.layout.data_size, text_column=self.text_column))
+        batches = self._batches()
         sums = []
         while v.steps == -1 or len(sums) < v.steps:
             batch = next(batches, None)
@@ -106,6 +107,18 @@ class Validator:
             count = (labels != IGNORE_INDEX).sum()
             sums.append(torch.stack([loss_sum.double(), count.double()]))
         return sums
+
+    def _batches(self):
+        """This rank's validation batches: kept after the first pass (steps > 0), or a fresh pass (-1)."""
+        if self._kept is not None:
+            return iter(self._kept)
+        v = self.validation
+        loader = iter(build_validation_dataloader(v, self.docs, self.tokenizer, self.layout.data_rank,
+                                                  self.layout.data_size, text_column=self.text_column))
+        if v.steps == -1:
+            return loader
+        self._kept = [next(loader) for _ in range(v.steps)]    # the loader loops: never exhausted
+        return iter(self._kept)
 
     def _every_rank_has(self, batch) -> bool:
         """Whether every rank holds a whole batch (a pass ends on a partial or missing one)."""

@@ -22,7 +22,8 @@ from torch import nn
 
 from mop_train.config import load_job_config
 from mop_train.models import zoo
-from mop_train.models.model import MoETransformer
+from mop_train.models.model import MoETransformer, tile_blocks
+from mop_train.models.moe import FeedForward
 from mop_train.parallel import compile as compile_mod
 from mop_train.parallel.compile import EAGER_SUBMODULES, CompileOptions, apply_compile, check_compiler
 from mop_train.parallel.parallelize import apply_activation_checkpointing
@@ -49,12 +50,13 @@ def _step(module: nn.Module, tokens: torch.Tensor, labels: torch.Tensor):
     return loss.detach(), grads, loads
 
 
-def _compare_compiled_with_eager(backend: str, seed: int, *, rtol: float) -> None:
+def _compare_compiled_with_eager(backend: str, seed: int, *, rtol: float, tiles: tuple[int, int] = (0, 0)) -> None:
     rng = random.Random(seed)
     eager = _module(seed)
     compiled = copy.deepcopy(eager)
     checkpointed = sorted(rng.sample(range(3), 2))                 # one block left unwrapped
     for m in (eager, compiled):
+        tile_blocks(m.model, *tiles)                                # [mop.tiling]: before checkpointing
         apply_activation_checkpointing(m.model, checkpointed, preserve_rng_state=True)
     names = list(compiled.state_dict())
     torch._dynamo.reset()
@@ -66,6 +68,10 @@ def _compare_compiled_with_eager(backend: str, seed: int, *, rtol: float) -> Non
         eager_subs = [inner.get_submodule(p) for p in EAGER_SUBMODULES if hasattr(inner, p.split(".")[0])]
         assert len(eager_subs) == 2 if hasattr(inner, "moe") else len(eager_subs) == 1
         assert all(type(s) in compile_mod._EAGER_CLASSES.values() for s in eager_subs)
+        tiled_ffns = [m for m in inner.modules() if isinstance(m, FeedForward) and m.tile_tokens]
+        assert len(tiled_ffns) == (1 if tiles[0] else 0)            # the dense FFN or the shared expert
+        assert all(type(m) in compile_mod._EAGER_CLASSES.values() for m in tiled_ffns)
+        assert (type(inner.attention) in compile_mod._EAGER_CLASSES.values()) == bool(tiles[1])
     V = eager.model.args.vocab_size
     for _ in range(2):                                              # the second call reuses the compiled code
         B, S = rng.randint(1, 3), rng.choice([16, 24, 32])
@@ -83,6 +89,12 @@ def _compare_compiled_with_eager(backend: str, seed: int, *, rtol: float) -> Non
 
 def test_compiled_blocks_and_loss_match_eager_aot_eager():
     _compare_compiled_with_eager("aot_eager", fresh_seed(9401), rtol=1e-5)
+
+
+def test_compiled_blocks_with_token_tiles_match_eager():
+    """[mop.tiling]'s autograd Function stays a graph break: tiled FFNs and attention stages eager."""
+    rng = random.Random(fresh_seed(9405))
+    _compare_compiled_with_eager("aot_eager", fresh_seed(9406), rtol=1e-5, tiles=(rng.choice([8, 16]), 16))
 
 
 @pytest.mark.slow
