@@ -50,9 +50,10 @@ def _step(module: nn.Module, tokens: torch.Tensor, labels: torch.Tensor):
     return loss.detach(), grads, loads
 
 
-def _compare_compiled_with_eager(backend: str, seed: int, *, rtol: float, tiles: tuple[int, int] = (0, 0)) -> None:
+def _compare_compiled_with_eager(backend: str, seed: int, *, rtol: float, tiles: tuple[int, int] = (0, 0),
+                                 device: str = "cpu") -> None:
     rng = random.Random(seed)
-    eager = _module(seed)
+    eager = _module(seed).to(device)
     compiled = copy.deepcopy(eager)
     checkpointed = sorted(rng.sample(range(3), 2))                 # one block left unwrapped
     for m in (eager, compiled):
@@ -61,7 +62,7 @@ def _compare_compiled_with_eager(backend: str, seed: int, *, rtol: float, tiles:
     names = list(compiled.state_dict())
     torch._dynamo.reset()
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    apply_compile(compiled, CompileOptions(model=True, loss=True, backend=backend), device_type="cpu")
+    apply_compile(compiled, CompileOptions(model=True, loss=True, backend=backend), device_type=device)
     assert list(compiled.state_dict()) == names                     # checkpoints move between the two
     for block in compiled.model.layers.values():
         inner = getattr(block, "_checkpoint_wrapped_module", block)
@@ -75,7 +76,7 @@ def _compare_compiled_with_eager(backend: str, seed: int, *, rtol: float, tiles:
     V = eager.model.args.vocab_size
     for _ in range(2):                                              # the second call reuses the compiled code
         B, S = rng.randint(1, 3), rng.choice([16, 24, 32])
-        tokens = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+        tokens = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(rng.randrange(1 << 30))).to(device)
         labels = torch.roll(tokens, -1, dims=1)
         labels[:, -1] = -100
         want, got = _step(eager, tokens, labels), _step(compiled, tokens, labels)
@@ -101,6 +102,14 @@ def test_compiled_blocks_with_token_tiles_match_eager():
 def test_compiled_inductor_cpu_plain_path_is_exact_enough():
     """The backend users run: inductor's C++ code on CPU (fp32; fused kernels round differently)."""
     _compare_compiled_with_eager("inductor", fresh_seed(9402), rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_compiled_inductor_cuda_matches_eager():
+    """Inductor's Triton code on a GPU, fp32 without TF32, with token tiles on one pass."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _compare_compiled_with_eager("inductor", fresh_seed(9407), rtol=1e-4, device="cuda")
+    _compare_compiled_with_eager("inductor", fresh_seed(9408), rtol=1e-4, tiles=(16, 16), device="cuda")
 
 
 SCHEDULE_CASES = [  # (dispatch, D, E_p, keep attention, SCO)
