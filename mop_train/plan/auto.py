@@ -143,7 +143,25 @@ class AutoPlanner:
         self._fits_at: dict[int, list[tuple]] = {}
         self._tried: dict[int, list[Evaluation]] = {}
 
-    def _optimizer_levels(self) -> list[tuple[str, str]]:
+    def _optimizer_levels(self) -> list[tuple[str, str, str, str]]:
+        """(optimizer.name, device_fraction, weights, gradients), fastest first; the last leaves the least
+        on the device. After OffloadStreamAdamW's device shares come bf16 working weights (under bf16
+        compute: no traffic) and then weights and gradients both streamed, each keeping less on the
+        device and pinning more on the host than the one before (other mixes are left to the user)."""
+        oa, fixed = self.base.mop.offload_adamw, self.fixed
+        levels = self._share_levels()
+        if {"mop.offload_adamw.weights", "mop.offload_adamw.gradients"} & fixed:  # given: keep them, offloaded
+            return [(n, f, oa.weights, oa.gradients) for n, f in levels if n == OFFLOAD_ADAMW]
+        out = [(n, f, "device", "device") for n, f in levels]
+        shares = [f for n, f in levels if n == OFFLOAD_ADAMW]
+        if shares:
+            bf16 = MixedPrecision.from_training(self.base.training).activation_bytes == 2
+            streams = [("bf16", "device")] if bf16 else []  # (free under bf16 compute); then everything streamed
+            streams += [("stream", "stream")]
+            out += [(OFFLOAD_ADAMW, shares[-1], w, g) for w, g in streams]
+        return out
+
+    def _share_levels(self) -> list[tuple[str, str]]:
         """(optimizer.name, device_fraction), fastest first; the last leaves the least on the device."""
         base, fixed = self.base, self.fixed
         on_device = base.optimizer.name if base.optimizer.name != OFFLOAD_ADAMW else "AdamW"
@@ -213,6 +231,7 @@ class AutoPlanner:
         first). Along either axis the step gets slower; along i the device plan shrinks and the host plan
         grows, and so along j among OffloadStreamAdamW's levels."""
         levels = self._viable_levels(s) if levels is None else levels
+        levels = [level for level in levels if self._level_runs(s, level)]
         key = (s, tuple(levels))
         if key not in self._grids:
             self._grids[key] = self._grid(s, levels)
@@ -226,7 +245,13 @@ class AutoPlanner:
         else:
             boundary, layers = self._boundary_bytes(s), self._checkpointed(s)
             budgets = [_byte_text(n * boundary) for n in sorted({math.ceil(q * layers / 4) for q in SCO_QUARTERS})]
-        return [[replace(s, sco_budget=b, optimizer=o, device_fraction=f) for b in budgets] for o, f in levels]
+        return [[replace(s, sco_budget=b, optimizer=o, device_fraction=f, weights=w, gradients=g) for b in budgets]
+                for o, f, w, g in levels]
+
+    @staticmethod
+    def _level_runs(s: Settings, level) -> bool:
+        """weights = "stream" reuses an expert block's slot after its forward: every block checkpointed."""
+        return level[2] != "stream" or s.dispatch == "local" or s.ac_mode == "full"
 
     def frugal(self, s: Settings, levels: list[tuple[str, str]] | None = None) -> Evaluation:
         """The knobs that leave the least on the device: every boundary SCO may hold and either the
@@ -256,7 +281,8 @@ class AutoPlanner:
                 self._family_floor[key] = []
             else:
                 grid = self.knobs(floor, self.optimizers)
-                self._family_floor[key] = [level for level, row in zip(self.optimizers, grid)
+                runs = [level for level in self.optimizers if self._level_runs(floor, level)]
+                self._family_floor[key] = [level for level, row in zip(runs, grid)
                                            if self.evaluate(row[-1]).fits_device]
         return self._family_floor[key]
 
@@ -295,6 +321,8 @@ class AutoPlanner:
             ring_dtp=s.ring_dtp, checkpointed_layers=layers,
             sco_offloaded_bytes=layers * boundary - retained_boundary_bytes([boundary] * layers, budget),
             offload_optimizer=s.offloads_optimizer, device_fraction=0.0 if share == "auto" else share,
+            stream_weights=s.offloads_optimizer and s.weights == "stream",
+            stream_gradients=s.offloads_optimizer and s.gradients == "stream",
             act_bytes=MixedPrecision.from_training(t).activation_bytes)
 
     def evaluate(self, s: Settings) -> Evaluation:
