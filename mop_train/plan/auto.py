@@ -45,8 +45,8 @@ from mop_train.parallel.precision import MixedPrecision
 from mop_train.plan.cost_model import StepInputs, StepPrediction, format_prediction, predict_step
 from mop_train.plan.job import plan_for_config
 from mop_train.plan.report import plan_job
-from mop_train.plan.settings import (SEARCHED_KEYS, Evaluation, Settings, configure, fast_plan, fixed_keys,
-                                    flavor_model)
+from mop_train.plan.settings import (DEVICE_FRACTIONS, SEARCHED_KEYS, Evaluation, Settings, configure,  # noqa: F401
+                                    fast_plan, fixed_keys, flavor_model, optimizer_levels)
 from mop_train.plan.terms import GIB
 from mop_train.units import parse_device_fraction
 
@@ -55,9 +55,6 @@ __all__ = ["AutoPlanner", "NothingFits", "Result", "Settings", "fixed_keys", "fo
 OBJECTIVES = ("context", "throughput")
 SEQ_GRANULE = 1024
 """The context objective's resolution: S is a multiple of this (and of every searched D)."""
-
-DEVICE_FRACTIONS = ("0.75", "0.5", "0.25", "0")
-"""OffloadStreamAdamW's device shares tried, most on the device (fastest) first."""
 
 SCO_QUARTERS = (0, 1, 2, 3, 4)
 """SCO budgets tried: 0, 1/4 .. 4/4 of the checkpointed boundaries."""
@@ -133,7 +130,7 @@ class AutoPlanner:
         self.vocab_degrees = [p for p in options("mop.layout.vocab_degree", lay.vocab_degree, divisors(world))
                               if world % p == 0]
         self.ac_modes = options("activation_checkpoint.mode", base.activation_checkpoint.mode, ("full", "none"))
-        self.optimizers = self._optimizer_levels()
+        self.optimizers = optimizer_levels(self.base, self.fixed)
         self.granule = math.lcm(SEQ_GRANULE, *self.seq_degrees)
         self._memo: dict[Settings, Evaluation] = {}
         self._grids: dict[tuple, list[list[Settings]]] = {}
@@ -142,40 +139,6 @@ class AutoPlanner:
         self._fail_at: dict[tuple, int] = {}   # context search: frugal key -> smallest S it did not fit
         self._fits_at: dict[int, list[tuple]] = {}
         self._tried: dict[int, list[Evaluation]] = {}
-
-    def _optimizer_levels(self) -> list[tuple[str, str, str, str]]:
-        """(optimizer.name, device_fraction, weights, gradients), fastest first; the last leaves the least
-        on the device. After OffloadStreamAdamW's device shares come bf16 working weights (under bf16
-        compute: no traffic) and then weights and gradients both streamed, each keeping less on the
-        device and pinning more on the host than the one before (other mixes are left to the user)."""
-        oa, fixed = self.base.mop.offload_adamw, self.fixed
-        levels = self._share_levels()
-        if {"mop.offload_adamw.weights", "mop.offload_adamw.gradients"} & fixed:  # given: keep them, offloaded
-            return [(n, f, oa.weights, oa.gradients) for n, f in levels if n == OFFLOAD_ADAMW]
-        out = [(n, f, "device", "device") for n, f in levels]
-        shares = [f for n, f in levels if n == OFFLOAD_ADAMW]
-        if shares:
-            bf16 = MixedPrecision.from_training(self.base.training).activation_bytes == 2
-            streams = [("bf16", "device")] if bf16 else []  # (free under bf16 compute); then everything streamed
-            streams += [("stream", "stream")]
-            out += [(OFFLOAD_ADAMW, shares[-1], w, g) for w, g in streams]
-        return out
-
-    def _share_levels(self) -> list[tuple[str, str]]:
-        """(optimizer.name, device_fraction), fastest first; the last leaves the least on the device."""
-        base, fixed = self.base, self.fixed
-        on_device = base.optimizer.name if base.optimizer.name != OFFLOAD_ADAMW else "AdamW"
-        name_fixed, fraction = "optimizer.name" in fixed, str(base.mop.offload_adamw.device_fraction)
-        if name_fixed and base.optimizer.name != OFFLOAD_ADAMW:
-            return [(on_device, "0")]
-        if "mop.offload_adamw.device_fraction" in fixed:
-            keep_adamw = not name_fixed and fraction.strip() in ("0", "0.0")
-            return ([(on_device, "0")] if keep_adamw else []) + [(OFFLOAD_ADAMW, fraction)]
-        levels = [(OFFLOAD_ADAMW, f) for f in DEVICE_FRACTIONS]
-        oa = base.mop.offload_adamw           # options of OffloadStreamAdamW alone, given: it is the optimizer
-        only_offload = ("mop.offload_adamw.host_fraction" in fixed and oa.host_fraction) or (
-            "mop.offload_adamw.overlap" in fixed and oa.overlap)
-        return levels if name_fixed or only_offload else [(on_device, "0")] + levels
 
     # -- candidates -------------------------------------------------------------------------------
 

@@ -146,6 +146,44 @@ class Settings:
         return "\n".join(f"[{s}]\n" + "\n".join(lines) for s, lines in sections.items())
 
 
+DEVICE_FRACTIONS = ("0.75", "0.5", "0.25", "0")
+"""OffloadStreamAdamW's device shares tried, most on the device (fastest) first."""
+
+
+def optimizer_levels(base, fixed: set[str]) -> list[tuple[str, str, str, str]]:
+    """(optimizer.name, device_fraction, weights, gradients), fastest first; the last leaves the least
+    on the device. After OffloadStreamAdamW's device shares come bf16 working weights (under bf16
+    compute: no traffic) and then weights and gradients both streamed, each keeping less on the
+    device and pinning more on the host than the one before (other mixes are left to the user)."""
+    oa = base.mop.offload_adamw
+    levels = _share_levels(base, fixed)
+    if {"mop.offload_adamw.weights", "mop.offload_adamw.gradients"} & fixed:  # given: keep them, offloaded
+        return [(n, f, oa.weights, oa.gradients) for n, f in levels if n == OFFLOAD_ADAMW]
+    out = [(n, f, "device", "device") for n, f in levels]
+    shares = [f for n, f in levels if n == OFFLOAD_ADAMW]
+    if shares:
+        bf16 = MixedPrecision.from_training(base.training).activation_bytes == 2
+        streams = [("bf16", "device")] if bf16 else []  # (free under bf16 compute); then everything streamed
+        streams += [("stream", "stream")]
+        out += [(OFFLOAD_ADAMW, shares[-1], w, g) for w, g in streams]
+    return out
+
+def _share_levels(base, fixed: set[str]) -> list[tuple[str, str]]:
+    """(optimizer.name, device_fraction), fastest first; the last leaves the least on the device."""
+    on_device = base.optimizer.name if base.optimizer.name != OFFLOAD_ADAMW else "AdamW"
+    name_fixed, fraction = "optimizer.name" in fixed, str(base.mop.offload_adamw.device_fraction)
+    if name_fixed and base.optimizer.name != OFFLOAD_ADAMW:
+        return [(on_device, "0")]
+    if "mop.offload_adamw.device_fraction" in fixed:
+        keep_adamw = not name_fixed and fraction.strip() in ("0", "0.0")
+        return ([(on_device, "0")] if keep_adamw else []) + [(OFFLOAD_ADAMW, fraction)]
+    levels = [(OFFLOAD_ADAMW, f) for f in DEVICE_FRACTIONS]
+    oa = base.mop.offload_adamw           # options of OffloadStreamAdamW alone, given: it is the optimizer
+    only_offload = ("mop.offload_adamw.host_fraction" in fixed and oa.host_fraction) or (
+        "mop.offload_adamw.overlap" in fixed and oa.overlap)
+    return levels if name_fixed or only_offload else [(on_device, "0")] + levels
+
+
 def configure(base, s: Settings):
     """A copy of the job `base` with the settings of `s` (the sections it touches are copied)."""
     cfg = copy.copy(base)
