@@ -45,8 +45,8 @@ from mop_train.parallel.precision import MixedPrecision
 from mop_train.plan.cost_model import StepInputs, StepPrediction, format_prediction, predict_step
 from mop_train.plan.job import plan_for_config
 from mop_train.plan.report import plan_job
-from mop_train.plan.settings import (DEVICE_FRACTIONS, SEARCHED_KEYS, Evaluation, Settings, configure,  # noqa: F401
-                                    fast_plan, fixed_keys, flavor_model, optimizer_levels)
+from mop_train.plan.settings import (SEARCHED_KEYS, Evaluation, Settings, configure, fast_plan, fixed_keys,
+                                    flavor_model, optimizer_levels)
 from mop_train.plan.terms import GIB
 from mop_train.units import parse_device_fraction
 
