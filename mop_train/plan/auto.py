@@ -38,7 +38,6 @@ from dataclasses import dataclass, field, replace
 
 from mop_train.layout import divisors, plan_layout
 from mop_train.ops.moe_dispatch.pipelined_llep import num_chunks
-from mop_train.ops.offload_adamw import OFFLOAD_ADAMW
 from mop_train.ops.sco.budget import resolve_host_budget, retained_boundary_bytes
 from mop_train.parallel.parallelize import check_layout_fits, checkpointed_layer_ids
 from mop_train.parallel.precision import MixedPrecision
