@@ -99,8 +99,19 @@ def describe_offload(optimizers: OptimizersContainer, *, free_device_bytes: int 
             f"OffloadStreamAdamW: device_fraction {opt.device_fraction:.3f}{auto}, {opt.device_state_bytes / gib:.2f} "
             f"GiB of state on the device; buckets {opt.bucket_params:,} x {opt.slots} slots, "
             f"{opt.staging_bytes / gib:.2f} GiB staging; host_fraction {opt.host_fraction:g} of the rest on the CPU; "
-            f"overlap with the next forward {'on' if opt.overlap and opt.forward_waits.hooked else 'off'}")
+            f"overlap with the next forward {'on' if opt.overlap and opt.forward_waits.hooked else 'off'}"
+            + _describe_streaming(opt))
     return "\n".join(lines)
+
+
+def _describe_streaming(opt) -> str:
+    """'; weights ..., gradients ...' for the launch line ('' with both on the device)."""
+    weights, gradients = getattr(opt, "weights", "device"), getattr(opt, "gradients", "device")
+    if (weights, gradients) == ("device", "device"):
+        return ""
+    working = getattr(opt, "working", None)
+    held = f" ({working.device_bytes() / 2**30:.2f} GiB of working weights on the device)" if working else ""
+    return f"; weights {weights}{held}, gradients {gradients}"
 
 
 def _expert_blocks(model, expert_params, checkpointed) -> list[tuple[tuple, bool]]:
