@@ -7,19 +7,8 @@
 #        optimizer_bench vocab_bench train_small_offload_0.0 train_small_offload_0.45 train_small_docmask
 #        docmask_tests docmask_bench (only when named)
 set -uo pipefail
-OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=$PWD:/tmp/site || exit 1
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 MOP_TRAIN_CACHE=/tmp/mop_cache
 want=" ${*:-train_small train_small_all_ops sco_bench dispatch_bench gpu_tests} "
-step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log
-  local name=$1 limit=$2; shift 2
-  [[ $want == *" $name "* ]] || return 0
-  echo "=== $name (limit ${limit}s): $*"
-  local t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  echo "=== $name rc=$rc in $(( $(date +%s) - t0 ))s"; tail -n "${TAIL:-25}" "$OUT/$name.log"
-}
+source "$(dirname "$0")/gpu_steps.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 step train_small 110 torchrun --standalone --nproc_per_node=1 -m mop_train.train \
   --job.config_file configs/small_1gpu.toml --job.dump_folder /tmp/run_small --training.steps 20

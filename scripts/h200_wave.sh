@@ -13,20 +13,8 @@
 #   stream_2x4k        `small` 2 x 4K with each weights/gradients setting (issue 32)
 #   compile_2x4k       compile gain at 2 x 4K, ours and torchtitan (benchmarks/compile_gain.py)
 set -uo pipefail
-OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=$PWD:/tmp/site || exit 1
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
-  MOP_TRAIN_CACHE=/tmp/mop_cache
 want=" $* "
-step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log
-  local name=$1 limit=$2; shift 2
-  [[ $want == *" $name "* ]] || return 0
-  echo "=== $name (limit ${limit}s): $*"
-  local t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  echo "=== $name rc=$rc in $(( $(date +%s) - t0 ))s"; tail -n "${TAIL:-25}" "$OUT/$name.log"
-}
+source "$(dirname "$0")/gpu_steps.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 git log --oneline -1 2>/dev/null || true
 ALL_OPS=(--training.local_batch_size 1 --mop.moe.dispatch pipelined_llep --mop.ring_dtp.enable
