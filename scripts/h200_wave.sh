@@ -10,7 +10,6 @@
 #   profile_2x4k       where ours-auto's step time goes at 2 x 4K (benchmarks/step_profile.py)
 #   gpu_tests          the wave's gpu-marked tests
 #   small_1m           `small` at 1M tokens, every operator + tiling (+ streaming), one step
-#   stream_2x4k        `small` 2 x 4K with each weights/gradients setting (issue 32)
 #   compile_2x4k       compile gain at 2 x 4K, ours and torchtitan (benchmarks/compile_gain.py)
 set -uo pipefail
 want=" $* "
