@@ -4,6 +4,8 @@ memory, the plan's device total and the loss of the last step.
 
     python benchmarks/train_variants.py --variants plain streamed streamed-overlap auto-overlap all-auto \
         --steps 8 --warmup 3 --out $OUT        # one H200: issue 20's goals at B=2 x 4K
+    python benchmarks/train_variants.py --variants all all-bf16 all-gstream all-bf16-gstream all-stream \
+        --base all --steps 6 --warmup 2 --out $OUT   # issue 32: weights / gradients at B=2 x 4K (bitwise column)
 
 A variant is a list of overrides of configs/small_1gpu.toml (or --config; see VARIANTS); every run is a plain
 `torchrun -m mop_train.train`, so this measures what users run.
@@ -33,6 +35,11 @@ VARIANTS = {
     "all-auto": [*ALL_OPS, "--mop.offload_adamw.device_fraction", "auto", "--mop.offload_adamw.overlap"],
     "accum4-plain": ["--training.global_batch_size", "8"],
     "accum4-streamed": ["--training.global_batch_size", "8", *OFFLOAD],
+    # issue 32: the model's own weights and gradients, every operator on ("all" is device/device)
+    "all-bf16": [*ALL_OPS, "--mop.offload_adamw.weights", "bf16"],
+    "all-gstream": [*ALL_OPS, "--mop.offload_adamw.gradients", "stream"],
+    "all-bf16-gstream": [*ALL_OPS, "--mop.offload_adamw.weights", "bf16", "--mop.offload_adamw.gradients", "stream"],
+    "all-stream": [*ALL_OPS, "--mop.offload_adamw.weights", "stream", "--mop.offload_adamw.gradients", "stream"],
 }
 """Name -> overrides of CONFIG (B=2 x 4K unless --shape says otherwise)."""
 
@@ -44,6 +51,7 @@ def run_variant(name: str, overrides: list[str], *, config: str, nproc: int, ste
     timed = [r for r in records if r["step"] > warmup]
     row = {"variant": name, "overrides": overrides, "rc": rc, "wall_s": run["wall_s"],
            "steps_logged": len(records), "command": run["command"]}
+    row["losses"] = [r["loss"] for r in records]
     if timed:
         tps = statistics.median(r["tokens_per_s"] for r in timed)
         exposed = [r["optimizer_exposed_s"] for r in timed if r.get("optimizer_exposed_s") is not None]
@@ -55,19 +63,24 @@ def run_variant(name: str, overrides: list[str], *, config: str, nproc: int, ste
     return row
 
 
-def table(rows: list[dict]) -> str:
-    base = next((r for r in rows if r["variant"] == "plain" and r.get("step_s")), None)
-    lines = [f"{'variant':<18} {'rc':>4} {'tok/s':>9} {'step s':>7} {'x plain':>8} {'opt s':>6} {'exposed':>8} "
-             f"{'peak GiB':>9} {'plan GiB':>9} {'loss':>8}"]
+def table(rows: list[dict], base_name: str = "plain") -> str:
+    """One line per variant; `x base` and `bitwise` (every logged loss equal to the base's, bit for
+    bit) against the variant `base_name`; `plan P+G` is the plan's parameters + gradients lines."""
+    base = next((r for r in rows if r["variant"] == base_name and r.get("step_s")), None)
+    lines = [f"{'variant':<18} {'rc':>4} {'tok/s':>9} {'step s':>7} {'x ' + base_name:>9} {'opt s':>6} {'exposed':>8} "
+             f"{'peak GiB':>9} {'plan GiB':>9} {'plan P+G':>9} {'loss':>8} {'bitwise':>8}"]
     for r in rows:
         if not r.get("step_s"):
             lines.append(f"{r['variant']:<18} {r['rc']!s:>4}  (no timed steps)")
             continue
         rel = f"{r['step_s'] / base['step_s']:.3f}" if base else "-"
         f = (lambda v: "-" if v is None else f"{v:.3f}")
-        lines.append(f"{r['variant']:<18} {r['rc']!s:>4} {r['tokens_per_s']:>9,.0f} {r['step_s']:>7.3f} {rel:>8} "
+        terms = r["planned"]["terms_gib"]
+        same = "-" if base is None else ("yes" if r["losses"] == base["losses"] else "NO")
+        lines.append(f"{r['variant']:<18} {r['rc']!s:>4} {r['tokens_per_s']:>9,.0f} {r['step_s']:>7.3f} {rel:>9} "
                      f"{f(r['optimizer_s']):>6} {f(r['optimizer_exposed_s']):>8} {r['peak_gib']:>9.2f} "
-                     f"{r['planned']['device_gib']:>9.2f} {r['last_loss']:>8.4f}")
+                     f"{r['planned']['device_gib']:>9.2f} {terms['parameters'] + terms['gradients']:>9.2f} "
+                     f"{r['last_loss']:>8.4f} {same:>8}")
     return "\n".join(lines)
 
 
@@ -83,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--point-timeout-s", type=float, default=180)
     ap.add_argument("--budget-s", type=float, default=540)
     ap.add_argument("--out", default=os.environ.get("OUT", "train_variants_out"))
+    ap.add_argument("--base", default="plain", help="the variant the x-column and the bitwise check compare with")
     a = ap.parse_args(argv)
     if a.warmup >= a.steps:
         ap.error(f"--warmup ({a.warmup}) must be below --steps ({a.steps}) to leave timed steps")
@@ -103,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: rc={row['rc']} {row.get('tokens_per_s', 0):,.0f} tok/s in {row['wall_s']:.0f}s", flush=True)
     with open(os.path.join(a.out, "train_variants.json"), "w") as f:
         json.dump({"rows": rows, "argv": sys.argv, "shape": a.shape, "date": time.strftime("%Y-%m-%d")}, f, indent=1)
-    print(table(rows))
+    print(table(rows, a.base))
     return 0
 
 

@@ -127,6 +127,21 @@ class OffloadAdamW:
     """Overlap the streamed step with the next forward: each FSDP2 unit waits only for its own buckets
     (same values; not yet measured on a GPU)."""
 
+    weights: Literal["device", "bf16", "stream"] = "device"
+    """Device copy of the weights: "device" keeps each parameter's fp32 tensor (FSDP2 shard, expert and
+    vocab shards); "bf16" keeps only bf16 working weights (2 B/param; needs bf16 compute), the step
+    writing bf16(master) into them; "stream" keeps none: each block's working weights are copied
+    host -> device one block ahead into weight_window slots (needs activation_checkpoint.mode = "full"
+    with sharded experts). Same losses and parameters bit for bit; OffloadStreamAdamW only."""
+
+    gradients: Literal["device", "stream"] = "device"
+    """"stream": each block's fp32 gradient is copied to the host as it becomes final (after FSDP2's
+    reduce-scatter or the replica sum) and its device memory released; the norm is formed as they
+    leave. Same bits as "device"; OffloadStreamAdamW with host_fraction = 0 only."""
+
+    weight_window: int = 2
+    """weights = "stream": block-sized device slots per window (2 copies one block ahead)."""
+
 
 @dataclass
 class Attention:
@@ -430,6 +445,31 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _validate_streaming(cfg, source: str) -> None:
+    """[mop.offload_adamw] weights / gradients / weight_window against the optimizer and the run."""
+    oa = cfg.mop.offload_adamw
+    for key, value, valid in (("weights", oa.weights, ("device", "bf16", "stream")),
+                              ("gradients", oa.gradients, ("device", "stream"))):
+        _require(value in valid, f"{source}: mop.offload_adamw.{key} = {value!r} must be one of {valid}")
+        _require(value == "device" or cfg.optimizer.name == "OffloadStreamAdamW",
+                 f"{source}: mop.offload_adamw.{key} = {value!r} needs the fp32 masters on the host: set "
+                 f"optimizer.name = 'OffloadStreamAdamW' (now {cfg.optimizer.name!r}) or {key} = 'device'")
+    _require(oa.weights != "bf16" or cfg.training.mixed_precision_param == "bfloat16",
+             f"{source}: mop.offload_adamw.weights = 'bf16' keeps bf16 working weights, but "
+             f"training.mixed_precision_param = {cfg.training.mixed_precision_param!r} computes in fp32; set "
+             f"mixed_precision_param = \"bfloat16\", or weights = 'stream' (streams fp32 working weights)")
+    _require(oa.gradients != "stream" or oa.host_fraction == 0.0,
+             f"{source}: mop.offload_adamw.gradients = 'stream' with host_fraction = {oa.host_fraction} is not "
+             f"supported yet (the CPU share reads device gradients); set host_fraction = 0 or gradients = 'device'")
+    _require(not isinstance(oa.weight_window, bool) and oa.weight_window >= 1,
+             f"{source}: mop.offload_adamw.weight_window = {oa.weight_window!r} must be >= 1 (2 copies one block ahead)")
+    _require(oa.weights != "stream" or cfg.mop.moe.dispatch == "local" or cfg.activation_checkpoint.mode == "full",
+             f"{source}: mop.offload_adamw.weights = 'stream' reuses an expert block's window slot once its "
+             f"forward is done, which needs every block checkpointed, but activation_checkpoint.mode = "
+             f"{cfg.activation_checkpoint.mode!r} with mop.moe.dispatch = {cfg.mop.moe.dispatch!r}; set "
+             f"activation_checkpoint.mode = \"full\" or weights = 'bf16'")
+
+
 def validate(cfg, *, source: str = "config") -> None:
     """Value checks that need no world size (the layout checks degrees against W)."""
     lay, moe, mop = cfg.mop.layout, cfg.mop.moe, cfg.mop
@@ -464,6 +504,7 @@ def validate(cfg, *, source: str = "config") -> None:
              f"{source}: mop.offload_adamw.device_fraction = {mop.offload_adamw.device_fraction!r} only applies to "
              f"optimizer.name = 'OffloadStreamAdamW', but optimizer.name = {cfg.optimizer.name!r}; set one or "
              "drop the other")
+    _validate_streaming(cfg, source)
     _require(not mop.offload_adamw.overlap or cfg.optimizer.name == "OffloadStreamAdamW",
              f"{source}: mop.offload_adamw.overlap = true only applies to optimizer.name = 'OffloadStreamAdamW', "
              f"but optimizer.name = {cfg.optimizer.name!r}")

@@ -71,6 +71,9 @@ class GroupedExperts(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, num_experts: int):
         super().__init__()
         self.num_experts = num_experts
+        # Set from outside (OffloadStreamAdamW's weights = "bf16" / "stream"): (param, dtype) -> the
+        # compute weight of a shard kept out of FSDP2, or None to cast the parameter itself.
+        self.weight_source = None
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
@@ -84,10 +87,15 @@ class GroupedExperts(nn.Module):
         out of FSDP): the seam gets this rank's shard, cast to the activation dtype (FSDP's mixed
         precision does not cast weights it does not manage).
         """
-        w1, w2, w3 = (_local_weight(w, x.dtype) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (self._weight(w, x.dtype) for w in (self.w1, self.w2, self.w3))
         if dispatch is None:
             return moe_experts_forward(x, indices, weights, w1, w2, w3)
         return dispatch(x, indices, weights, w1, w2, w3)
+
+    def _weight(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        source = self.weight_source
+        working = source(w, dtype) if source is not None else None
+        return working if working is not None else _local_weight(w, dtype)
 
     def init_weights(self, init_std: float) -> None:
         _trunc_normal(self.w1, 0.02)

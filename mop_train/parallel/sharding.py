@@ -6,8 +6,9 @@ Each such weight becomes a DTensor on a 2-D mesh (replica, shard) with placement
 [j*ceil(R/G), min(R, (j+1)*ceil(R/G))), possibly empty), and the ranks at the same position of
 every group hold the same rows. DCP then saves and reshards them like any other DTensor. Compute
 uses the local tensor; after backward, `reduce_replica_grads` sums each local gradient over its
-replica group (those ranks saw different tokens), and `clip_grad_norm_` computes one global norm
-over FSDP DTensors and these.
+replica group (those ranks saw different tokens), one collective per parameter, and
+`total_grad_norm` computes one global norm over FSDP DTensors and these from per-parameter terms
+(`grad_norm_term`), which the streamed-gradient path computes the same way as gradients leave.
 """
 
 from __future__ import annotations
@@ -51,50 +52,92 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def reduce_replica_grads(params: Iterable[torch.Tensor], group, *,
                          reduce_dtype: torch.dtype | None = None) -> None:
-    """Sum each parameter's local gradient over `group` (ranks holding the same shard), in place,
-    flattened into one buffer per dtype so the group pays one collective per dtype.
+    """Sum each parameter's local gradient over `group` (ranks holding the same shard), in place:
+    one collective per parameter, the same sum whether it runs after backward (here) or as each
+    gradient becomes final ([mop.offload_adamw] gradients = "stream", `reduce_replica_grad`).
 
     `reduce_dtype`: the dtype the sum travels and accumulates in (the run's mixed-precision
     `reduce_dtype`, as FSDP2 reduces its own gradients); None keeps each gradient's dtype."""
     if group is None or dist.get_world_size(group) == 1:
         return
-    grads = [local(p.grad) for p in params if p.grad is not None]
-    for dtype in {g.dtype for g in grads}:
-        same = [g for g in grads if g.dtype == dtype]
-        flat = torch.cat([g.reshape(-1).to(reduce_dtype or dtype) for g in same])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-
-def _mesh_key(p: torch.Tensor):
-    return id(p.device_mesh) if isinstance(p, DTensor) else None
-
-
-def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """Global gradient norm over parameters that live on different meshes (FSDP's and the MoP
-    groups'), as a plain tensor. Plain (non-DTensor) parameters are treated as replicated on every rank."""
-    by_mesh: dict = {}
     for p in params:
         if p.grad is not None:
-            by_mesh.setdefault(_mesh_key(p), []).append(p.grad)
-    norms = []
-    for grads in by_mesh.values():
-        n = torch.nn.utils.get_total_norm(grads, norm_type)
-        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    if not norms:
+            reduce_replica_grad(local(p.grad), group, reduce_dtype=reduce_dtype)
+
+
+def reduce_replica_grad(grad: torch.Tensor, group, *, reduce_dtype: torch.dtype | None = None) -> None:
+    """Sum one local gradient over `group` in place, travelling in `reduce_dtype` (None: its own)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    flat = grad.reshape(-1).to(reduce_dtype or grad.dtype)
+    dist.all_reduce(flat, group=group)
+    if flat.data_ptr() != grad.data_ptr():
+        grad.copy_(flat.view_as(grad))
+
+
+def grad_norm_term(grad: torch.Tensor, norm_type: float = 2.0) -> torch.Tensor:
+    """One local gradient's share of the global norm: ||g||_p^p (||g||_inf for p = inf), a 0-dim fp32
+    tensor on the gradient's device. Both gradient paths compute it with this one kernel on the same
+    final gradient (the streamed path as the gradient leaves the device), so the norms agree bit for bit."""
+    if grad.numel() == 0:  # an empty shard (a rank holding no rows) adds nothing, also to the inf norm
+        return torch.zeros((), dtype=torch.float32, device=grad.device)
+    norm = torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32)
+    return norm if math.isinf(norm_type) else norm.pow(norm_type)
+
+
+def _group_key(p: torch.Tensor):
+    if isinstance(p, DTensor):
+        return id(p.device_mesh), tuple(p.placements)
+    return None
+
+
+def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, *, terms: dict | None = None) -> torch.Tensor:
+    """Global gradient norm over parameters that live on different meshes (FSDP's and the MoP
+    groups'), as a plain tensor. Plain (non-DTensor) parameters are treated as replicated on every rank.
+
+    Per parameter, `grad_norm_term` of its local gradient, or `terms[id(param)]` when given there
+    (gradients streamed to the host: computed as they left); per (mesh, placements), the terms are
+    summed (max for inf) in parameter order and all-reduced over each mesh dimension the gradient is
+    sharded on; the groups' sums are added and the p-th root taken."""
+    inf = math.isinf(norm_type)
+    groups: dict = {}
+    for p in params:
+        if terms is not None and id(p) in terms:
+            term = terms[id(p)]
+        elif p.grad is not None:
+            term = grad_norm_term(local(p.grad), norm_type)
+        else:
+            continue
+        groups.setdefault(_group_key(p), (p, []))[1].append(term)
+    totals = []
+    for p, group_terms in groups.values():
+        stacked = torch.stack(group_terms)
+        total = stacked.max() if inf else stacked.sum()
+        if isinstance(p, DTensor):
+            for dim, placement in enumerate(p.placements):
+                if placement.is_shard():
+                    dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+                                    group=p.device_mesh.get_group(dim))
+        totals.append(total)
+    if not totals:
         return torch.tensor(0.0)
-    stacked = torch.stack([n.float() for n in norms])
-    return stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+    stacked = torch.stack([t.to(totals[0].device) for t in totals])
+    return stacked.max() if inf else stacked.sum().pow(1.0 / norm_type)
+
+
+def clip_coefficient(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor | None:
+    """min(1, max_norm / total_norm), torch.nn.utils' rule (0-dim, on the norm's device); None when
+    max_norm <= 0 (clipping off)."""
+    if max_norm <= 0:
+        return None
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
 
 
 def clip_grads_with_norm_(params: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
     """Scale every gradient by min(1, max_norm / total_norm), torch.nn.utils' rule; max_norm <= 0 disables."""
-    if max_norm <= 0:
+    coef = clip_coefficient(max_norm, total_norm)
+    if coef is None:
         return
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
             local(p.grad).mul_(coef.to(local(p.grad).device, local(p.grad).dtype))

@@ -38,7 +38,6 @@ from dataclasses import dataclass, field, replace
 
 from mop_train.layout import divisors, plan_layout
 from mop_train.ops.moe_dispatch.pipelined_llep import num_chunks
-from mop_train.ops.offload_adamw import OFFLOAD_ADAMW
 from mop_train.ops.sco.budget import resolve_host_budget, retained_boundary_bytes
 from mop_train.parallel.parallelize import check_layout_fits, checkpointed_layer_ids
 from mop_train.parallel.precision import MixedPrecision
@@ -46,7 +45,7 @@ from mop_train.plan.cost_model import StepInputs, StepPrediction, format_predict
 from mop_train.plan.job import plan_for_config
 from mop_train.plan.report import plan_job
 from mop_train.plan.settings import (SEARCHED_KEYS, Evaluation, Settings, configure, fast_plan, fixed_keys,
-                                    flavor_model)
+                                    flavor_model, optimizer_levels)
 from mop_train.plan.terms import GIB
 from mop_train.units import parse_device_fraction
 
@@ -55,9 +54,6 @@ __all__ = ["AutoPlanner", "NothingFits", "Result", "Settings", "fixed_keys", "fo
 OBJECTIVES = ("context", "throughput")
 SEQ_GRANULE = 1024
 """The context objective's resolution: S is a multiple of this (and of every searched D)."""
-
-DEVICE_FRACTIONS = ("0.75", "0.5", "0.25", "0")
-"""OffloadStreamAdamW's device shares tried, most on the device (fastest) first."""
 
 SCO_QUARTERS = (0, 1, 2, 3, 4)
 """SCO budgets tried: 0, 1/4 .. 4/4 of the checkpointed boundaries."""
@@ -133,7 +129,7 @@ class AutoPlanner:
         self.vocab_degrees = [p for p in options("mop.layout.vocab_degree", lay.vocab_degree, divisors(world))
                               if world % p == 0]
         self.ac_modes = options("activation_checkpoint.mode", base.activation_checkpoint.mode, ("full", "none"))
-        self.optimizers = self._optimizer_levels()
+        self.optimizers = optimizer_levels(self.base, self.fixed)
         self.granule = math.lcm(SEQ_GRANULE, *self.seq_degrees)
         self._memo: dict[Settings, Evaluation] = {}
         self._grids: dict[tuple, list[list[Settings]]] = {}
@@ -142,22 +138,6 @@ class AutoPlanner:
         self._fail_at: dict[tuple, int] = {}   # context search: frugal key -> smallest S it did not fit
         self._fits_at: dict[int, list[tuple]] = {}
         self._tried: dict[int, list[Evaluation]] = {}
-
-    def _optimizer_levels(self) -> list[tuple[str, str]]:
-        """(optimizer.name, device_fraction), fastest first; the last leaves the least on the device."""
-        base, fixed = self.base, self.fixed
-        on_device = base.optimizer.name if base.optimizer.name != OFFLOAD_ADAMW else "AdamW"
-        name_fixed, fraction = "optimizer.name" in fixed, str(base.mop.offload_adamw.device_fraction)
-        if name_fixed and base.optimizer.name != OFFLOAD_ADAMW:
-            return [(on_device, "0")]
-        if "mop.offload_adamw.device_fraction" in fixed:
-            keep_adamw = not name_fixed and fraction.strip() in ("0", "0.0")
-            return ([(on_device, "0")] if keep_adamw else []) + [(OFFLOAD_ADAMW, fraction)]
-        levels = [(OFFLOAD_ADAMW, f) for f in DEVICE_FRACTIONS]
-        oa = base.mop.offload_adamw           # options of OffloadStreamAdamW alone, given: it is the optimizer
-        only_offload = ("mop.offload_adamw.host_fraction" in fixed and oa.host_fraction) or (
-            "mop.offload_adamw.overlap" in fixed and oa.overlap)
-        return levels if name_fixed or only_offload else [(on_device, "0")] + levels
 
     # -- candidates -------------------------------------------------------------------------------
 
@@ -213,6 +193,7 @@ class AutoPlanner:
         first). Along either axis the step gets slower; along i the device plan shrinks and the host plan
         grows, and so along j among OffloadStreamAdamW's levels."""
         levels = self._viable_levels(s) if levels is None else levels
+        levels = [level for level in levels if self._level_runs(s, level)]
         key = (s, tuple(levels))
         if key not in self._grids:
             self._grids[key] = self._grid(s, levels)
@@ -226,7 +207,13 @@ class AutoPlanner:
         else:
             boundary, layers = self._boundary_bytes(s), self._checkpointed(s)
             budgets = [_byte_text(n * boundary) for n in sorted({math.ceil(q * layers / 4) for q in SCO_QUARTERS})]
-        return [[replace(s, sco_budget=b, optimizer=o, device_fraction=f) for b in budgets] for o, f in levels]
+        return [[replace(s, sco_budget=b, optimizer=o, device_fraction=f, weights=w, gradients=g) for b in budgets]
+                for o, f, w, g in levels]
+
+    @staticmethod
+    def _level_runs(s: Settings, level) -> bool:
+        """weights = "stream" reuses an expert block's slot after its forward: every block checkpointed."""
+        return level[2] != "stream" or s.dispatch == "local" or s.ac_mode == "full"
 
     def frugal(self, s: Settings, levels: list[tuple[str, str]] | None = None) -> Evaluation:
         """The knobs that leave the least on the device: every boundary SCO may hold and either the
@@ -256,7 +243,8 @@ class AutoPlanner:
                 self._family_floor[key] = []
             else:
                 grid = self.knobs(floor, self.optimizers)
-                self._family_floor[key] = [level for level, row in zip(self.optimizers, grid)
+                runs = [level for level in self.optimizers if self._level_runs(floor, level)]
+                self._family_floor[key] = [level for level, row in zip(runs, grid)
                                            if self.evaluate(row[-1]).fits_device]
         return self._family_floor[key]
 
@@ -295,6 +283,8 @@ class AutoPlanner:
             ring_dtp=s.ring_dtp, checkpointed_layers=layers,
             sco_offloaded_bytes=layers * boundary - retained_boundary_bytes([boundary] * layers, budget),
             offload_optimizer=s.offloads_optimizer, device_fraction=0.0 if share == "auto" else share,
+            stream_weights=s.offloads_optimizer and s.weights == "stream",
+            stream_gradients=s.offloads_optimizer and s.gradients == "stream",
             act_bytes=MixedPrecision.from_training(t).activation_bytes)
 
     def evaluate(self, s: Settings) -> Evaluation:

@@ -161,6 +161,10 @@ class StepInputs:
     """Boundary bytes SCO offloads per micro-batch on this rank."""
     offload_optimizer: bool = False
     device_fraction: float = 0.0
+    stream_weights: bool = False
+    """[mop.offload_adamw] weights = "stream": each block's working weights copied in per gather."""
+    stream_gradients: bool = False
+    """[mop.offload_adamw] gradients = "stream": each gradient copied out as it is final."""
     """OffloadStreamAdamW's share of the state kept and updated on the device."""
     act_bytes: int = 2
 
@@ -197,7 +201,9 @@ def _optimizer_term(x: StepInputs) -> tuple[float, str]:
         return x.local_params * DEVICE_ADAMW_S_PER_PARAM, "fused AdamW on the device"
     streamed = x.local_params - round(x.device_fraction * x.local_params)
     sharing = min(x.ranks_per_node, x.world)
-    link = streamed * OFFLOAD_S_PER_PARAM
+    # 12 B each way per streamed element; + 4 B in (its gradient, from the host) or + 2 B out (the
+    # working copy written to the host), whichever direction that makes the longer
+    link = streamed * OFFLOAD_S_PER_PARAM * max(12 + 4 * x.stream_gradients, 12 + 2 * x.stream_weights) / 12
     host = sharing * streamed * HOST_BYTES_PER_PARAM / HOST_MEMORY_BYTES_PER_S
     on_device = (x.local_params - streamed) * DEVICE_ADAMW_S_PER_PARAM
     bound = "host link" if link >= host else f"host memory shared by {sharing} ranks"
@@ -278,11 +284,25 @@ def _operator_terms(x: StepInputs) -> list[tuple[str, float, str]]:
     return terms
 
 
+def _stream_term(x: StepInputs, compute: float) -> tuple[str, float, str]:
+    """weights / gradients = "stream": the working weights in (two gathers a micro-batch: forward, and
+    backward with its recompute), the gradients out (and back for the add of each later micro-batch),
+    exposed beyond the compute they overlap (an assumption: not measured yet)."""
+    N, M = x.local_params, x.micro_batches
+    up = M * 2 * x.act_bytes * N * x.stream_weights + (M - 1) * 4 * N * x.stream_gradients
+    down = M * 4 * N * x.stream_gradients
+    link = max(up, down) / HOST_LINK_BYTES_PER_S
+    return ("streams", max(0.0, link - compute), f"{max(up, down) / 1e9:.1f} GB each way at most in {link:.2f} s, "
+            f"exposed beyond the compute")
+
+
 def predict_step(x: StepInputs) -> StepPrediction:
     """The step's time on one rank, term by term (see the module docstring)."""
     compute = _compute_term(x)
     terms = [compute, *_sharding_terms(x, compute[1]), *_all_to_all_terms(x), *_operator_terms(x),
              ("optimizer", *_optimizer_term(x))]
+    if x.stream_weights or x.stream_gradients:
+        terms.append(_stream_term(x, compute[1]))
     return StepPrediction(terms, x.micro_batches * x.local_batch * x.seq_len * (x.world // x.seq_degree))
 
 

@@ -81,6 +81,8 @@ def operator_plan(cfg, args: MoEModelArgs, *, layout_plan, act_bytes: int, sco_h
                   device_fraction: float) -> OperatorPlan:
     """The operators' settings as the plan needs them, from the job's [mop.*] sections."""
     t, m, rd = cfg.training, cfg.mop.moe, cfg.mop.ring_dtp
+    one_step = t.local_batch_size * layout_plan.world_size // layout_plan.seq_degree
+    micro_batches = 1 if t.global_batch_size == -1 else max(1, t.global_batch_size // one_step)
     ring = layout_plan.vocab_degree > 1 or rd.enable
     tokens = t.local_batch_size * t.seq_len // layout_plan.seq_degree
     offload = cfg.optimizer.name == OFFLOAD_ADAMW
@@ -94,6 +96,9 @@ def operator_plan(cfg, args: MoEModelArgs, *, layout_plan, act_bytes: int, sco_h
         offload_optimizer=offload, offload_bucket_params=cfg.mop.offload_adamw.bucket_params,
         offload_slots=cfg.mop.offload_adamw.slots, offload_host_share=cfg.mop.offload_adamw.host_fraction > 0,
         offload_device_fraction=device_fraction if offload else 0.0, keep_attention=cfg.mop.attention.keep,
+        offload_weights=cfg.mop.offload_adamw.weights if offload else "device",
+        offload_gradients=cfg.mop.offload_adamw.gradients if offload else "device",
+        offload_weight_window=cfg.mop.offload_adamw.weight_window, micro_batches=micro_batches,
         tiling=tiling_options(cfg.mop.tiling, args, tokens=tokens, act_bytes=act_bytes))
 
 
@@ -119,7 +124,9 @@ def memory_plans(cfg, args: MoEModelArgs, *, layout_plan, total_params: int, lar
                           device_fraction=device_fraction)))
     host_terms = host_memory_plan(local_params, offload_optimizer=cfg.optimizer.name == OFFLOAD_ADAMW,
                                   host_fraction=cfg.mop.offload_adamw.host_fraction,
-                                  device_fraction=device_fraction, sco_host_budget=sco_host_budget)
+                                  device_fraction=device_fraction, sco_host_budget=sco_host_budget,
+                                  weights=cfg.mop.offload_adamw.weights, gradients=cfg.mop.offload_adamw.gradients,
+                                  act_bytes=act)
     return device_terms, host_terms
 
 

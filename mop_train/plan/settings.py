@@ -36,7 +36,8 @@ from mop_train.plan.job import (JobPlan, fsdp_block_params, fsdp_root_params, ke
 
 SEARCHED_KEYS = ("training.seq_len", "mop.layout.seq_degree", "mop.layout.expert_degree", "mop.layout.vocab_degree",
                  "mop.moe.dispatch", "mop.moe.token_budget", "mop.ring_dtp.enable", "mop.sco.host_budget",
-                 "optimizer.name", "mop.offload_adamw.device_fraction", "activation_checkpoint.mode")
+                 "optimizer.name", "mop.offload_adamw.device_fraction", "mop.offload_adamw.weights",
+                 "mop.offload_adamw.gradients", "activation_checkpoint.mode")
 
 
 def fixed_keys(overrides: list[str]) -> set[str]:
@@ -57,7 +58,8 @@ def search_base_flags(fixed: set[str]) -> list[str]:
     (a given expert_degree > 1 beside the config's dispatch = "local"; a given OffloadStreamAdamW option
     beside the config's AdamW). The search replaces every one of them."""
     flags = [] if "mop.moe.dispatch" in fixed else ["--mop.moe.dispatch", "ep"]
-    offload_options = {"mop.offload_adamw.host_fraction", "mop.offload_adamw.overlap", "mop.offload_adamw.device_fraction"}
+    offload_options = {"mop.offload_adamw.host_fraction", "mop.offload_adamw.overlap", "mop.offload_adamw.device_fraction",
+                       "mop.offload_adamw.weights", "mop.offload_adamw.gradients"}
     if "optimizer.name" not in fixed and fixed & offload_options:
         flags += ["--optimizer.name", OFFLOAD_ADAMW]
     return flags
@@ -82,6 +84,8 @@ class Settings:
     sco_budget: str = "0"
     optimizer: str = "AdamW"
     device_fraction: str = "0"
+    weights: str = "device"             # [mop.offload_adamw] weights / gradients (OffloadStreamAdamW)
+    gradients: str = "device"
 
     @property
     def offloads_optimizer(self) -> bool:
@@ -97,7 +101,8 @@ class Settings:
         ops = [self.dispatch + (f" c={self.token_budget}" if self.dispatch == "pipelined_llep" else "")]
         ops += ["ring-dtp"] if self.ring_dtp or self.vocab_degree > 1 else []
         ops += [f"sco {self.sco_budget}"] if self.sco_budget != "0" else []
-        ops += [f"offload f={self.device_fraction}" if self.offloads_optimizer else self.optimizer]
+        streaming = f" {self.weights}/{self.gradients}" if (self.weights, self.gradients) != ("device", "device") else ""
+        ops += [f"offload f={self.device_fraction}{streaming}" if self.offloads_optimizer else self.optimizer]
         ops += [f"ac {self.ac_mode}"]
         return f"D{self.seq_degree} Ep{self.expert_degree} P{self.vocab_degree} " + ", ".join(ops)
 
@@ -113,6 +118,9 @@ class Settings:
         oa = base.mop.offload_adamw
         if self.offloads_optimizer or str(oa.device_fraction) != self.device_fraction:
             out.append(("mop.offload_adamw.device_fraction", self.device_fraction))
+        for key, value, was in (("weights", self.weights, oa.weights), ("gradients", self.gradients, oa.gradients)):
+            if value != "device" or was != value:
+                out.append((f"mop.offload_adamw.{key}", value))
         if not self.offloads_optimizer:   # options that only apply to OffloadStreamAdamW go back to off
             out += [("mop.offload_adamw.host_fraction", 0.0)] if oa.host_fraction else []
             out += [("mop.offload_adamw.overlap", False)] if oa.overlap else []
@@ -138,6 +146,44 @@ class Settings:
         return "\n".join(f"[{s}]\n" + "\n".join(lines) for s, lines in sections.items())
 
 
+DEVICE_FRACTIONS = ("0.75", "0.5", "0.25", "0")
+"""OffloadStreamAdamW's device shares tried, most on the device (fastest) first."""
+
+
+def optimizer_levels(base, fixed: set[str]) -> list[tuple[str, str, str, str]]:
+    """(optimizer.name, device_fraction, weights, gradients), fastest first; the last leaves the least
+    on the device. After OffloadStreamAdamW's device shares come bf16 working weights (under bf16
+    compute: no traffic) and then weights and gradients both streamed, each keeping less on the
+    device and pinning more on the host than the one before (other mixes are left to the user)."""
+    oa = base.mop.offload_adamw
+    levels = _share_levels(base, fixed)
+    if {"mop.offload_adamw.weights", "mop.offload_adamw.gradients"} & fixed:  # given: keep them, offloaded
+        return [(n, f, oa.weights, oa.gradients) for n, f in levels if n == OFFLOAD_ADAMW]
+    out = [(n, f, "device", "device") for n, f in levels]
+    shares = [f for n, f in levels if n == OFFLOAD_ADAMW]
+    if shares:
+        bf16 = MixedPrecision.from_training(base.training).activation_bytes == 2
+        streams = [("bf16", "device")] if bf16 else []  # (free under bf16 compute); then everything streamed
+        streams += [("stream", "stream")]
+        out += [(OFFLOAD_ADAMW, shares[-1], w, g) for w, g in streams]
+    return out
+
+def _share_levels(base, fixed: set[str]) -> list[tuple[str, str]]:
+    """(optimizer.name, device_fraction), fastest first; the last leaves the least on the device."""
+    on_device = base.optimizer.name if base.optimizer.name != OFFLOAD_ADAMW else "AdamW"
+    name_fixed, fraction = "optimizer.name" in fixed, str(base.mop.offload_adamw.device_fraction)
+    if name_fixed and base.optimizer.name != OFFLOAD_ADAMW:
+        return [(on_device, "0")]
+    if "mop.offload_adamw.device_fraction" in fixed:
+        keep_adamw = not name_fixed and fraction.strip() in ("0", "0.0")
+        return ([(on_device, "0")] if keep_adamw else []) + [(OFFLOAD_ADAMW, fraction)]
+    levels = [(OFFLOAD_ADAMW, f) for f in DEVICE_FRACTIONS]
+    oa = base.mop.offload_adamw           # options of OffloadStreamAdamW alone, given: it is the optimizer
+    only_offload = ("mop.offload_adamw.host_fraction" in fixed and oa.host_fraction) or (
+        "mop.offload_adamw.overlap" in fixed and oa.overlap)
+    return levels if name_fixed or only_offload else [(on_device, "0")] + levels
+
+
 def configure(base, s: Settings):
     """A copy of the job `base` with the settings of `s` (the sections it touches are copied)."""
     cfg = copy.copy(base)
@@ -148,7 +194,7 @@ def configure(base, s: Settings):
     mop.ring_dtp = replace(base.mop.ring_dtp, enable=s.ring_dtp)
     mop.sco = replace(base.mop.sco, host_budget=s.sco_budget)
     oa = base.mop.offload_adamw
-    mop.offload_adamw = replace(oa, device_fraction=s.device_fraction,
+    mop.offload_adamw = replace(oa, device_fraction=s.device_fraction, weights=s.weights, gradients=s.gradients,
                                 host_fraction=oa.host_fraction if s.offloads_optimizer else 0.0,
                                 overlap=oa.overlap and s.offloads_optimizer)
     cfg.optimizer = replace(base.optimizer, name=s.optimizer)

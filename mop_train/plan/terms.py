@@ -70,6 +70,11 @@ class OperatorPlan:
     offload_slots: int = 3
     offload_host_share: bool = False
     offload_device_fraction: float = 0.0
+    offload_weights: str = "device"
+    """[mop.offload_adamw] weights: "device" (fp32 shards), "bf16" or "stream" (offload_adamw.memory)."""
+    offload_gradients: str = "device"
+    offload_weight_window: int = 2
+    micro_batches: int = 1
     keep_attention: bool = False
     tiling: TilingOptions = field(default_factory=TilingOptions)
     """[mop.tiling], resolved: token tiles of the FFNs and attention's row-wise stages (0: untiled)."""
@@ -112,8 +117,24 @@ def _optimizer_bound(x: MemoryPlanInputs) -> DeviceBound:
         return DeviceBound(8 * mine, 0, "AdamW moments: 8 B x local params")
     settings = offload_memory.OffloadSettings(o.offload_bucket_params, o.offload_slots, o.offload_host_share,
                                               o.offload_device_fraction)
-    # Working weights are FSDP2's fp32 shards: their own masters, so 8 B per element kept here.
-    return offload_memory.device_bound(settings, mine, fp32_weights=True)
+    # weights = "device": the working weights are FSDP2's fp32 shards, their own masters (8 B per element
+    # kept here); otherwise the masters of the share are separate (12 B).
+    return offload_memory.device_bound(settings, mine, fp32_weights=o.offload_weights == "device")
+
+
+def _weight_shapes(x: MemoryPlanInputs) -> offload_memory.WeightShapes:
+    """The largest block unit's shard, the largest block kept out of FSDP2 (a MoE layer's expert shards,
+    or the vocab shard) and the vocab shard, on this rank."""
+    a, o = x.model, x.ops
+    experts = (3 * -(-a.num_experts // x.expert_degree) * a.moe_inter_dim * a.dim
+               if o.dispatch is not None and a.n_moe_layers else 0)
+    vocab = -(-a.vocab_size // x.vocab_degree) * a.dim if x.vocab_degree > 1 else 0
+    return offload_memory.WeightShapes(x.local_params, -(-x.largest_block_params // x.world_size),
+                                       max(experts, vocab), vocab, x.act_bytes)
+
+
+def _stream_settings(o: OperatorPlan) -> offload_memory.StreamSettings:
+    return offload_memory.StreamSettings(o.offload_weights, o.offload_gradients, o.offload_weight_window)
 
 
 def _block_term(x: MemoryPlanInputs, tokens: int) -> tuple[int, int, str]:
@@ -163,18 +184,26 @@ def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
     optimizer, optimizer_how = optimizer_bound.device_bytes, optimizer_bound.how
     head = tokens * a.dim * (2 * act + 4)
     early = dict(boundaries=boundaries.device_bytes, kept=L_ckpt * kept_layer, grads=4 * x.first_grad_params)
+    streamed = o.offload_gradients == "stream"
+    grads_last = 4 * x.first_grad_params if streamed else 4 * mine  # streamed: only the root unit's remain
     candidates = {
         "loss": {**early, "block": plain_blocks, "head": head, "loss": loss},
         "first block backward": {**early, "block": plain_blocks + block_peak, "head": 0, "loss": 0},
         "last block backward": dict(boundaries=boundary if L_ckpt else 0, kept=kept_layer if L_ckpt else 0,
-                                    grads=4 * mine, block=block_peak, head=0, loss=0),
+                                    grads=grads_last, block=block_peak, head=0, loss=0),
     }
     phase = max(PHASES, key=lambda name: sum(candidates[name].values()))
     at = candidates[phase]
+    shapes, stream = _weight_shapes(x), _stream_settings(o)
+    weights = offload_memory.weights_bound(stream, shapes)
+    grads = offload_memory.gradients_bound(stream, shapes, device_grads=at["grads"], retained_grads=at["grads"],
+                                           micro_batches=o.micro_batches)
+    grads_how = (f"fp32, at the peak ({phase}): "
+                 + ("every local param" if at["grads"] == 4 * mine else "the root unit's and the projection's")
+                 if not streamed else f"at the peak ({phase}): {grads.how}")
     return [
-        ("parameters", 4 * mine, f"fp32 shards: 4 B x {mine:,} local params"),
-        ("gradients", at["grads"], f"fp32, at the peak ({phase}): "
-         + ("every local param" if at["grads"] == 4 * mine else "the root unit's and the projection's")),
+        ("parameters", weights.device_bytes, weights.how),
+        ("gradients", grads.device_bytes, grads_how),
         ("optimizer", optimizer, optimizer_how),
         ("gathered", (2 * x.largest_block_params + x.root_params) * act,
          f"2 blocks unsharded (prefetch) + the root unit's {x.root_params:,} params"),
@@ -191,7 +220,8 @@ def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
 
 
 def host_memory_plan(local_params: int, *, offload_optimizer: bool, host_fraction: float = 0.0,
-                     sco_host_budget: int = 0, device_fraction: float = 0.0) -> list[tuple[str, int, str]]:
+                     sco_host_budget: int = 0, device_fraction: float = 0.0, weights: str = "device",
+                     gradients: str = "device", act_bytes: int = 2) -> list[tuple[str, int, str]]:
     """Per-rank host bytes the operators pin: OffloadStreamAdamW's fp32 master and moments of this
     rank's parameters not kept on the device (`device_fraction`; 0 is the upper bound while "auto"
     is unresolved) plus its host share's fp32 gradient buffer, and SCO's boundary budget. Terms
@@ -205,7 +235,10 @@ def host_memory_plan(local_params: int, *, offload_optimizer: bool, host_fractio
          f"off the device" if offload_optimizer else "on the device (not offloaded)"),
         ("host share grads", share, f"fp32 gradients of the CPU-updated share ({host_fraction:g})"),
         ("sco boundaries", sco_host_budget, "[mop.sco] host_budget per rank"),
-    ]
+    ] + ([("working weights", act_bytes * local_params, f"weights = \"stream\": {act_bytes} B x local params, "
+           "the copies each block streams in")] if offload_optimizer and weights == "stream" else []) + (
+        [("streamed grads", 4 * local_params, "gradients = \"stream\": 4 B x local params, where they leave to")]
+        if offload_optimizer and gradients == "stream" else [])
 
 
 def check_host_memory(terms: list[tuple[str, int, str]], *, local_ranks: int, available_bytes: int) -> None:

@@ -45,8 +45,8 @@ from mop_train.plan.terms import check_host_memory, format_plan
 from mop_train.train.checkpoint import TrainState, build_checkpointer
 from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir, tokenizer_folder
 from mop_train.train.loss import IGNORE_INDEX, LanguageModelLoss, chunked_cross_entropy_sum
-from mop_train.train.optim import (OFFLOAD_ADAMW, build_lr_schedulers, build_optimizers, describe_offload,
-                                   free_device_bytes, resolve_device_fraction)
+from mop_train.train.optim import (OFFLOAD_ADAMW, attach_streaming, build_lr_schedulers, build_optimizers,
+                                   describe_offload, free_device_bytes, resolve_device_fraction)
 from mop_train.units import parse_bytes
 
 
@@ -215,6 +215,9 @@ def build_run(cfg, device: torch.device, *, model_args: MoEModelArgs | None = No
         for opt in optimizers:
             if hasattr(opt, "wait_in_forward"):
                 opt.wait_in_forward(forward_units(parts.module))
+    oa = cfg.mop.offload_adamw
+    if cfg.optimizer.name == OFFLOAD_ADAMW and (oa.weights != "device" or oa.gradients != "device"):
+        attach_streaming(optimizers, parts, layout, oa)  # before the checkpointer caches the model's state
     schedule_steps = cfg.lr_scheduler.total_steps or cfg.training.steps
     lr_schedulers = build_lr_schedulers(optimizers, cfg.lr_scheduler, min(cfg.training.steps, schedule_steps))
     train_state = TrainState(dist.get_rank())
@@ -228,6 +231,9 @@ def build_run(cfg, device: torch.device, *, model_args: MoEModelArgs | None = No
         for opt in optimizers:
             if hasattr(opt, "reset_masters_from_params"):
                 opt.reset_masters_from_params()
+    for opt in optimizers:  # weights = "bf16" / "stream": the working weights follow the loaded masters
+        if getattr(opt, "working", None) is not None:
+            opt.refresh_working()
     run = Run(layout, spec, seed, micro_batches, dataloader, eos_id, parts, optimizers, lr_schedulers,
               schedule_steps, train_state, checkpointer,
               initial_weights=_initial_weights(cfg.checkpoint) if fresh and loaded else None)
@@ -293,8 +299,9 @@ def _offload_device_share(cfg, parts: ModelParts, free_bytes: int) -> float | No
     if cfg.optimizer.name != OFFLOAD_ADAMW:
         return None
     shards = [local(p) for p in parts.module.parameters() if p.requires_grad]
+    fp32_aliased = cfg.mop.offload_adamw.weights == "device" and all(t.dtype == torch.float32 for t in shards)
     return resolve_device_fraction(cfg.mop.offload_adamw, local_numel=sum(t.numel() for t in shards),
-                                   fp32_weights=all(t.dtype == torch.float32 for t in shards),
+                                   fp32_weights=fp32_aliased,
                                    free_device_bytes=free_bytes)
 
 

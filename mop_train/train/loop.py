@@ -36,9 +36,11 @@ from mop_train.models.document_mask import document_ids
 from mop_train.parallel.apply import dispatch_metrics
 from mop_train.parallel.fake_world import COMM_MODE as FAKE_MODE
 from mop_train.parallel.fake_world import fake_world_from_env, fake_world_note, in_fake_world, init_fake_world
-from mop_train.parallel.sharding import clip_grads_with_norm_, reduce_replica_grads, total_grad_norm
+from mop_train.parallel.sharding import (clip_coefficient, clip_grads_with_norm_, reduce_replica_grads,
+                                         total_grad_norm)
 from mop_train.train.build import ModelParts, Run, build_run
 from mop_train.train.loss import IGNORE_INDEX
+from mop_train.train.optim import grad_streams
 from mop_train.train.metrics import DeviceSpan, MetricLogger, flops_per_token, peak_tflops
 from mop_train.train.profiling import RunProfiler
 from mop_train.train.reliability import (CollectiveTimeout, DumpFolderLock, DumpFolderLocked, Fault,
@@ -117,7 +119,10 @@ def train_step(parts: ModelParts, layout, batches: list, optimizers, lr_schedule
     n_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels, _, _ in micro)
     dist.all_reduce(n_tokens)                                          # global target count of the step
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-    for tokens, labels, positions, doc_ids in micro:
+    streams = grad_streams(optimizers)  # [mop.offload_adamw] gradients = "stream": copied out as they are final
+    for k, (tokens, labels, positions, doc_ids) in enumerate(micro):
+        for stream in streams:
+            stream.begin_micro_batch(k, len(micro))
         guards.phase = "the forward (FSDP all-gathers, expert all-to-alls, Ulysses, Ring-DTP)"
         micro_sum = module(tokens, labels, positions, doc_ids)         # fp32 sum over local tokens
         if guards.fault is not None and guards.fault.fires(step, rank, "nan_loss"):
@@ -129,7 +134,10 @@ def train_step(parts: ModelParts, layout, batches: list, optimizers, lr_schedule
         loss.backward()
         loss_sum = loss_sum + micro_sum.detach()
     loss = loss_sum / n_tokens
-    # Ranks holding the same expert / vocab shard saw different tokens: sum their gradients.
+    for stream in streams:
+        stream.end_backward()
+    # Ranks holding the same expert / vocab shard saw different tokens: sum their gradients (streamed
+    # gradients were summed as they became final, and have no .grad left here).
     reduce_dtype = parts.precision.reduce_dtype
     reduce_replica_grads(parts.expert_params, layout.expert_replica_group, reduce_dtype=reduce_dtype)
     reduce_replica_grads(parts.vocab_params, layout.vocab_replica_group, reduce_dtype=reduce_dtype)
@@ -137,9 +145,10 @@ def train_step(parts: ModelParts, layout, batches: list, optimizers, lr_schedule
     if guards.fault is not None and guards.fault.fires(step, rank, "nan_grad"):
         guards.fault.poison_grad(list(module.named_parameters()))
     guards.phase = "the gradient-norm all-reduce and the non-finite check"
-    grad_norm = total_grad_norm(params)                                # the global norm, not clipped yet
+    terms = {key: term for stream in streams for key, term in stream.terms().items()}
+    grad_norm = total_grad_norm(params, terms=terms)                   # the global norm, not clipped yet
     verdict = guards.nonfinite.check(loss, grad_norm, stop_requested=guards.stop.requested)
-    guards.nonfinite.after(verdict, step=step, named_params=list(module.named_parameters()))
+    guards.nonfinite.after(verdict, step=step, named_params=list(module.named_parameters()), grad_terms=terms)
     lr = lr_schedulers.schedulers[0].get_last_lr()[0]
     optimizer_span = DeviceSpan(device)
     if verdict.skip:  # nothing moves: parameters, optimizer state, schedule, router biases
@@ -148,6 +157,8 @@ def train_step(parts: ModelParts, layout, batches: list, optimizers, lr_schedule
             moe.router.tokens_per_expert.zero_()
     else:
         clip_grads_with_norm_(params, max_norm, grad_norm)
+        for stream in streams:  # the optimizer scales streamed gradients as it copies them back
+            stream.set_scale(clip_coefficient(max_norm, grad_norm))
         guards.phase = "the optimizer step and the router-bias all-reduce"
         with optimizer_span:
             optimizers.step()

@@ -74,9 +74,14 @@ class LanguageModelLoss(torch.nn.Module):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        # Set from outside (OffloadStreamAdamW's weights = "bf16" / "stream"): (param, dtype) -> the
+        # compute weight of the vocab shard kept out of FSDP2, or None to pass the parameter itself.
+        self.weight_source = None
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor,
                 positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """doc_ids: None or [B, S_full] document ids of the whole sequence (the model's argument)."""
         hidden = self.model(tokens, positions, doc_ids)                        # [B, S, H]
-        return self.loss_fn(hidden.flatten(0, 1), self.model.output.weight, labels.flatten())
+        weight = self.model.output.weight                                      # [V, H] or its shard
+        working = self.weight_source(weight, weight.dtype) if self.weight_source is not None else None
+        return self.loss_fn(hidden.flatten(0, 1), weight if working is None else working, labels.flatten())

@@ -23,6 +23,7 @@ follows the same learning rates as a straight one.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.lr_scheduler import build_lr_schedulers as titan_build_lr_schedulers
@@ -98,8 +99,64 @@ def describe_offload(optimizers: OptimizersContainer, *, free_device_bytes: int 
             f"OffloadStreamAdamW: device_fraction {opt.device_fraction:.3f}{auto}, {opt.device_state_bytes / gib:.2f} "
             f"GiB of state on the device; buckets {opt.bucket_params:,} x {opt.slots} slots, "
             f"{opt.staging_bytes / gib:.2f} GiB staging; host_fraction {opt.host_fraction:g} of the rest on the CPU; "
-            f"overlap with the next forward {'on' if opt.overlap and opt.forward_waits.hooked else 'off'}")
+            f"overlap with the next forward {'on' if opt.overlap and opt.forward_waits.hooked else 'off'}"
+            + _describe_streaming(opt))
     return "\n".join(lines)
+
+
+def _describe_streaming(opt) -> str:
+    """'; weights ..., gradients ...' for the launch line ('' with both on the device)."""
+    weights, gradients = getattr(opt, "weights", "device"), getattr(opt, "gradients", "device")
+    if (weights, gradients) == ("device", "device"):
+        return ""
+    working = getattr(opt, "working", None)
+    held = f" ({working.device_bytes() / 2**30:.2f} GiB of working weights on the device)" if working else ""
+    return f"; weights {weights}{held}, gradients {gradients}"
+
+
+def _expert_blocks(model, expert_params, checkpointed) -> list[tuple[tuple, bool]]:
+    """[(a MoE layer's expert shards w1, w2, w3, whether its block is checkpointed)] in layer order."""
+    kept_out = {id(p) for p in expert_params}
+    blocks = []
+    for index, layer in enumerate(model.layers.values()):
+        for module in layer.modules():
+            if hasattr(module, "experts") and hasattr(module, "dispatch"):
+                params = tuple(p for p in module.experts.parameters() if id(p) in kept_out)
+                if params:
+                    blocks.append((params, index in checkpointed))
+    return blocks
+
+
+def attach_streaming(optimizers, parts, layout, offload_adamw) -> None:
+    """[mop.offload_adamw] weights / gradients != "device": each OffloadStreamAdamW's working weights
+    (`WorkingWeights`, bound to the model's weight_source seams, with FSDP2's forward prefetch of the
+    next block for "stream") and its gradient stream (`GradientStream`, with the expert and vocab
+    blocks' replica sums); they are kept on the optimizer as `.working` and `.grad_stream`."""
+    from mop_train.ops.offload_adamw.grad_stream import GradBlock, GradientStream
+    from mop_train.ops.offload_adamw.working import WorkingWeights, bind_weight_sources
+    from mop_train.parallel.sharding import grad_norm_term, reduce_replica_grad
+    experts = _expert_blocks(parts.model, parts.expert_params, set(parts.checkpointed))
+    vocab = [(tuple(parts.vocab_params), False)] if parts.vocab_params else []
+    reduce_dtype = parts.precision.reduce_dtype
+    for opt in getattr(optimizers, "optimizers", optimizers):
+        opt.working = opt.grad_stream = None
+        if offload_adamw.weights != "device":
+            opt.working = WorkingWeights(opt, [parts.module], mode=offload_adamw.weights,
+                                         dtype=parts.precision.param_dtype, blocks=experts + vocab,
+                                         window=offload_adamw.weight_window)
+            bind_weight_sources(list(parts.module.modules()), opt.working)
+            if offload_adamw.weights == "stream":
+                units = list(parts.model.layers.values())
+                for unit, following in zip(units, units[1:]):
+                    unit.set_modules_to_forward_prefetch([following])  # the next block's copy-in and gather
+        if offload_adamw.gradients == "stream":
+            def replica(group):
+                return lambda grad: reduce_replica_grad(grad, group, reduce_dtype=reduce_dtype)
+            blocks = []  # a block waits for all its gradients only when its replica group sums them
+            for group, shards in ((layout.expert_replica_group, experts), (layout.vocab_replica_group, vocab)):
+                if group is not None and dist.get_world_size(group) > 1:
+                    blocks += [GradBlock(params, replica(group)) for params, _ in shards]
+            opt.grad_stream = GradientStream(opt, blocks, grad_norm_term)
 
 
 def _offload_adamw_cls():
@@ -109,6 +166,11 @@ def _offload_adamw_cls():
         raise ValueError(f"optimizer.name = {OFFLOAD_ADAMW!r} but mop_train.ops.offload_adamw is not "
                          f"available ({err}); use \"AdamW\"") from None
     return OffloadStreamAdamW
+
+
+def grad_streams(optimizers) -> list:
+    """The GradientStreams of the optimizers that stream gradients ([] with gradients = "device")."""
+    return [s for opt in optimizers if (s := getattr(opt, "grad_stream", None)) is not None]
 
 
 def wait_for_weights(optimizers) -> None:
@@ -137,7 +199,8 @@ def build_optimizers(model_parts: list[nn.Module], optimizer, offload_adamw, *,
         kwargs = dict(lr=optimizer.lr, betas=(optimizer.beta1, optimizer.beta2), eps=optimizer.eps,
                       weight_decay=optimizer.weight_decay, bucket_params=offload_adamw.bucket_params,
                       slots=offload_adamw.slots, host_fraction=offload_adamw.host_fraction,
-                      device_fraction=device_fraction)
+                      device_fraction=device_fraction, weights=getattr(offload_adamw, "weights", "device"),
+                      gradients=getattr(offload_adamw, "gradients", "device"))
         return _build_offload_adamw(model_parts, kwargs, overlap=bool(getattr(offload_adamw, "overlap", False)))
     if optimizer.name not in TITAN_OPTIMIZERS:
         raise ValueError(f"optimizer.name = {optimizer.name!r} is not supported; use one of "

@@ -128,7 +128,7 @@ class NonFiniteGuard:
         norm_ranks = tuple(int(r) for r in bad[1].nonzero().flatten())
         return StepVerdict(bool(loss_ranks or norm_ranks), loss_ranks, norm_ranks, bool(bad[2].any()))
 
-    def after(self, verdict: StepVerdict, *, step: int, named_params) -> None:
+    def after(self, verdict: StepVerdict, *, step: int, named_params, grad_terms: dict | None = None) -> None:
         """Count a skip, or raise NonFiniteError (on every rank) when training must stop. Call
         before the gradients are dropped: the message names the first non-finite one."""
         if not verdict.skip:
@@ -147,17 +147,24 @@ class NonFiniteGuard:
                   f"training.max_norm and resume from it" if saved else
                   "No checkpoint of this run has been saved (checkpoint.enable = false, or the run stopped "
                   "before its first checkpoint.interval): lower optimizer.lr or training.max_norm and start again")
-        grad = first_nonfinite_grad(list(named_params), self.rank, self.world, self.device)
+        grad = first_nonfinite_grad(list(named_params), self.rank, self.world, self.device, grad_terms)
         raise NonFiniteError(f"non-finite {' and '.join(w for w in what if w)} at step {step}; {grad}; "
                              f"stopping after {why}. {advice}")
 
 
-def first_nonfinite_grad(named_params: list, rank: int, world: int, device: torch.device) -> str:
+def first_nonfinite_grad(named_params: list, rank: int, world: int, device: torch.device,
+                         grad_terms: dict | None = None) -> str:
     """'first non-finite gradient: NAME (rank r)', the first parameter in model order whose local
-    gradient shard holds a NaN/inf on any rank (a collective: every rank calls it)."""
-    n = len(named_params)
-    first = next((i for i, (_, p) in enumerate(named_params)
-                  if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all())), n)
+    gradient shard holds a NaN/inf on any rank (a collective: every rank calls it). `grad_terms`:
+    {id(param): norm term} of gradients no longer on the device (streamed to the host), judged by
+    their term (a non-finite gradient has a non-finite term)."""
+    n, terms = len(named_params), grad_terms or {}
+
+    def bad(p) -> bool:
+        if id(p) in terms:
+            return not bool(torch.isfinite(terms[id(p)]))
+        return p.grad is not None and not bool(torch.isfinite(local(p.grad)).all())
+    first = next((i for i, (_, p) in enumerate(named_params) if bad(p)), n)
     index = torch.full((world,), n, dtype=torch.int64, device=device)   # [W]: each rank's first
     index[rank] = first
     dist.all_reduce(index, op=dist.ReduceOp.MIN)

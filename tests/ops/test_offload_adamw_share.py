@@ -144,6 +144,36 @@ def test_state_dict_holds_live_views_except_the_straddler():
     assert "exp_avg" in opt.state[params[0]]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device_fraction,host_fraction", [(0.0, 0.0), (0.5, 0.0), (0.5, 0.3), (1.0, 0.0),
+                                                           (0.0, 0.3), (0.3, 1.0)])
+def test_state_dict_holds_detached_tensors(dtype, device_fraction, host_fraction, monkeypatch):
+    """A state dict holds detached tensors, like torch.optim.AdamW's (issue 32, item 6): with a device
+    share, "master" was an autograd view of the fp32 parameter (grad_fn=ViewBackward0), which
+    copy.deepcopy refuses. Two groups, values changed after construction, 4 steps; the deep copy holds
+    the same bits as the state."""
+    import copy
+    monkeypatch.setattr(host_update, "CHUNK", 6)
+    seed = fresh_seed(97 + int(10 * device_fraction) + int(100 * host_fraction))
+    params = _params(seed, dtype)
+    opt = OffloadStreamAdamW(_groups(params), **HP, bucket_params=5, slots=2, device_fraction=device_fraction,
+                             host_fraction=host_fraction)
+    with torch.no_grad():
+        for p in params:
+            p.mul_(1.5)
+    opt.reset_masters_from_params()
+    _run(opt, params, 4, seed)
+    state = opt.state_dict()
+    for i, entry in state["state"].items():
+        for key, value in entry.items():
+            assert not value.requires_grad and value.grad_fn is None, (i, key, value.grad_fn)
+    copied = copy.deepcopy(state)
+    for i, entry in state["state"].items():
+        for key, value in entry.items():
+            assert_bitwise_equal(copied["state"][i][key], value, name=f"param {i} {key}")
+    assert copied["param_groups"] == state["param_groups"]
+
+
 def _fsdp2_share_worker(rank, world_size, path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

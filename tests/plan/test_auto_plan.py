@@ -55,6 +55,8 @@ def settings(S, D=1, Ep=1, P=1, dispatch="local", c=4096, ring=False, ac="full",
     (DEBUG_CONFIG, 4, settings(256, 1, 1, 1, "local", ac="none")),
     (SMALL, 2, settings(65536, 2, 2, 1, "llep", sco="1GiB", opt=OSA, f="0.25")),
     (BIG, 64, settings(1 << 20, 16, 64, 8, "pipelined_llep", 8192, True, "full", "12GiB", OSA, "0")),
+    (BIG, 64, dataclasses.replace(settings(1 << 20, 16, 64, 8, "pipelined_llep", 8192, True, "full", "12GiB", OSA, "0"),
+                                  weights="stream", gradients="stream")),
 ])
 def test_the_cached_planner_is_plan_for_config(config, world, s):
     p = planner(config, world=world, gpu=141 * GIB, host=2048 * GIB)
@@ -173,7 +175,10 @@ def test_nothing_fits_says_when_both_memories_are_needed_together():
     (fix,) = [line for line in text.splitlines() if line.startswith("  that configuration")]
     assert f"--gpu-memory {math.ceil(closest.device / GIB)}GiB and --host-memory {math.ceil(closest.host / GIB)}GiB" \
         in fix and "together" in fix and "neither alone" in fix, fix
-    gpu_only = next(e for e in planned if e.device > e.device_limit and e.host <= e.host_limit)
+    # (AdamW on the device pins no host memory: short of GPU memory alone)
+    gpu_only = p.evaluate(dataclasses.replace(closest.settings, optimizer="AdamW", device_fraction="0",
+                                              weights="device", gradients="device"))
+    assert gpu_only.device > gpu_only.device_limit and gpu_only.host <= gpu_only.host_limit
     alone = p._memory_fix(gpu_only)
     assert "--gpu-memory" in alone and "alone (its host memory fits)" in alone and "--host-memory" not in alone
 
@@ -182,7 +187,9 @@ def test_mop_667b_on_64_ranks_is_searched_within_a_bounded_number_of_plans():
     p = planner(BIG, world=64, gpu=141 * GIB, host=2048 * GIB, headroom=2 * GIB)
     r = p.fastest_at(262144, keep=2)
     assert fits(p, truth(p, r.chosen.settings)) and r.chosen.settings.expert_degree == 64
-    assert r.planned < 2000, "the family and structure pruning keep the plans to a few per structure"
+    # 1,682 plans before weights/gradients streaming: it lets more families fit (EP without chunks among
+    # them, which it then picks), and each is searched
+    assert r.planned < 4000, "the family and structure pruning keep the plans to a few per structure"
 
 
 # -- the cost model ------------------------------------------------------------------------------
@@ -237,3 +244,24 @@ def test_the_cost_model_orders_measured_pairs_as_measured():
     plain = predicted(1, 32768, 1)
     assert plain > predicted(1, 32768, 1, ring=True) > 0.95 * plain
     assert plain > predicted(1, 32768, 1, sco="6GiB") > 0.99 * plain
+
+
+def test_streaming_is_chosen_when_memory_binds_and_its_flags_say_so():
+    """`small` at 524K on one 80 GiB GPU: no device share fits; weights and gradients streamed do (issue 32),
+    and the chosen configuration's plan by plan_for_config fits; its flags carry both settings."""
+    p = planner(SMALL, "--training.local_batch_size", "1", world=1, gpu=80 * GIB, host=256 * GIB, headroom=2 * GIB)
+    r = p.fastest_at(524288)
+    s = r.chosen.settings
+    assert (s.optimizer, s.weights, s.gradients) == (OSA, "stream", "stream") and fits(p, truth(p, s))
+    flags = s.flags(p.base)
+    assert flags[flags.index("--mop.offload_adamw.weights") + 1] == "stream"
+    assert flags[flags.index("--mop.offload_adamw.gradients") + 1] == "stream"
+    unstreamed = dataclasses.replace(s, weights="device", gradients="device")
+    assert not fits(p, truth(p, unstreamed)), "the case under test: without streaming it does not fit"
+    assert p.predict(s).seconds >= p.predict(unstreamed).seconds  # streaming never predicts faster
+
+
+def test_given_streaming_settings_are_kept():
+    p = planner(SMALL, "--optimizer.name", OSA, "--mop.offload_adamw.weights", "bf16", world=1, gpu=141 * GIB,
+                host=256 * GIB)
+    assert {(o, w, g) for o, _, w, g in p.optimizers} == {(OSA, "bf16", "device")}

@@ -169,3 +169,65 @@ def test_auto_device_share_sees_the_plan_without_the_optimizers_own_line(monkeyp
     terms = [("parameters", 100, ""), ("optimizer", 300, ""), ("block", 50, "")]
     assert free_device_bytes(terms, "cuda") == 850
     assert free_device_bytes(terms, "cpu") == 0
+
+
+def _job(config: str, *overrides: str):
+    from mop_train.config import load_job_config
+    return load_job_config(["--job.config_file", config, *overrides], model_flavors=zoo.names())
+
+
+def _lines(plan) -> dict:
+    return {name: b for name, b, _ in plan.device_terms}
+
+
+ALL_OPS = ("--mop.moe.dispatch", "pipelined_llep", "--mop.ring_dtp.enable", "--mop.sco.host_budget", "auto",
+           "--optimizer.name", "OffloadStreamAdamW")
+
+
+def test_parameters_and_gradients_lines_follow_the_weights_and_gradients_settings():
+    """`small` with every operator at 524K on one rank (issue 32): the parameters line is 4 B, 2 B or the
+    windows' slots per setting, the gradients line the staging of what leaves; host terms grow by the
+    pinned working copies and gradient buffer."""
+    from mop_train.ops.offload_adamw.memory import StreamSettings, WeightShapes, gradients_bound, weights_bound
+    from mop_train.plan.job import plan_for_config
+    args = zoo.get_model_args("small")
+    plans = {}
+    for w, g in (("device", "device"), ("bf16", "device"), ("bf16", "stream"), ("stream", "stream")):
+        cfg = _job("configs/small_1gpu.toml", "--training.seq_len", "524288", "--training.local_batch_size", "1",
+                   *ALL_OPS, "--mop.offload_adamw.weights", w, "--mop.offload_adamw.gradients", g)
+        plans[w, g] = plan_for_config(cfg, world=1, ranks_per_node=1, host_bytes=128 * 2**30)
+    mine = plans["device", "device"].local_params
+    dd, bd, bs, ss = (_lines(plans[k]) for k in plans)
+    assert dd["parameters"] == 4 * mine and bd["parameters"] == 2 * mine and dd["gradients"] == 4 * mine
+    assert bd["gradients"] == dd["gradients"] and bs["gradients"] < dd["gradients"] / 3
+    # stream: 2 slots of the largest block unit (the dense block) and of a MoE layer's experts, bf16
+    experts = 3 * args.num_experts * args.moe_inter_dim * args.dim
+    with torch.device("meta"):
+        dense_block = TransformerBlock(0, args)
+    unit = sum(p.numel() for p in dense_block.parameters())
+    shapes = WeightShapes(mine, unit, experts, 0, 2)
+    assert ss["parameters"] == weights_bound(StreamSettings("stream", "stream", 2), shapes).device_bytes \
+        == 2 * (unit + experts) * 2
+    assert ss["gradients"] == bs["gradients"] == gradients_bound(
+        StreamSettings("stream", "stream"), shapes, device_grads=0, retained_grads=ss["gradients"] - 4 * (2 * unit + experts)
+    ).device_bytes
+    assert sum(ss.values()) < sum(bd.values()) < sum(dd.values())  # (the peak's moment may move: not their sum)
+    host = {k: {name: b for name, b, _ in p.host_terms} for k, p in plans.items()}
+    assert host["stream", "stream"]["working weights"] == 2 * mine
+    assert host["stream", "stream"]["streamed grads"] == host["bf16", "stream"]["streamed grads"] == 4 * mine
+    assert "working weights" not in host["bf16", "stream"] and "streamed grads" not in host["device", "device"]
+
+
+def test_mop_667b_on_64_ranks_at_1m_plans_under_45_gib_with_streaming():
+    """The issue's goal on paper: mop-667b, 64 ranks, 1M tokens, D=16, E_p=64, P=8: stream/stream plans
+    <= 45 GiB per rank (from 110.4), and with an explicit SCO budget the node's host fits too."""
+    from mop_train.plan.job import plan_for_config
+    common = ("configs/mop_667b.toml", "--training.seq_len", "1048576", "--mop.layout.seq_degree", "16",
+              "--mop.layout.expert_degree", "64", "--mop.layout.vocab_degree", "8")
+    device = plan_for_config(_job(*common), world=64, ranks_per_node=8, host_bytes=2 * 2**40)
+    stream = plan_for_config(_job(*common, "--mop.offload_adamw.weights", "stream", "--mop.offload_adamw.gradients",
+                                  "stream", "--mop.sco.host_budget", "40GiB"), world=64, ranks_per_node=8,
+                             host_bytes=2 * 2**40)
+    assert device.device_bytes > 100 * 2**30 and stream.device_bytes <= 45 * 2**30
+    assert stream.host_bytes_per_node <= 2 * 2**40
+    assert _lines(stream)["parameters"] + _lines(stream)["gradients"] < 4 * 2**30

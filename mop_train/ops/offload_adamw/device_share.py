@@ -63,16 +63,18 @@ class DeviceShare:
     """Moments (and non-fp32 parameters' masters) of the flat range [0, end) in device memory.
 
     moments: [2, end] fp32 (exp_avg, exp_avg_sq) indexed by flat position; masters: fp32 heads of
-    the parameters whose working weights are not fp32, packed in flat order."""
+    the parameters whose working weights are not fp32 (of every parameter without `alias_fp32`,
+    where the working weights are separate tensors: weights = "bf16" / "stream"), packed in flat order."""
 
-    def __init__(self, numels: list[int], dtypes: list[torch.dtype], end: int, device: torch.device):
+    def __init__(self, numels: list[int], dtypes: list[torch.dtype], end: int, device: torch.device,
+                 alias_fp32: bool = True):
         self.end = end
         self.moments = torch.zeros(2, end, dtype=torch.float32, device=device)  # [2, N_d]
         self._master_at: dict[int, int] = {}
         size = 0
         for i, (start, numel) in enumerate(zip(param_offsets(numels), numels)):
             head = min(numel, max(end - start, 0))  # the parameter's elements on the device
-            if head and dtypes[i] != torch.float32:
+            if head and (dtypes[i] != torch.float32 or not alias_fp32):
                 self._master_at[i] = size
                 size += head
         self.masters = torch.empty(size, dtype=torch.float32, device=device)  # [sum of bf16 heads]

@@ -5,7 +5,10 @@ plus one bucket's fp32 gradient upcast, and the host share's cast temporaries wh
 device-resident share (`device_fraction` of this rank's elements) keeps its moments, and an fp32
 master unless the working weight is itself fp32 (`device_bytes_per_element`), all step.
 
-Legend: N local elements, d device_fraction, B bucket capacity (elements), s slots.
+With [mop.offload_adamw] weights / gradients != "device" the parameters' and gradients' own device
+bytes follow `weights_bound` and `gradients_bound` (the plan's "parameters" and "gradients" lines).
+
+Legend: N local elements, d device_fraction, B bucket capacity (elements), s slots, s_w weight-window slots.
 """
 
 from __future__ import annotations
@@ -34,3 +37,57 @@ def device_bound(settings: OffloadSettings, local_params: int, *, fp32_weights: 
     share = round(s.device_fraction * local_params) * per
     return DeviceBound(share, staging, f"OffloadStreamAdamW: staging {s.slots} x {s.bucket_params:,} x 12 B "
                                        f"+ grad buffer, device share {s.device_fraction:g} x {per} B")
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """[mop.offload_adamw] weights, gradients and weight_window (working.py, grad_stream.py)."""
+    weights: str = "device"
+    gradients: str = "device"
+    weight_window: int = 2
+
+
+@dataclass(frozen=True)
+class WeightShapes:
+    """This rank's sizes that bound the working weights and gradients on the device (elements)."""
+    local_params: int        # N: every local element
+    unit_shard: int          # the largest block unit's local shard FSDP2 gathers (the root unit excluded)
+    kept_out_block: int      # the largest block kept out of FSDP2: one MoE layer's expert shards, or the vocab shard
+    vocab_shard: int = 0     # the vocab shard handed to Ring-DTP (P > 1), 0 otherwise
+    act_bytes: int = 2       # the compute (working) dtype's bytes
+
+
+def weights_bound(settings: StreamSettings, shapes: WeightShapes) -> DeviceBound:
+    """The device bytes of the parameters ("parameters" line): fp32 shards (4 B x N), bf16 working
+    weights (2 B x N), or the stream windows: s_w slots of the largest block unit's shard and s_w of
+    the largest block kept out of FSDP2, in the working dtype, plus, under bf16 compute, the fp32 copy
+    of the vocab shard Ring-DTP holds from the loss's forward to its backward."""
+    s, x = settings, shapes
+    if s.weights == "device":
+        return DeviceBound(4 * x.local_params, 0, f"fp32 shards: 4 B x {x.local_params:,} local params")
+    if s.weights == "bf16":
+        return DeviceBound(2 * x.local_params, 0, f"bf16 working weights: 2 B x {x.local_params:,} local params")
+    slots = s.weight_window * (x.unit_shard + x.kept_out_block) * x.act_bytes
+    vocab = 4 * x.vocab_shard if x.act_bytes != 4 else 0
+    return DeviceBound(0, slots + vocab, f"streamed: {s.weight_window} slots x ({x.unit_shard:,} unit + "
+                       f"{x.kept_out_block:,} shard block) x {x.act_bytes} B"
+                       + (f" + the vocab shard in fp32 for Ring-DTP ({x.vocab_shard:,} x 4 B)" if vocab else ""))
+
+
+def gradients_bound(settings: StreamSettings, shapes: WeightShapes, *, device_grads: int,
+                    retained_grads: int, micro_batches: int = 1) -> DeviceBound:
+    """The device bytes of the gradients ("gradients" line): `device_grads` (what the plan counts at
+    its peak with gradients on the device), or streamed: `retained_grads` (the root unit's, which
+    FSDP2 reduces at the end of backward) plus the staging of the blocks leaving: two units' fp32
+    shards (one copying out, the next reduced) and one block kept out of FSDP2 (its gradients are
+    formed together, and held until its replica sum), and with several micro-batches the running
+    sum of one block copied back for the add."""
+    s, x = settings, shapes
+    if s.gradients == "device":
+        return DeviceBound(device_grads, 0, "fp32 gradients on the device")
+    staging = 4 * (2 * x.unit_shard + x.kept_out_block)
+    partial = 4 * max(x.unit_shard, x.kept_out_block) if micro_batches > 1 else 0
+    return DeviceBound(retained_grads, staging + partial,
+                       f"streamed to the host: the root unit's until the end of backward + 2 x {x.unit_shard:,} unit "
+                       f"+ {x.kept_out_block:,} shard block in flight x 4 B"
+                       + (" + one running sum copied back (micro-batches)" if partial else ""))

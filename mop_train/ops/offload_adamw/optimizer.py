@@ -31,17 +31,20 @@ from dataclasses import dataclass
 import torch
 from torch.optim import Optimizer
 
+from mop_train.ops.offload_adamw.bucket_step import BucketStep
 from mop_train.ops.offload_adamw.buckets import (
-    allocate_host_state, device_split, host_state_bytes, param_offsets, plan_buckets, release_when_idle)
+    FP32_BYTES, allocate_host_buffer, allocate_host_state, device_split, host_state_bytes, param_offsets,
+    plan_buckets, release_when_idle)
 from mop_train.ops.offload_adamw.device_share import DeviceShare
-from mop_train.ops.offload_adamw.forward_waits import ForwardWaits, Ready
+from mop_train.ops.offload_adamw.forward_waits import ForwardWaits
 from mop_train.ops.offload_adamw.host_update import HostUpdate, host_split
 from mop_train.ops.offload_adamw.state import ROW, StateDictMixin, check_group, local_shard
 from mop_train.ops.offload_adamw.streams import Streams
-from mop_train.ops.offload_adamw.update import fused_adamw_by_group
 
 DEFAULT_BUCKET_PARAMS = 25_000_000  # benchmarks/RESULTS.md: 25M x 3 slots is 2-4% faster than
 DEFAULT_SLOTS = 3                   # 100M x 2 at 1B and 2.6B params, with 954 MiB of staging (not 2.6 GiB)
+WEIGHTS = ("device", "bf16", "stream")
+GRADIENTS = ("device", "stream")
 
 
 @dataclass
@@ -65,13 +68,24 @@ def _check_staging(bucket_params, slots) -> None:
                          "set [mop.offload_adamw] slots")
 
 
+def _check_modes(weights, gradients, host_fraction) -> None:
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights ({weights!r}) must be one of {WEIGHTS}; set [mop.offload_adamw] weights")
+    if gradients not in GRADIENTS:
+        raise ValueError(f"gradients ({gradients!r}) must be one of {GRADIENTS}; set [mop.offload_adamw] gradients")
+    if gradients == "stream" and host_fraction:
+        raise ValueError(f"gradients = 'stream' with host_fraction ({host_fraction}) > 0 is not supported yet (the "
+                         "CPU share would need the clipping coefficient on the host); set [mop.offload_adamw] "
+                         "host_fraction = 0 or gradients = 'device'")
+
+
 def _check_fraction(name: str, value, meaning: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} ({value!r}) must be a number in [0, 1]: {meaning}; "
                          f"set [mop.offload_adamw] {name}")
 
 
-class OffloadStreamAdamW(StateDictMixin, Optimizer):
+class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
     """AdamW (torch.optim.AdamW's math) with fp32 masters and moments in (pinned) host memory,
     except a device-resident share.
 
@@ -105,6 +119,14 @@ class OffloadStreamAdamW(StateDictMixin, Optimizer):
         overlap: leave the weights' readiness to the next forward: after `wait_in_forward(units)`
             each unit waits for its own pieces only (without hooks, or with overlap False, the
             compute stream waits for every piece at the end of step()). Same values either way.
+        weights: "device" (the parameters' own device tensors are the working weights); "bf16" or
+            "stream": the masters are authoritative (never re-read from a working weight), no
+            working weight aliases a master, the device share ends on a parameter boundary, and
+            `use_working` hands the step the working tensors to refresh (device, or pinned host for
+            "stream"); `working.WorkingWeights` sets that up. Same values as "device".
+        gradients: "device" (read `param.grad`), or "stream": the gradients arrive in a pinned fp32
+            host buffer (`host_grad`, `mark_grad`, grad_stream.py) and are copied host -> device
+            per bucket, scaled by `grad_scale` there. Needs host_fraction = 0.
 
     State per parameter (state_dict, DCP): "step" (fp32 scalar, per parameter), "exp_avg",
     "exp_avg_sq", "master" (fp32; DTensors with the parameter's sharding for DTensor params): views
@@ -116,8 +138,9 @@ class OffloadStreamAdamW(StateDictMixin, Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, *, bucket_params: int = DEFAULT_BUCKET_PARAMS,
                  slots: int = DEFAULT_SLOTS, host_fraction: float = 0.0, device_fraction: float = 0.0,
-                 overlap: bool = False):
+                 overlap: bool = False, weights: str = "device", gradients: str = "device"):
         _check_staging(bucket_params, slots)
+        _check_modes(weights, gradients, host_fraction)
         _check_fraction("host_fraction", host_fraction, "the share of the streamed parameters updated on the "
                         "CPU (0 streams everything through the device)")
         _check_fraction("device_fraction", device_fraction, "the share of the optimizer state kept on the "
@@ -134,8 +157,11 @@ class OffloadStreamAdamW(StateDictMixin, Optimizer):
         self._streams = Streams(self.device)
         total = sum(self._numels)
         self.device_fraction, self.overlap = float(device_fraction), overlap
-        self._dev_end = device_split(total, self.device_fraction)
-        self._device_share = DeviceShare(self._numels, [t.dtype for t in shards], self._dev_end, self.device)
+        self.weights, self.gradients = weights, gradients
+        self._dev_end = device_split(total, self.device_fraction)  # the same cut whatever `weights`:
+        # on CPU, torch's fused AdamW rounds by an element's place in its piece, so the cuts must match
+        self._device_share = DeviceShare(self._numels, [t.dtype for t in shards], self._dev_end, self.device,
+                                         alias_fp32=weights == "device")
         self._host, registered = allocate_host_state(total - self._dev_end, pin=self._streams.cuda)
         if registered:
             weakref.finalize(self, release_when_idle, self._host.data_ptr(), self._streams)
@@ -150,6 +176,19 @@ class OffloadStreamAdamW(StateDictMixin, Optimizer):
         self._host_update = None
         self._timing = (None, (), 0.0)
         self.last_step = OffloadStepStats()
+        self._working, self._working_on_host = None, False  # set by use_working (weights != "device")
+        self._mirrors: dict[int, torch.Tensor] = {}          # value_tensor of the straddler
+        self.weights_version = 0    # steps that changed the working weights (weight_windows.py)
+        self.grad_scale = None      # clipping coefficient applied to streamed gradients (0-dim, device)
+        self.grads_read = None      # event: the last step's reads of the host gradients are done
+        self.grads_landed = None    # event: this step's streamed gradients are all in host memory
+        self._host_grads = None
+        self._grad_arrived = [False] * len(self._params)
+        if gradients == "stream":
+            pool, registered = allocate_host_buffer(total * FP32_BYTES, pin=self._streams.cuda)
+            if registered:
+                weakref.finalize(self, release_when_idle, pool.data_ptr(), self._streams)
+            self._host_grads = pool.view(torch.float32)  # [N] fp32, the flat order
         self.resize_staging(bucket_params, slots, host_fraction)
 
     # ---- construction helpers -------------------------------------------------------------
@@ -219,6 +258,8 @@ class OffloadStreamAdamW(StateDictMixin, Optimizer):
 
     # ---- the step -------------------------------------------------------------------------
     def _flat_grad(self, i: int):
+        if self.gradients == "stream":
+            return self.host_grad(i) if self._grad_arrived[i] else None
         grad = self._params[i].grad
         if grad is None:
             return None
@@ -240,24 +281,27 @@ class OffloadStreamAdamW(StateDictMixin, Optimizer):
         active = [g is not None for g in grads]
         if not any(active):
             return loss
-        fresh = [a and float(self._steps[i]) == 0.0 for i, a in enumerate(active)]
+        fresh = [a and self.weights == "device" and float(self._steps[i]) == 0.0 for i, a in enumerate(active)]
+        self.weights_version += 1  # working weights change: copies of the previous ones are stale
         self._steps += torch.tensor(active, dtype=torch.float32)
         hparams = [(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]),
                     float(g["weight_decay"]), float(g["eps"])) for g in self.param_groups]
         s, host = self._streams, self._host_update
-        work = [local_shard(p).view(-1) for p in self._params]  # FSDP2 may swap local tensors: re-read
+        work = self._working or [local_shard(p).view(-1) for p in self._params]  # FSDP2 may swap: re-read
         wall = time.perf_counter()
         start = s.record(timing=True)  # gradients and weights are final from here on
-        if s.cuda:  # read on the update stream: not to be reused before it is done (zero_grad frees them)
-            for grad in grads:
+        if s.cuda and self.gradients == "device":  # read on the update stream: not to be reused
+            for grad in grads:                      # before it is done (zero_grad frees them)
                 if grad is not None:
                     grad.record_stream(s.update)
         host.download(grads, work, fresh, self._host, start)  # queued first: the CPU starts early
         with s.use(s.update):
             s.wait(start)
+            s.wait(self.grads_landed)  # streamed gradients: in host memory
             steps = self._steps.pin_memory().to(self.device, non_blocking=True) if s.cuda else self._steps
             ready = [self._update_on_device(b, grads, work, fresh, steps, hparams) for b in self._device_buckets]
             ready += self._stream_buckets(grads, work, fresh, steps, hparams)
+            self.grads_read = s.record()  # the next backward may overwrite the host gradients after this
         uploads = host.update(grads, work, self._host, self._steps, self._group_of, hparams)
         overlap = self.overlap and self._waits.hooked
         self._waits.arm((ready, uploads), count_wall=overlap or not s.cuda)
@@ -265,7 +309,8 @@ class OffloadStreamAdamW(StateDictMixin, Optimizer):
             self._waits.wait_all(since=start)  # the next reader of the weights waits for every piece
         wall = time.perf_counter() - wall
         self._waits.set_wall(wall)
-        done = [r.event for r in ready[-1:] + uploads[-1:]] + [self._writeback_done if self._buckets else None]
+        done = [r.event for r in ready[-1:] + uploads[-1:]] + [
+            self._writeback_done if self._buckets or self._working_on_host else None]
         self._timing = (start, [e for e in done if e is not None], wall)
         streamed = host_state_bytes(sum(b.numel for b in self._buckets))  # each way
         up, down = host.bytes_moved(grads)
@@ -273,81 +318,71 @@ class OffloadStreamAdamW(StateDictMixin, Optimizer):
                                           host.numel, self._dev_end)
         return loss
 
-    def _update_on_device(self, bucket, grads, work, fresh, steps, hparams) -> Ready:
-        """A bucket of the device-resident head: fused AdamW in place (on the update stream)."""
-        s, share = self._streams, self._device_share
-        live = self._upcast_grads(bucket, grads)
-        pieces, refresh = [], []
-        for param, src, dst in live:
-            master, exp_avg, exp_avg_sq = share.rows(param, src.start, bucket.start + dst.start,
-                                                     dst.stop - dst.start, work)
-            if not share.aliased(param):
-                if fresh[param]:  # first update: the master is the current working weight
-                    master.copy_(work[param][src])
-                refresh.append((work[param][src], master))
-            pieces.append((self._group_of[param], master, self._grad_buffer[dst], exp_avg, exp_avg_sq,
-                           steps[param]))
-        fused_adamw_by_group(pieces, hparams)
-        for weight, master in refresh:
-            weight.copy_(master)
-        return Ready(bucket.start, bucket.start + bucket.numel, s.record(timing=True))
+    # ---- working weights and streamed gradients (weights / gradients != "device") ---------------
+    def master_view(self, i: int) -> torch.Tensor:
+        """Parameter i's fp32 master, flat: a view of the host state or of the device share."""
+        pieces = self._row_pieces(ROW["master"], i)
+        if len(pieces) != 1:
+            raise ValueError(f"parameter {i} straddles the device share's end: its master is in two pieces; "
+                             "use value_tensor(i)")
+        return pieces[0][1]
 
-    def _stream_buckets(self, grads, work, fresh, steps, hparams) -> list[Ready]:
-        """Queue every streamed bucket's copy-in, update, weight refresh and write-back (the current
-        stream is the update stream); one Ready piece per bucket."""
-        s = self._streams
-        ready = []
-        for b, bucket in enumerate(self._buckets):
-            k = b % self.slots
-            lo = bucket.start - self._dev_end
-            staged = self._slot_buffers[k][:, :bucket.numel]                   # [3, n] device
-            host = self._host[:, lo:lo + bucket.numel]                         # [3, n] host
-            with s.use(s.h2d):
-                s.wait(self._slot_free[k])  # the slot's last write-back ...
-                s.wait(self._slot_read[k])  # ... and its last weight refresh are done
-                for row in range(3):
-                    staged[row].copy_(host[row], non_blocking=True)
-                loaded = s.record()
-            live = self._upcast_grads(bucket, grads)  # needs no slot: overlaps the copy-in
-            s.wait(loaded)
-            self._adamw(staged, live, work, fresh, steps, hparams)
-            updated = s.record()
-            with s.use(s.d2h):
-                s.wait(updated)
-                for row in range(3):
-                    host[row].copy_(staged[row], non_blocking=True)
-                self._slot_free[k] = s.record(timing=True)
-            for param, src, dst in live:  # refresh the working weights while the write-back runs
-                work[param][src].copy_(staged[0, dst])
-            self._slot_read[k] = s.record(timing=True)  # also the bucket's ready event (step_seconds times it)
-            ready.append(Ready(bucket.start, bucket.start + bucket.numel, self._slot_read[k]))
-        if self._buckets:
-            self._writeback_done = self._slot_free[(len(self._buckets) - 1) % self.slots]
-        return ready
+    def value_tensor(self, i: int) -> torch.Tensor:
+        """The fp32 tensor that holds parameter i's value with weights != "device" (working.py): its
+        master, or for the one parameter straddling the device share's end a host copy of its two
+        pieces, brought up to date by `wait_for_weights` (checkpoints and evaluations call it first)."""
+        if len(self._row_pieces(ROW["master"], i)) == 1:
+            return self.master_view(i)
+        if i not in self._mirrors:
+            self._mirrors[i] = self._read_row(ROW["master"], i).clone()
+        return self._mirrors[i]
 
-    def _upcast_grads(self, bucket, grads) -> list[tuple[int, slice, slice]]:
-        """fp32 gradients of the bucket's updated segments; returns (param, src, dst) per segment."""
-        grad32 = self._grad_buffer  # [B] fp32
-        live = []
-        for seg in bucket.segments:
-            grad = grads[seg.param]
-            if grad is None:
-                continue  # no gradient: master, moments and step stay as they are
-            dst = slice(seg.bucket_start, seg.bucket_start + seg.numel)
-            src = slice(seg.param_start, seg.param_start + seg.numel)
-            grad32[dst].copy_(grad[src])
-            live.append((seg.param, src, dst))
-        return live
+    def use_working(self, tensors: list[torch.Tensor], *, on_host: bool) -> None:
+        """The flat working tensor of each parameter, which every step refreshes from its master
+        (device tensors, or pinned host ones when `on_host`); weights != "device" only."""
+        if self.weights == "device":
+            raise ValueError("use_working needs weights = 'bf16' or 'stream'; with 'device' the parameters "
+                             "are their own working weights")
+        if [t.numel() for t in tensors] != self._numels:
+            raise ValueError(f"working tensors of {[t.numel() for t in tensors]} elements for parameters of "
+                             f"{self._numels}")
+        self._working, self._working_on_host = list(tensors), on_host
+        self.weights_version += 1
 
-    def _adamw(self, staged, live, work, fresh, steps, hparams) -> None:
-        """torch's fused AdamW over the live segments of a staged bucket, one call per group."""
-        pieces = []
-        for param, src, dst in live:
-            if fresh[param]:  # first update: the master is the current working weight
-                staged[0, dst].copy_(work[param][src])
-            pieces.append((self._group_of[param], staged[0, dst], self._grad_buffer[dst], staged[1, dst],
-                           staged[2, dst], steps[param]))
-        fused_adamw_by_group(pieces, hparams)
+    @torch.no_grad()
+    def refresh_working(self) -> None:
+        """Write every master into its working tensor (after a load or at start; blocks the host)."""
+        self.wait_for_writeback()
+        for i, weight in enumerate(self._working or ()):
+            weight.copy_(self._read_row(ROW["master"], i))
+        self.weights_version += 1
+
+    def wait_for_params(self, params) -> None:
+        """Make the current stream wait until these parameters' working weights of the last step are
+        final (overlap; without it the compute stream waited for every piece at the end of step())."""
+        index = {id(p): i for i, p in enumerate(self._params)}
+        ranges = [(self._offsets[i], self._offsets[i] + self._numels[i]) for p in params
+                  if (i := index.get(id(p))) is not None and self._numels[i]]
+        if ranges:
+            self._waits.wait_ranges(ranges)
+
+    def host_grad(self, i: int) -> torch.Tensor:
+        """Parameter i's flat fp32 gradient in the pinned host buffer (gradients = "stream")."""
+        start = self._offsets[i]
+        return self._host_grads[start:start + self._numels[i]]
+
+    def mark_grad(self, i: int) -> None:
+        """Parameter i has a gradient in `host_grad(i)` for the next step (gradients = "stream")."""
+        self._grad_arrived[i] = True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._grad_arrived = [False] * len(self._params)
+        self.grad_scale = None
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self.refresh_working()
 
     # ---- stats and synchronisation ----------------------------------------------------------
     @property
@@ -363,8 +398,13 @@ class OffloadStreamAdamW(StateDictMixin, Optimizer):
     def wait_for_weights(self) -> None:
         """Make the current stream wait until every working weight of the last step is final
         (overlap: call before anything outside the hooked units reads the weights, e.g. a
-        checkpoint save or an evaluation)."""
+        checkpoint save or an evaluation). With weights != "device" the parameters' values are
+        the masters: the host waits for their write-back too."""
         self._waits.wait_all()
+        if self.weights != "device":
+            self.wait_for_writeback()
+            for i, mirror in self._mirrors.items():
+                mirror.copy_(self._read_row(ROW["master"], i))
 
     def wait_for_writeback(self) -> None:
         """Block the host until the last step is done: its state back in host memory, its weights

@@ -68,7 +68,7 @@ class StateDictMixin:
         pieces = []
         head = min(numel, max(end - start, 0))
         if head:
-            work = {i: local_shard(self._params[i]).view(-1)}
+            work = {i: local_shard(self._params[i]).detach().view(-1)}  # state, not an autograd view
             pieces.append((0, self._device_share.rows(i, 0, start, head, work)[row]))
         if head < numel:
             lo = start + head - end

@@ -19,9 +19,11 @@ through `ops.linear(x, w[name])` and `ops.rms_norm(x, w[name], eps)` only.
              rounded once to the weight's dtype.
 
 Exactness. The rows' gradients are autograd's own, computed by the same ops on the same rows, so
-they and the forward are bitwise the untiled ones wherever the kernels are row-wise deterministic
-(CPU bf16 GEMMs always; MKL's fp32 GEMM for tiles of >= 3 rows: `tile_bounds` balances the tiles so
-none is smaller than half the tile size). A weight gradient is a sum over the N tokens; the tiled sum
+they and the forward are bitwise the untiled ones wherever the kernels give a row the same bits
+whatever rows surround it: on CPU (measured, torch 2.13) bf16 GEMMs always, MKL's fp32 GEMM at >= 12
+rows and output widths that are multiples of 8, ATen's SiLU when each thread's elements are a multiple
+of 16 (tests/ops/test_tiling.py). `tile_bounds` balances the tiles, so none is below half the tile
+size. On CUDA the GEMMs choose kernels by row count: equal within rounding, not bitwise. A weight gradient is a sum over the N tokens; the tiled sum
 adds the same products in another order, in fp32, so |tiled - untiled| <= 2 gamma_N sum|terms|
 (gamma_N = N u / (1 - N u), u = 2^-24) before the final rounding to the weight dtype. Under FSDP2's
 mixed precision (bf16 weights at compute, fp32 reduction) the untiled GEMM also sums in fp32 and

@@ -1,0 +1,156 @@
+"""[mop.offload_adamw] weights and gradients, through the real training loop (CPU, gloo): every
+combination is bitwise the run of weights = "device", gradients = "device" (issue 32).
+
+Under the fp32 and the bf16 policy, at W=1 and at (W=4, D=2, E_p=2, P=2, PipelinedLLEP with
+chunks), with two micro-batches per step: each combination trains 3 steps with checkpoints at steps
+2 and 3; its per-step losses and gradient norms and both checkpoints (every tensor: model, optimizer,
+schedule, data position, RNG) are bitwise those of device/device. From device/device's step-2
+checkpoint (W=1: fp32 and bf16; W=4: bf16), runs resumed with weights = "bf16" and "stream" (the setting changed at the resume)
+repeat its step 3, and their step-3 checkpoints are those of a device/device resume (not of the
+straight run: a resumed run's torch CPU RNG state differs at its next checkpoint, device/device
+too, a behaviour that predates these settings). The W=4 checkpoint, resumed at W=2 (E_p=2, the same
+two sequence groups), gives the same bits with device/device and with stream/stream.
+Each world runs all its cases in one spawn (`train` called in process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.dist_utils import run_distributed
+from tests.train.cli import DEBUG_CONFIG
+
+pytestmark = pytest.mark.slow
+STEPS = 3
+BASE = ["--job.config_file", DEBUG_CONFIG, "--metrics.log_freq", "1", "--metrics.no-enable-tensorboard",
+        "--debug.seed", "17", "--training.seq_len", "64", "--training.global_batch_size", "4",
+        "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
+        "--checkpoint.no-last_save_model_only", "--lr_scheduler.total_steps", "3", "--lr_scheduler.warmup_steps", "1",
+        "--optimizer.name", "OffloadStreamAdamW", "--mop.offload_adamw.bucket_params", "3000",
+        "--mop.offload_adamw.weight_window", "2"]
+WIDE = ["--training.local_batch_size", "1", "--mop.layout.seq_degree", "2", "--mop.layout.expert_degree", "2",
+        "--mop.layout.vocab_degree", "2", "--mop.moe.dispatch", "pipelined_llep", "--mop.moe.token_budget", "12",
+        "--mop.moe.min_tokens_per_gemm", "4", "--mop.moe.imbalance_threshold", "1.0"]
+NARROW = ["--training.local_batch_size", "1", "--mop.layout.expert_degree", "2", "--mop.moe.dispatch", "ep"]
+ONE = ["--training.local_batch_size", "2", "--mop.moe.dispatch", "ep"]
+POLICY = {"fp32": ["--training.mixed_precision_param", "float32"],
+          "bf16": ["--training.mixed_precision_param", "bfloat16"]}
+
+
+def _setting(weights: str, gradients: str) -> list[str]:
+    return ["--mop.offload_adamw.weights", weights, "--mop.offload_adamw.gradients", gradients]
+
+
+def _combos(policy: str) -> list[tuple[str, str]]:
+    weights = ("device", "bf16", "stream") if policy == "bf16" else ("device", "stream")
+    return [(w, g) for w in weights for g in ("device", "stream")]
+
+
+def _train(folder: str, args: list[str], steps: int = STEPS) -> None:
+    from torchtitan.tools.logging import logger
+
+    from mop_train.config import load_job_config
+    from mop_train.models import zoo
+    from mop_train.train.loop import train
+    from mop_train.train.reliability import StopFlag
+    logger.setLevel("ERROR")
+    cfg = load_job_config([*BASE, *args, "--training.steps", str(steps), "--job.dump_folder", folder],
+                          model_flavors=zoo.names())
+    train(cfg, torch.device("cpu"), StopFlag())
+    if dist.get_rank() == 0:
+        for step in (2, STEPS):
+            ckpt = os.path.join(folder, "checkpoint", f"step-{step}")
+            if os.path.isdir(ckpt) and not os.path.exists(ckpt + ".pt"):
+                dcp_to_torch_save(ckpt, ckpt + ".pt")
+    dist.barrier()
+
+
+def _resume(source: str, folder: str, args: list[str]) -> None:
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.join(folder, "checkpoint"))
+        shutil.copytree(os.path.join(source, "checkpoint", "step-2"), os.path.join(folder, "checkpoint", "step-2"))
+    dist.barrier()
+    _train(folder, args)
+
+
+def _world_worker(rank, world, root, layout, plan, resharded_from):
+    if resharded_from:  # the wide layout's step-2 checkpoint at this (narrower) world
+        for name, setting in (("dd", _setting("device", "device")), ("ss", _setting("stream", "stream"))):
+            _resume(resharded_from, os.path.join(root, f"resharded-{name}"), [*layout, *POLICY["bf16"], *setting])
+        return
+    for policy, resumed in plan:
+        for w, g in _combos(policy):
+            _train(os.path.join(root, f"{policy}-{w}-{g}"), [*layout, *POLICY[policy], *_setting(w, g)])
+        ref = os.path.join(root, f"{policy}-device-device")
+        for w, g in resumed:
+            _resume(ref, os.path.join(root, f"{policy}-resumed-{w}-{g}"), [*layout, *POLICY[policy], *_setting(w, g)])
+
+
+RESUMED = [("device", "device"), ("stream", "stream")]
+AT_W1 = [("fp32", RESUMED), ("bf16", RESUMED + [("bf16", "stream")])]
+AT_W4 = [("fp32", []), ("bf16", RESUMED)]  # (the resharded resume loads this layout's checkpoint too)
+
+
+def _metrics(folder: str) -> list[tuple]:
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, f)]
+
+
+def _tensors(state, prefix="") -> dict:
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    if isinstance(state, dict):
+        return {k: v for key, value in state.items() for k, v in _tensors(value, f"{prefix}.{key}").items()}
+    if isinstance(state, (list, tuple)):
+        return {k: v for i, value in enumerate(state) for k, v in _tensors(value, f"{prefix}.{i}").items()}
+    return {}
+
+
+def _assert_same_checkpoint(folder: str, ref: str, step: int, name: str) -> None:
+    ours = _tensors(torch.load(os.path.join(folder, "checkpoint", f"step-{step}.pt"), weights_only=False))
+    theirs = _tensors(torch.load(os.path.join(ref, "checkpoint", f"step-{step}.pt"), weights_only=False))
+    assert sorted(ours) == sorted(theirs), f"{name} step {step}: checkpoint keys differ"
+    assert any(".experts.w1" in k for k in ours) and any("exp_avg_sq" in k for k in ours)
+    for key, value in theirs.items():
+        assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), f"{name} step {step}: {key} differs"
+
+
+def _check_world(root: str, plan) -> None:
+    for policy, resumed in plan:
+        ref = os.path.join(root, f"{policy}-device-device")
+        want = _metrics(ref)
+        assert [m[0] for m in want] == list(range(1, STEPS + 1))
+        for w, g in _combos(policy)[1:]:
+            folder, name = os.path.join(root, f"{policy}-{w}-{g}"), f"{policy} weights={w} gradients={g}"
+            assert _metrics(folder) == want, f"{name}: {_metrics(folder)} != {want}"
+            for step in (2, STEPS):
+                _assert_same_checkpoint(folder, ref, step, name)
+        resumed_ref = os.path.join(root, f"{policy}-resumed-device-device")
+        for w, g in resumed:
+            folder, name = os.path.join(root, f"{policy}-resumed-{w}-{g}"), f"{policy} resumed with {w}/{g}"
+            assert _metrics(folder) == want[2:], f"{name}: {_metrics(folder)} != {want[2:]}"
+            _assert_same_checkpoint(folder, resumed_ref, STEPS, name)
+
+
+def test_every_setting_is_bitwise_device_device_at_w1(tmp_path):
+    run_distributed(_world_worker, 1, str(tmp_path), ONE, AT_W1, None, timeout_s=900)
+    _check_world(str(tmp_path), AT_W1)
+
+
+def test_every_setting_is_bitwise_device_device_at_w4_and_resharded(tmp_path):
+    wide, narrow = str(tmp_path / "w4"), str(tmp_path / "w2")
+    run_distributed(_world_worker, 4, wide, WIDE, AT_W4, None, timeout_s=1200)
+    _check_world(wide, AT_W4)
+    run_distributed(_world_worker, 2, narrow, NARROW, (), os.path.join(wide, "bf16-device-device"), timeout_s=600)
+    want = _metrics(os.path.join(narrow, "resharded-dd"))
+    assert [m[0] for m in want] == [3]
+    assert _metrics(os.path.join(narrow, "resharded-ss")) == want
+    _assert_same_checkpoint(os.path.join(narrow, "resharded-ss"), os.path.join(narrow, "resharded-dd"), STEPS,
+                            "resharded")
