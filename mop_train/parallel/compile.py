@@ -14,7 +14,7 @@ SDPA kernel) and the experts' dispatch seam (every schedule's collectives and au
 LLEP's weight migration, PipelinedLLEP's chunk Functions; the local path's grouped GEMM, whose
 group sizes are data). Everything else of the block (norms, projections, RoPE, router, shared
 expert, dense FFN, residuals) is compiled, except the stages [mop.tiling] runs over token tiles
-(mop_train.ops.tiling's autograd Function: eager too). The loss component compiles the chunked
+(mop_train.ops.tiling's `tiled_rows`, compiler-disabled there). The loss component compiles the chunked
 cross-entropy; Ring-DTP is refused for it at config time (it is its own kernels and collectives).
 
 Compiling changes neither the module tree nor the state-dict names (the compiled callable replaces
@@ -67,46 +67,35 @@ def check_compiler(backend: str, device_type: str) -> None:
                          f"compile.enable = false") from None
 
 
-_EAGER_CLASSES: dict[tuple[type, str], type] = {}
+_EAGER_CLASSES: dict[type, type] = {}
 
 
-def _eager(module: nn.Module, method: str = "forward") -> None:
-    """Make `module.<method>` a graph break: it, and all it calls, run without the compiler.
+def _eager(module: nn.Module) -> None:
+    """Make `module`'s forward a graph break: it, and all it calls, run without the compiler.
 
-    The module's class is swapped for a subclass (one per class and method) whose method is
-    disabled, so every block sees the same function and the blocks share one compiled entry (an
-    instance attribute would be a new function per block, each a recompile). State-dict names and
-    isinstance checks are unchanged."""
+    The module's class is swapped for a subclass (one per class) whose forward is disabled, so every
+    block sees the same function and the blocks share one compiled entry (an instance attribute
+    would be a new function per block, each a recompile). State-dict names and isinstance checks
+    are unchanged."""
     cls = type(module)
-    if getattr(getattr(cls, method), "_mop_eager", False):
+    if cls in _EAGER_CLASSES.values():
         return
-    key = (cls, method)
-    if key not in _EAGER_CLASSES:
-        disabled = torch.compiler.disable(getattr(cls, method), recursive=True)
-        disabled._mop_eager = True
-        _EAGER_CLASSES[key] = type(f"Eager{cls.__name__}", (cls,), {method: disabled})
-    module.__class__ = _EAGER_CLASSES[key]
+    if cls not in _EAGER_CLASSES:
+        _EAGER_CLASSES[cls] = type(f"Eager{cls.__name__}", (cls,),
+                                   {"forward": torch.compiler.disable(cls.forward, recursive=True)})
+    module.__class__ = _EAGER_CLASSES[cls]
 
 
 def compile_block(block: nn.Module, backend: str) -> nn.Module:
     """Compile `block` (or, for a checkpoint / SCO wrapper, the block it wraps) in place, with the
-    `EAGER_SUBMODULES` it holds, and its token-tiled stages, left eager; returns the compiled module.
-
-    Tiled stages ([mop.tiling], set on the modules before this) are mop_train.ops.tiling's autograd
-    Function: a dense FFN or shared expert with `tile_tokens` runs eagerly whole, and so does the
-    attention's tiled path of a block with `tile_tokens` (its untiled path, for short inputs, stays
-    compiled). Change the tiles only before compiling."""
+    `EAGER_SUBMODULES` it holds left eager; returns the compiled module. ([mop.tiling]'s tiled stages
+    are a graph break of their own: mop_train.ops.tiling's `tiled_rows` is compiler-disabled.)"""
     inner = getattr(block, "_checkpoint_wrapped_module", block)
     for path in EAGER_SUBMODULES:
         owner, _, name = path.rpartition(".")
         parent = getattr(inner, owner, None)
         if parent is not None and isinstance(getattr(parent, name, None), nn.Module):
             _eager(getattr(parent, name))
-    for sub in inner.modules():
-        if sub is not inner and getattr(sub, "tile_tokens", 0):
-            _eager(sub)                                  # a tiled FFN (dense or shared expert)
-    if getattr(inner, "tile_tokens", 0) and hasattr(inner.attention, "forward_tiled"):
-        _eager(inner.attention, "forward_tiled")
     inner.forward = torch.compile(inner.forward, backend=backend)
     return inner
 

@@ -71,8 +71,6 @@ def _compare_compiled_with_eager(backend: str, seed: int, *, rtol: float, tiles:
         assert all(type(s) in compile_mod._EAGER_CLASSES.values() for s in eager_subs)
         tiled_ffns = [m for m in inner.modules() if isinstance(m, FeedForward) and m.tile_tokens]
         assert len(tiled_ffns) == (1 if tiles[0] else 0)            # the dense FFN or the shared expert
-        assert all(type(m) in compile_mod._EAGER_CLASSES.values() for m in tiled_ffns)
-        assert (type(inner.attention) in compile_mod._EAGER_CLASSES.values()) == bool(tiles[1])
     V = eager.model.args.vocab_size
     for _ in range(2):                                              # the second call reuses the compiled code
         B, S = rng.randint(1, 3), rng.choice([16, 24, 32])
@@ -93,7 +91,7 @@ def test_compiled_blocks_and_loss_match_eager_aot_eager():
 
 
 def test_compiled_blocks_with_token_tiles_match_eager():
-    """[mop.tiling]'s autograd Function stays a graph break: tiled FFNs and attention stages eager."""
+    """[mop.tiling]'s autograd Function (tiled FFNs and attention stages) inside compiled blocks."""
     rng = random.Random(fresh_seed(9405))
     _compare_compiled_with_eager("aot_eager", fresh_seed(9406), rtol=1e-5, tiles=(rng.choice([8, 16]), 16))
 
