@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import mop_train  # noqa: F401  (spawned ranks import this module first: the triton stand-in before torchtitan)
+
 BACKENDS = ("gloo", "nccl")
 NCCL_WORLD_SIZE = 2  # the GPU test host has 2 GPUs
 

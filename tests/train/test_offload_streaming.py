@@ -54,12 +54,11 @@ def _combos(policy: str) -> list[tuple[str, str]]:
 
 
 def _train(folder: str, args: list[str], steps: int = STEPS) -> None:
-    from torchtitan.tools.logging import logger
-
-    from mop_train.config import load_job_config
+    from mop_train.config import load_job_config  # (first: a CPU install has no triton; see optional_triton)
     from mop_train.models import zoo
     from mop_train.train.loop import train
     from mop_train.train.reliability import StopFlag
+    from torchtitan.tools.logging import logger
     logger.setLevel("ERROR")
     cfg = load_job_config([*BASE, *args, "--training.steps", str(steps), "--job.dump_folder", folder],
                           model_flavors=zoo.names())
