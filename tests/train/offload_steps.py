@@ -5,11 +5,13 @@ so that tests can reach the run's parts (its optimizer, weight windows, gradient
     run = build_run(cfg, device)
     losses = drive(cfg, run, device, steps=2)
 
-Used by tests/train/test_offload_link_bytes.py (CPU, gloo) and tests/train/test_offload_streaming_gpu.py
-(one CUDA device). Call inside a process group (tests.dist_utils.run_distributed).
+Used by tests/train/test_offload_streaming_gpu.py (one CUDA device); offload_config also by
+tests/train/test_offload_link_bytes.py (CPU, gloo). Call inside a process group (tests.dist_utils.run_distributed).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -36,24 +38,23 @@ def offload_config(folder: str, *, weights: str, gradients: str, window: int = 2
                            model_flavors=zoo.names())
 
 
-def drive(cfg, run, device: torch.device, steps: int, *, on_device_batches: bool = False) -> list[torch.Tensor]:
+def drive(cfg, run, device: torch.device, steps: int, *, around_step=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`steps` optimizer steps of `run` as mop_train.train.loop.run_steps takes them (no logging,
-    no checkpoints); returns each step's loss (0-dim fp32, on the device). `on_device_batches`:
-    move each micro-batch to the device first (so that the step itself copies no tokens)."""
+    no checkpoints); returns each step's (loss, gradient norm), 0-dim fp32 on the device.
+    `around_step(step)`: a context manager entered around each step's `train_step`."""
     from mop_train.train.loop import StepGuards, train_step
     from mop_train.train.reliability import NonFiniteGuard, StopFlag
     guards = StepGuards(NonFiniteGuard(cfg.mop.reliability, rank=0, world=1, device=device,
                                        last_checkpoint=lambda: None), StopFlag(), run.schedule_steps)
     batches = iter(run.dataloader)
     run.train_state.restore_rng()
-    losses = []
+    results = []
     for step in range(1, steps + 1):
         micro = [next(batches) for _ in range(run.micro_batches)]
-        if on_device_batches:
-            micro = [({k: v.to(device) for k, v in inputs.items()}, labels.to(device)) for inputs, labels in micro]
-        out = train_step(run.parts, run.layout, micro, run.optimizers, run.lr_schedulers,
-                         max_norm=cfg.training.max_norm, bias_rate=cfg.mop.moe.bias_update_rate, device=device,
-                         eos_id=run.eos_id, guards=guards, step=step)
+        with around_step(step) if around_step is not None else contextlib.nullcontext():
+            out = train_step(run.parts, run.layout, micro, run.optimizers, run.lr_schedulers,
+                             max_norm=cfg.training.max_norm, bias_rate=cfg.mop.moe.bias_update_rate, device=device,
+                             eos_id=run.eos_id, guards=guards, step=step)
         assert not out["verdict"].skip, f"step {step} was skipped (non-finite)"
-        losses.append(out["loss_sum"] / out["n_tokens"])
-    return losses
+        results.append((out["loss_sum"] / out["n_tokens"], out["grad_norm"]))
+    return results
