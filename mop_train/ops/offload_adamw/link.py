@@ -21,6 +21,9 @@ tokens, SCO's activations (its own `sco_host_bytes`).
 One account is open at a time; `OffloadStreamAdamW.step()` closes it (`LinkBytes`, kept as
 `link_bytes()`), so each account is one optimizer step: its micro-batches' forwards and backwards
 and the step itself. A step the loop skips (non-finite) is closed by `close_link_account()`.
+Model: none of DeepSpeed's ZeRO-Offload / ZeRO-Infinity, FSDP2's CPUOffloadPolicy or torchtitan counts
+its transfers per step; the per-copy count is ours (tests/train/test_offload_streaming_gpu.py checks it
+against every cross-device copy recorded on CUDA).
 Legend: h2d host -> device, d2h device -> host.
 """
 
