@@ -3,7 +3,7 @@ the training loop logs them in metrics.jsonl, equal an account made here from th
 sizes and the config alone (CPU, gloo, W=1; issue 32's 2 x 4K goal compares a step with the link
 floor of these bytes).
 
-The debug model (tests/train/offload_steps.py: bf16 compute, 2 micro-batches per step, every block
+The debug model (3 blocks, and 4 for one case; tests/train/offload_steps.py: bf16 compute, 2 micro-batches per step, every block
 checkpointed, experts kept out of FSDP2) trains 2 steps under each weights / gradients setting, with
 weight_window 2 and 1, with a device share and a CPU share, and with a skipped step (NaN loss). Per step, with N local elements of
 P parameters, M micro-batches, L blocks, E MoE blocks, s_w window slots, e_w = 2 (bf16 working bytes):
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -38,12 +39,13 @@ GIB = 2**30
 E_W = 2        # bf16 working weights
 M = 2          # micro-batches per step (tests/train/offload_steps.py: global batch 4 of local batch 2)
 SHARE = ("--mop.offload_adamw.host_fraction", "0.5", "--mop.offload_adamw.device_fraction", "0.25")
-CASES = {  # name: (weights, gradients, weight_window, extra overrides, step whose loss is made NaN (skipped))
-    "dd": ("device", "device", 2, (), None), "ds": ("device", "stream", 2, (), None),
-    "bd": ("bf16", "device", 2, (), None), "bs": ("bf16", "stream", 2, (), None),
-    "sd": ("stream", "device", 2, (), None), "ss": ("stream", "stream", 2, (), None),
-    "ss-w1": ("stream", "stream", 1, (), None), "ss-skip": ("stream", "stream", 2, (), 1),
-    "dd-share": ("device", "device", 2, SHARE, None), "sd-share": ("stream", "device", 2, SHARE, None),
+CASES = {  # name: (weights, gradients, weight_window, extra overrides, step whose loss is made NaN (skipped), L)
+    "dd": ("device", "device", 2, (), None, 3), "ds": ("device", "stream", 2, (), None, 3),
+    "bd": ("bf16", "device", 2, (), None, 3), "bs": ("bf16", "stream", 2, (), None, 3),
+    "sd": ("stream", "device", 2, (), None, 3), "ss": ("stream", "stream", 2, (), None, 3),
+    "ss-w1": ("stream", "stream", 1, (), None, 3), "ss-skip": ("stream", "stream", 2, (), 1, 3),
+    "ss-4blocks": ("stream", "stream", 2, (), None, 4),  # E = 3 MoE blocks > s_w: loads in every pass
+    "dd-share": ("device", "device", 2, SHARE, None, 3), "sd-share": ("stream", "device", 2, SHARE, None, 3),
 }
 
 
@@ -53,24 +55,28 @@ def _worker(rank, world, root):
     from mop_train.train.reliability import StopFlag
     from torchtitan.tools.logging import logger
     logger.setLevel("ERROR")
-    for name, (weights, gradients, window, extra, skipped) in CASES.items():
+    for name, (weights, gradients, window, extra, skipped, layers) in CASES.items():
         cfg = offload_config(os.path.join(root, name), weights=weights, gradients=gradients, window=window,
                              steps=2, extra=extra)
         if skipped:
             os.environ["MOP_TRAIN_FAULT"] = f"nan_loss:{skipped}:0"
         try:
-            train(cfg, torch.device("cpu"), StopFlag())
+            train(cfg, torch.device("cpu"), StopFlag(), model_args=_args(layers))
         finally:
             os.environ.pop("MOP_TRAIN_FAULT", None)
 
 
-def _structure():
+def _args(layers: int):
+    from mop_train.models import zoo
+    return replace(zoo.get_model_args("debug"), n_layers=layers)
+
+
+def _structure(layers: int):
     """(N, P, non-expert numel per FSDP2 unit [root, block 0, ...], numel per MoE block's experts),
     read off the debug model's parameters (at W=1 a shard is the whole parameter)."""
     from mop_train.models import zoo
-    model = zoo.build_model("debug", device="meta")
-    n_layers = zoo.get_model_args("debug").n_layers
-    units, experts = [0] * (n_layers + 1), {}
+    model = zoo.build_model(_args(layers), device="meta")
+    units, experts = [0] * (layers + 1), {}
     for name, p in model.named_parameters():
         parts = name.split(".")
         if ".experts." in name:
@@ -81,8 +87,8 @@ def _structure():
     return total, len(list(model.parameters())), units, [experts[k] for k in sorted(experts)]
 
 
-def _expected(weights, gradients, window, extra, skipped, step):
-    total, n_params, units, experts = _structure()
+def _expected(weights, gradients, window, extra, skipped, layers, step):
+    total, n_params, units, experts = _structure(layers)
     shared = bool(extra)
     n_dev = round(0.25 * total) if shared else 0
     n_host = round(0.5 * (total - n_dev)) if shared else 0
@@ -112,13 +118,13 @@ def _expected(weights, gradients, window, extra, skipped, step):
 
 def test_logged_link_bytes_match_an_account_from_the_config(tmp_path):
     run_distributed(_worker, 1, str(tmp_path), timeout_s=900)
-    for name, (weights, gradients, window, extra, skipped) in CASES.items():
+    for name, (weights, gradients, window, extra, skipped, layers) in CASES.items():
         with open(tmp_path / name / "metrics.jsonl") as f:
             records = [json.loads(line) for line in f]
         assert [r["step"] for r in records] == [1, 2], name
         assert [r["skipped"] for r in records] == [r["step"] == skipped for r in records], name
         for r in records:
-            h2d, d2h = _expected(weights, gradients, window, extra, skipped, r["step"])
+            h2d, d2h = _expected(weights, gradients, window, extra, skipped, layers, r["step"])
             for source in h2d:
                 got = (r[f"offload_h2d_gib_{source}"] * GIB, r[f"offload_d2h_gib_{source}"] * GIB)
                 assert got == (h2d[source], d2h[source]), f"{name} step {r['step']} {source}: {got} bytes " \
