@@ -234,7 +234,7 @@ def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards:
     `validator` (mop_train.train.validate) scores the held-out batches at its steps, logged in the
     step's record (its time left out of tokens/s); `profiler` (mop_train.train.profiling) is told
     each step's end."""
-    steps, peak, sco = cfg.training.steps, peak_tflops(device), run.parts.sco
+    steps, peak, sco = cfg.training.steps, peak_tflops(device, cfg.mop.metrics.peak_tflops), run.parts.sco
     train_state, checkpointer, optimizers = run.train_state, run.checkpointer, run.optimizers
     micro_batches = run.micro_batches
     batches = iter(run.dataloader)        # draws its seed from the torch CPU generator
@@ -288,6 +288,7 @@ def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards:
                 tflops = flops_per_token * tokens_per_s / dist.get_world_size() / 1e12
                 values["tflops"] = tflops
                 values["mfu_pct"] = 100.0 * tflops / peak if peak else None
+                values["mfu_peak_tflops"] = peak
             if sco is not None:
                 values.update({f"sco_{k}": v for k, v in sco.last_step_stats().items()})
             values.update({f"moe_{k}": v for k, v in out["dispatch"].items()})

@@ -41,9 +41,13 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 """Dense bf16 peak TFLOP/s per device, matched against the CUDA device name."""
 
 
-def peak_tflops(device: torch.device) -> float | None:
+def peak_tflops(device: torch.device, configured: float = 0.0) -> float | None:
+    """MFU's denominator: `configured` ([mop.metrics] peak_tflops) when > 0, else the datasheet's
+    dense bf16 peak of the CUDA device by name; None (no MFU) on CPU or an unknown device."""
     if device.type != "cuda":
         return None
+    if configured > 0:
+        return float(configured)
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 

@@ -22,7 +22,7 @@ from torch.profiler import ProfilerAction
 from torchtitan.config.job_config import Profiling
 
 from mop_train.train.profiling import RunProfiler, profile_action
-from tests.train.cli import DEBUG_CONFIG, run_train
+from tests.train.cli import DEBUG_CONFIG, check_ok, run_train
 from tests.utils import fresh_seed
 
 
@@ -79,7 +79,7 @@ def test_training_cli_writes_a_trace_per_rank_and_refuses_a_cpu_snapshot(tmp_pat
     proc = run_train([*common, "--profiling.enable_profiling", "--profiling.profile_freq", "2",
                       "--profiling.profiler_warmup", "0", "--profiling.save_traces_folder", "traces"], nproc=2,
                      timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_ok(proc)
     assert sorted(os.listdir(os.path.join(folder, "traces"))) == ["iteration_2"]
     for rank in (0, 1):
         names = _events(os.path.join(folder, "traces", "iteration_2", f"rank{rank}_trace.json"))
