@@ -271,6 +271,8 @@ def format_line(r: dict) -> str:
         line += f"  opt {1e3 * r['optimizer_s']:.0f} ms"
     if r.get("optimizer_exposed_s") is not None:
         line += f" (exposed {1e3 * r['optimizer_exposed_s']:.0f} ms)"
+    if r.get("offload_h2d_gib") is not None:
+        line += f"  link h2d {r['offload_h2d_gib']:.2f} d2h {r['offload_d2h_gib']:.2f} GiB"
     if "sco_offloaded_layers" in r:
         line += (f"  sco {r['sco_offloaded_layers']} layers {r['sco_host_bytes'] / 2**30:.2f} GiB host "
                  f"wait {1e3 * r['sco_wait_s']:.1f} ms")

@@ -97,9 +97,10 @@ class WorkingWeights:
             wait = opt.wait_for_params
             units = [(g, self._unit_entries(g, padded)) for g in groups]
             root = roots[0]._get_fsdp_state()._fsdp_param_group if hasattr(roots[0], "_get_fsdp_state") else None
-            self.units = UnitWindow([u for u in units if u[1]], padded, window, dtype, opt.device, wait, root=root)
+            self.units = UnitWindow([u for u in units if u[1]], padded, window, dtype, opt.device, wait, root=root,
+                                    link=opt.link)
             self.shards = ShardWindow(blocks, self._index, self.views, window, dtype, opt.device, wait,
-                                      version=lambda: opt.weights_version)
+                                      version=lambda: opt.weights_version, link=opt.link)
 
     def _capacity(self, i: int, p) -> int:
         if not isinstance(p, DTensor):
