@@ -144,7 +144,7 @@ def _block_term(x: MemoryPlanInputs, tokens: int) -> tuple[int, int, str]:
     routed = dispatch_memory.device_bound(o.dispatch, dispatch_memory.RoutedShapes(
         tokens=tokens, hidden=a.dim, inter=a.moe_inter_dim, top_k=a.top_k, group_size=expert_degree,
         local_experts=a.num_experts // expert_degree, act_bytes=act))
-    return block_bound(a, tokens, act, o.tiling, routed)
+    return block_bound(a, tokens, act, o.tiling, routed, keep=o.keep_attention)
 
 
 def _loss_bound(x: MemoryPlanInputs, tokens: int) -> DeviceBound:
