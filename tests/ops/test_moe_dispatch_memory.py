@@ -25,8 +25,9 @@ def _shape(rng):
 
 
 def test_whole_layer_schedules_save_every_route():
-    """local / ep / llep: x_r, the expert output and the weighted output (3H), h1, h3, silu(h1) and
-    their product (4I) per route saved; the combine's gradient (H) per route in backward."""
+    """local / ep / llep: x_r and the expert output (2H; the combine keeps ids, not the weighted output),
+    h1, h3, silu(h1) and their product (4I) per route saved; the combine's gradient (H) per route in
+    backward."""
     rng = random.Random(fresh_seed(7310))
     for _ in range(10):
         s = _shape(rng)
@@ -34,7 +35,7 @@ def test_whole_layer_schedules_save_every_route():
         N = rng.randint(1, 5000)
         for options, name in ((None, "local"), (EPOptions(), "ep")):
             saved, transient, how = routed_activation_bytes(options, tokens=N, **s)
-            per_route_saved = H + H + H + I + I + I + I
+            per_route_saved = H + H + I + I + I + I
             assert (saved, transient) == (N * k * per_route_saved * b, N * k * H * b)
             assert how.startswith(f"{name}: {N * k:,} routes")
             # Only "ep" warns that hot experts can multiply its routes by E_p.
@@ -45,12 +46,12 @@ def test_whole_layer_schedules_save_every_route():
         saved, transient, how = routed_activation_bytes(options, tokens=N, **s)
         # A receiver holds at most max(alpha, threshold) x the mean (never more than the whole group), + m.
         routes = int(min(s["group_size"], max(alpha, threshold)) * N * k) + m
-        assert (saved, transient) == (routes * (3 * H + 4 * I) * b, routes * H * b)
+        assert (saved, transient) == (routes * (2 * H + 4 * I) * b, routes * H * b)
         assert how.startswith(f"llep: {routes:,} routes")
 
 
 def test_pipelined_llep_saves_rows_and_recomputes_one_chunk():
-    """Saved: every received row and every row the combine adds (2 N k H) and the per-route index
+    """Saved: every received row (N k H; the combine keeps ids, not rows) and the per-route index
     bookkeeping (ROUTE_INDEX_BYTES). Backward: one chunk's recompute, (2H + 7I) per route of the
     largest chunk a destination receives, plus one weight-sized (E_l I H) temporary."""
     rng = random.Random(fresh_seed(7311))
@@ -66,7 +67,7 @@ def test_pipelined_llep_saves_rows_and_recomputes_one_chunk():
         K = min(math.ceil(N / c), K_max)
         c_eff = math.ceil(N / K)                  # tokens per chunk
         chunk = min(G * k * c_eff, int(max(alpha, threshold) * k * c_eff) + m)
-        assert saved == N * k * (2 * H * b + ROUTE_INDEX_BYTES)
+        assert saved == N * k * (H * b + ROUTE_INDEX_BYTES)
         assert transient == (chunk * (2 * H + 7 * I) + E_l * I * H) * b
         assert f"K={K} chunks" in how and f"c_eff={c_eff:,}" in how
 
@@ -110,8 +111,8 @@ def _saved_by_layer(N, H, I, E, k, K, seed):
 
 def test_pipelined_llep_saved_bytes_are_what_autograd_packs():
     """The bound's `saved` against what autograd actually packs for a layer at group size one (bf16 rows,
-    fp32 routing weights), at two token counts: a factor off in the rows, the combine or the index
-    bookkeeping fails."""
+    fp32 routing weights), at two token counts: a factor off in the rows, the combine (ids only,
+    tests/ops/test_moe_dispatch_combine.py) or the index bookkeeping fails."""
     rng = random.Random(fresh_seed(7313))
     H, I, E, K = 8 * rng.randint(2, 8), 8 * rng.randint(1, 4), rng.randint(2, 8), rng.randint(2, 4)
     k = rng.randint(1, min(3, E))

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from mop_train.ops.moe_dispatch.combine import combine_rows
 from mop_train.ops.moe_dispatch.comm import all_to_all, exchange_counts, group_size, host_to_device
 from mop_train.ops.moe_dispatch.local import grouped_swiglu, local_experts_forward
 from mop_train.ops.moe_dispatch.stats import DispatchStats, record_stats
@@ -113,7 +114,7 @@ def ep_experts_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
     expert_fn = functools.partial(weighted_experts, w1=w1, w2=w2, w3=w3)
     out = exchange_and_compute(x[token], weights.reshape(-1)[order], send_splits, recv_counts,
                                expert_fn, group)                   # [R, H]
-    return torch.zeros_like(x).index_add(0, token, out)           # [N, H]
+    return combine_rows(torch.zeros_like(x), token, out)           # [N, H]; `out` not saved
 
 
 __all__ = ["ep_experts_forward", "exchange_and_compute", "inverse_permutation", "receive_order",

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from mop_train.ops.moe_dispatch.chunked_experts import (ChunkExperts, ExpertGradSum, GatherTokens,
                                                         TokenGradSum, TokenSource, in_backward,
                                                         slot_swiglu)
+from mop_train.ops.moe_dispatch.combine import combine_rows
 from mop_train.ops.moe_dispatch.comm import (AllToAllStart, AllToAllWait, Ticket, all_gather_counts,
                                              exchange_counts, group_rank, group_size, host_to_device,
                                              stands_for_identical_ranks)
@@ -253,7 +254,7 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
     def finish_combine(y, pending):
         ticket, bufs, c = pending
         (back,) = AllToAllWait.apply(ticket, *bufs)                          # [R_i, H]
-        return y.index_add_(0, c.ids // k, back)                          # in place: no [N, H] per chunk
+        return combine_rows(y, c.ids // k, back)          # in place: no [N, H] per chunk, `back` not saved
 
     y = torch.zeros_like(x)
     dispatch, combine = launch_dispatch(chunks[0]), None

@@ -3,16 +3,16 @@
 A route is one (token, expert) pair; a rank's experts receive R routes. What is alive while the
 layer runs backward:
   - "local", "ep", "llep": every received route's rows x_r [R, H], h1, h3, silu(h1), their product
-    [R, I], the expert output [R, H] (saved by the weighting) and the weighted output (saved by the
-    combine's index_add), so (3H + 4I) per route, plus the combine's gradient per route (H) while
-    the weighting runs backward.
+    [R, I] and the expert output [R, H] (saved by the weighting), so (2H + 4I) per route, plus the
+    combine's gradient per route (H) while the weighting runs backward. The combine (combine.py's
+    CombineRows) saves its token ids, not the weighted rows it adds (a plain index_add would: H more).
     R is N*k under balanced routing ("ep" can receive up to E_p * N * k routes when one rank's
     experts are hot; "llep" holds a receiver to max(alpha, imbalance_threshold) x the mean).
   - "pipelined_llep": each chunk saves its received rows (PipelinedLLEP recomputes the [R', I]
-    activations in its backward, chunked_experts.ChunkExperts) and the combine's `index_add_` saves the
-    rows it adds (autograd's IndexAddBackward0 keeps `source`, for `expand_as` alone: NaN under a
-    checkpoint's recompute, still [R, H] bytes), so 2 N*k*H over the layer, plus ROUTE_INDEX_BYTES
-    of index bookkeeping per route (counted by tests/ops/test_moe_dispatch_memory.py); the
+    activations in its backward, chunked_experts.ChunkExperts), so N*k*H over the layer, plus
+    ROUTE_INDEX_BYTES of index bookkeeping per route (counted by tests/ops/test_moe_dispatch_memory.py);
+    the combine saves its ids only (combine.CombineRows; autograd's IndexAddBackward0 of a plain
+    `index_add_` would keep the rows it adds, N*k*H more, for `expand_as` alone); the
     backward recomputes one chunk at a time: the token budget guarantees a destination at most
     `max_received_bound` (E_p * k * c_eff) routes of it, and LLEP's relocation holds it to
     max(alpha, threshold) x the mean k * c_eff (+ one GEMM's minimum), the figure planned here, with
@@ -70,21 +70,22 @@ def _routed_bytes(options: DispatchOptions | None, shapes: RoutedShapes) -> tupl
         if isinstance(options, LLEPOptions):
             routes = int(min(group_size, balance) * routes) + options.min_tokens_per_gemm
         # The combine's gradient gathered per route: H per route while the weighting runs backward.
-        saved, transient = routes * (3 * H + 4 * I), routes * H
+        saved, transient = routes * (2 * H + 4 * I), routes * H
         return (saved * act_bytes, transient * act_bytes,
-                f"{name}: {routes:,} routes x (3H + 4I) saved, H in backward"
+                f"{name}: {routes:,} routes x (2H + 4I) saved, H in backward"
                 + (" (balanced routing; up to E_p x with hot experts)" if name == "ep" else ""))
     K, c_eff = num_chunks(max(tokens, 1), options.token_budget, options.max_chunks)
     # The budget guarantees E_p * k * c_eff; LLEP's plan then holds a destination to max(alpha,
     # threshold) x the mean k * c_eff (one GEMM's worth of helper rows over it at most).
     guaranteed = max_received_bound(group_size, k, c_eff)
     chunk_routes = min(guaranteed, int(balance * k * c_eff) + options.min_tokens_per_gemm)
-    # Every chunk's received rows and the rows its combine adds, and their index bookkeeping.
-    saved = tokens * k * 2 * H * act_bytes + tokens * k * ROUTE_INDEX_BYTES
+    # Every chunk's received rows and their index bookkeeping (the combine keeps ids, not rows).
+    saved = tokens * k * H * act_bytes + tokens * k * ROUTE_INDEX_BYTES
     # One chunk in backward: its recomputed h1, h3, a, their grads and silu'(h1) (7I), the rows'
     # and output's grads (2H); one weight-sized temporary of the grouped dW (CUDA).
     transient = chunk_routes * (2 * H + 7 * I) + local_experts * I * H
     return (saved, transient * act_bytes,
-            f"pipelined_llep: 2 N*k*H rows (received + combined) + {ROUTE_INDEX_BYTES} B of indices per route over K={K} chunks, one chunk of {chunk_routes:,} routes "
+            f"pipelined_llep: N*k*H received rows + {ROUTE_INDEX_BYTES} B of indices per route over K={K} chunks, "
+            f"one chunk of {chunk_routes:,} routes "
             f"(LLEP-balanced; the budget alone guarantees E_p*k*c_eff = {guaranteed:,}, c_eff={c_eff:,}) "
             f"recomputed in backward + a dW temporary")
