@@ -10,7 +10,8 @@
 #   profile_2x4k       where ours-auto's step time goes at 2 x 4K (benchmarks/step_profile.py)
 #   gpu_tests          the wave's gpu-marked tests (profiling, streaming, core workspace, compile)
 #   variants_2x4k      issue 32 at 2 x 4K: every weights/gradients setting, link floor (train_variants.py)
-#   variants_long      issue 32 at SHAPE (default 1x524288): device/device against stream/stream, 2 steps each
+#   variants_long      issue 32 at SHAPE (default 1x524288), LONG_VARIANTS (default "all"), 2 steps each: a
+#                      524K step of `small` takes ~170 s, so one variant per call (then LONG_VARIANTS=all-stream)
 #   tiling_core        the attention core's bytes per token and backward workspace against the plan
 #   small_1m           `small` at 1M tokens, every operator + tiling (+ streaming), one step
 #   compile_2x4k       compile gain at 2 x 4K, ours and torchtitan (benchmarks/compile_gain.py)
@@ -32,8 +33,8 @@ TAIL=30 step gpu_tests 300 python3 -m pytest -q -m gpu tests/train/test_profilin
   -p no:cacheprovider
 TAIL=30 step variants_2x4k 560 python3 benchmarks/train_variants.py --variants ops-device all all-stream all-gstream \
   all-bf16 --base all --compute ops-device --steps 6 --warmup 2 --budget-s 540 --out "$OUT/variants_2x4k"
-TAIL=30 step variants_long 590 python3 benchmarks/train_variants.py --shape ${SHAPE:-1x524288} --variants all all-stream \
-  --base all --steps 2 --warmup 1 --point-timeout-s 290 --budget-s 580 --out "$OUT/variants_long"
+TAIL=30 step variants_long 590 python3 benchmarks/train_variants.py --shape ${SHAPE:-1x524288} \
+  --variants ${LONG_VARIANTS:-all} --base all --steps 2 --warmup 1 --point-timeout-s 575 --budget-s 580 --out "$OUT/variants_long"
 TAIL=30 step tiling_core 120 python3 benchmarks/tiling.py --phase core
 TAIL=30 step small_1m 590 torchrun --standalone --nproc_per_node=1 -m mop_train.train \
   --job.config_file configs/small_1gpu.toml --job.dump_folder /tmp/run_1m --training.steps 1 \
