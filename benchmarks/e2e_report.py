@@ -39,6 +39,21 @@ def model_flops(model: str, seq_len: int) -> float:
     return flops_per_token(zoo.get_model_args(model), seq_len, active_params=zoo.param_counts(model)["active"])
 
 
+H200_DATASHEET_TFLOPS = 989.0
+"""The H100/H200 SXM datasheet's dense bf16 peak (torchtitan's and our trainer's default MFU peak)."""
+LENT_H200_TFLOPS = 790.0
+"""What the lent H200 sustains on bf16 matrix work (the device README; issue 37's MFU peak)."""
+
+
+def mfu_peak_note(peak_tflops: float) -> str:
+    """Which peak the MFU column divides by, and how to read it against the datasheet's."""
+    if peak_tflops == H200_DATASHEET_TFLOPS:
+        return "the H200 datasheet's dense bf16 peak"
+    source = "the lent H200's bf16 matrix rate (library/device/README.md), " if peak_tflops == LENT_H200_TFLOPS else ""
+    return (f"{source}not the H200 datasheet's {H200_DATASHEET_TFLOPS:g}: x{peak_tflops / H200_DATASHEET_TFLOPS:.2f} "
+            f"gives MFU of the datasheet peak")
+
+
 def with_flops(point: dict, model: str, peak_tflops: float) -> dict:
     """The point with model_tflops (per GPU, common count) and mfu_pct when it completed."""
     if point.get("status") != "ok" or point.get("tokens_per_s") is None:
@@ -197,7 +212,8 @@ def format_points(points: list[dict], *, model: str, peak_tflops: float) -> str:
              str(p.get("mfu_pct", "-")), f"{p['peak_mem_gib']:.1f}" if p.get("peak_mem_gib") else "-",
              str(p.get("seconds", "-"))) for p in points]
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
-    lines = [f"{FLOP_NOTE}; MFU against {peak_tflops:g} TFLOP/s (bf16 dense) per GPU",
+    lines = [f"{FLOP_NOTE}; MFU against {peak_tflops:g} TFLOP/s (bf16 dense) per GPU"
+             f" ({mfu_peak_note(peak_tflops)})",
              "  ".join(c.rjust(w) for c, w in zip(cols, widths)), "-" * (sum(widths) + 2 * len(cols))]
     return "\n".join(lines + ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows])
 

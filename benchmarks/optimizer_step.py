@@ -84,31 +84,56 @@ def make_working(total, piece, device):
 
 def link_floor(total, device, chunk, repeats):
     """Seconds to move 12 B/param host->device and device->host concurrently (best of repeats)."""
+    return concurrent_copies(12 * total, device, chunk, repeats)[0]
+
+
+def concurrent_copies(nbytes, device, chunk, repeats):
+    """`nbytes` host->device and `nbytes` device->host at once, one stream per direction, in copies of
+    `chunk` bytes between pinned host buffers and device buffers: best-of-repeats seconds of
+    (both directions, wall clock; the host->device stream's own span; the device->host stream's),
+    the spans timed by CUDA events on each stream (on CPU: the wall clock for all three)."""
     pin = device.type == "cuda"
     host_src = torch.empty(chunk, dtype=torch.uint8, pin_memory=pin).fill_(1)
     host_dst = torch.empty(chunk, dtype=torch.uint8, pin_memory=pin)
     dev_dst = torch.empty(chunk, dtype=torch.uint8, device=device)
     dev_src = torch.empty(chunk, dtype=torch.uint8, device=device).fill_(2)
     streams = [torch.cuda.Stream(device) for _ in range(2)] if pin else [None, None]
-    nbytes = 12 * total
 
     def move():
+        spans = []
         for stream, dst, src in ((streams[0], dev_dst, host_src), (streams[1], host_dst, dev_src)):
             ctx = torch.cuda.stream(stream) if stream is not None else _Null()
             with ctx:
-                for start in range(0, nbytes, chunk):
-                    n = min(chunk, nbytes - start)
+                start = torch.cuda.Event(enable_timing=True) if pin else None
+                if pin:
+                    start.record()
+                for offset in range(0, nbytes, chunk):
+                    n = min(chunk, nbytes - offset)
                     dst[:n].copy_(src[:n], non_blocking=True)
+                end = torch.cuda.Event(enable_timing=True) if pin else None
+                if pin:
+                    end.record()
+                spans.append((start, end))
+        return spans
 
-    best = float("inf")
+    best = [float("inf")] * 3
     move()
     for _ in range(repeats):
         sync(device)
         t0 = time.perf_counter()
-        move()
+        spans = move()
         sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
+        wall = time.perf_counter() - t0
+        each = [s.elapsed_time(e) / 1e3 if pin else wall for s, e in spans]
+        best = [min(b, t) for b, t in zip(best, [wall, *each])]
+    return tuple(best)
+
+
+def link_bandwidth(device, nbytes=8 * 2**30, chunk=256 * 2**20, repeats=3):
+    """(host->device, device->host) bytes/s of pinned copies with both directions in flight at once
+    (`concurrent_copies`), the figures a step's link floor is computed from."""
+    _, up, down = concurrent_copies(nbytes, device, chunk, repeats)
+    return nbytes / up, nbytes / down
 
 
 class _Null:

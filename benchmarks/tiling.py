@@ -3,9 +3,11 @@
 Phases (one per command; each fits a 600 s device command at the sizes below):
   core   the attention core alone at `small`'s per-rank shape at D = 1 (MLA, h = 16, d_qk = 192, d_v = 128,
          bf16, causal), as the block calls it (plain, and keep's explicit kernels): bytes per token it adds in
-         forward (its output, log-sum-exp, anything else it saves) and beyond that in backward (dq, dk, dv and
-         kernel workspace; the output's gradient is an input here), against the plan's per-token figures
-         (models.memory.core_saved_bytes / core_gradient_bytes). These are what stay whole under tiling.
+         forward (its output, log-sum-exp, anything else it saves) and the peak beyond that in backward (dq, dk,
+         dv and the backward kernel's workspace; q, k, v and the output's gradient are inputs here), against the
+         plan's per-token figures: out + lse (part of models.memory.core_saved_bytes) and dq + dk + dv +
+         models.memory.core_workspace_bytes (cuDNN's fp32 dQ accumulator and row sums) = plan_backward.
+         These are what stay whole under tiling.
   block  one `small` block (the dense-FFN block 0 and the MoE block 1, local experts) under activation
          checkpointing at --seq-len: peak memory of forward + backward beyond its input and weights, and
          its time, untiled / FFN tiled / attention stages tiled / both (tiles "auto"), against the plan's
@@ -40,7 +42,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mop_train.models import zoo  # noqa: E402
 from mop_train.models.attention import ScaledDotProductAttention, rope_cos_sin, rope_inv_freq  # noqa: E402
-from mop_train.models.memory import core_gradient_bytes, core_saved_bytes, tiling_options  # noqa: E402
+from mop_train.models.attention_backends import sdpa_choice  # noqa: E402
+from mop_train.models.memory import (core_gradient_bytes, core_saved_bytes, core_workspace_bytes,  # noqa: E402
+                                     kept_core_bytes, tiling_options)
 from mop_train.models.model import TransformerBlock, tile_blocks  # noqa: E402
 from mop_train.ops.moe_dispatch.memory import RoutedShapes, device_bound  # noqa: E402
 from mop_train.ops.sco.reference import checkpointed  # noqa: E402
@@ -111,9 +115,16 @@ def phase_core(args, device, meter: Meter) -> list[dict]:
             saved = None if before is None else after_forward - before
             backward = None if peak is None else peak - after_forward
             row = {"S": S, "method": "keep (explicit kernels)" if keep else "plain (as the block calls it)",
+                   "backend": sdpa_choice(*(t.detach().transpose(1, 2) for t in (q, k, v))),
                    "forward_B_per_token": _per_token(saved, S), "backward_B_per_token": _per_token(backward, S),
                    "seconds": round(seconds, 4)}
             if not args.smoke:
+                grads = (2 * h * d_qk + h * d_v) * 2                      # dq, dk, dv (bf16)
+                planned = grads + core_workspace_bytes(model_args, S) / S
+                row["plan_forward_B_per_token"] = kept_core_bytes(model_args, 1, 2)
+                row["plan_backward_B_per_token"] = round(planned)
+                row["plan_workspace_B_per_token"] = round(core_workspace_bytes(model_args, S) / S)
+                row["backward_vs_plan"] = None if backward is None else round(backward / S / planned, 3)
                 row["plan_core_saved_B_per_token"] = core_saved_bytes(model_args, 1, 2)
                 row["plan_core_grads_B_per_token"] = core_gradient_bytes(model_args, 1, 2)
                 row["inputs_B_per_token"] = (2 * h * d_qk + h * d_v) * 2

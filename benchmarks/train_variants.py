@@ -1,11 +1,24 @@
 """`small` trained a few steps under several option sets, side by side in one run on one machine:
 tokens/s (median of the logged steps after the warm-up), step time, exposed optimizer time, peak
-memory, the plan's device total and the loss of the last step.
+memory, the plan's device total and the loss of the last step; with OffloadStreamAdamW on CUDA also
+the step's host-link floor.
 
     python benchmarks/train_variants.py --variants plain streamed streamed-overlap auto-overlap all-auto \
         --steps 8 --warmup 3 --out $OUT        # one H200: issue 20's goals at B=2 x 4K
-    python benchmarks/train_variants.py --variants all all-bf16 all-gstream all-bf16-gstream all-stream \
-        --base all --steps 6 --warmup 2 --out $OUT   # issue 32: weights / gradients at B=2 x 4K (bitwise column)
+    python benchmarks/train_variants.py --variants ops-device all all-bf16 all-gstream all-stream \
+        --base all --compute ops-device --steps 6 --warmup 2 --out $OUT   # issue 32 at B=2 x 4K
+
+Link floor (issue 32's 2 x 4K goal). Before the first variant of a CUDA run, a child process measures
+pinned host<->device bandwidth with both directions in flight at once (bw_h2d, bw_d2h:
+optimizer_step.link_bandwidth, 8 GiB each way). Per variant, from its metrics.jsonl (medians over the
+timed steps): the bytes the step moves over the link, h2d = offload_h2d_gib + M x sco_host_bytes and
+d2h = offload_d2h_gib + M x sco_host_bytes (OffloadStreamAdamW's own account of its step, weight
+windows and streamed gradients, mop_train/ops/offload_adamw/link.py; SCO's boundaries go down in the
+forward and up in backward, M micro-batches); `floor s` = max(h2d / bw_h2d, d2h / bw_d2h); `x floor`
+= step s / max(compute s, floor s), where compute s is the step s of the `--compute` variant (default
+plain; `ops-device` is every operator with AdamW on the device and no SCO, so nothing crosses the
+link: the compute-only step of the `all*` variants). Not counted: the input tokens and the loop's
+scalars. Without CUDA or without those fields the floor columns read "-".
 
 A variant is a list of overrides of configs/small_1gpu.toml (or --config; see VARIANTS); every run is a plain
 `torchrun -m mop_train.train`, so this measures what users run.
@@ -17,6 +30,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -32,6 +46,8 @@ VARIANTS = {
     "auto": [*OFFLOAD, "--mop.offload_adamw.device_fraction", "auto"],
     "auto-overlap": [*OFFLOAD, "--mop.offload_adamw.device_fraction", "auto", "--mop.offload_adamw.overlap"],
     "all": ALL_OPS,
+    # the compute of "all" with nothing on the host link: AdamW on the device, no SCO
+    "ops-device": ["--mop.moe.dispatch", "pipelined_llep", "--mop.ring_dtp.enable"],
     "all-auto": [*ALL_OPS, "--mop.offload_adamw.device_fraction", "auto", "--mop.offload_adamw.overlap"],
     "accum4-plain": ["--training.global_batch_size", "8"],
     "accum4-streamed": ["--training.global_batch_size", "8", *OFFLOAD],
@@ -52,6 +68,7 @@ def run_variant(name: str, overrides: list[str], *, config: str, nproc: int, ste
     row = {"variant": name, "overrides": overrides, "rc": rc, "wall_s": run["wall_s"],
            "steps_logged": len(records), "command": run["command"]}
     row["losses"] = [r["loss"] for r in records]
+    row["link_bytes"] = _link_bytes(timed)
     if timed:
         tps = statistics.median(r["tokens_per_s"] for r in timed)
         exposed = [r["optimizer_exposed_s"] for r in timed if r.get("optimizer_exposed_s") is not None]
@@ -63,12 +80,50 @@ def run_variant(name: str, overrides: list[str], *, config: str, nproc: int, ste
     return row
 
 
-def table(rows: list[dict], base_name: str = "plain") -> str:
+def _link_bytes(timed: list[dict]) -> dict | None:
+    """Median bytes (h2d, d2h) a timed step moves over the host link (module docstring), or None."""
+    if not timed or any(r.get("offload_h2d_gib") is None for r in timed):
+        return None
+    sco = [r.get("sco_host_bytes", 0) * r.get("micro_batches", 1) for r in timed]
+    return {"h2d": statistics.median(r["offload_h2d_gib"] * 2**30 + b for r, b in zip(timed, sco)),
+            "d2h": statistics.median(r["offload_d2h_gib"] * 2**30 + b for r, b in zip(timed, sco)),
+            "sco": statistics.median(sco)}
+
+
+def measure_link(out: str) -> dict | None:
+    """Pinned host<->device bytes/s, both directions at once ({"h2d", "d2h"}), measured in a child
+    process (this one stays off the GPU); None without CUDA."""
+    code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import torch\n"
+            "if not torch.cuda.is_available(): print(json.dumps(None)); raise SystemExit\n"
+            "from optimizer_step import link_bandwidth\n"
+            "up, down = link_bandwidth(torch.device('cuda'))\n"
+            "print(json.dumps({'h2d': up, 'd2h': down, 'device': torch.cuda.get_device_name()}))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    with open(os.path.join(out, "link_bandwidth.log"), "w") as log:
+        log.write(done.stdout + done.stderr)
+    if done.returncode != 0:
+        print(f"link bandwidth not measured (rc {done.returncode}): {done.stderr.strip()[-300:]}", flush=True)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def link_floor_s(row: dict, link: dict | None) -> float | None:
+    """max(h2d / bw_h2d, d2h / bw_d2h) of the row's step, or None."""
+    moved = row.get("link_bytes")
+    if link is None or moved is None:
+        return None
+    return max(moved["h2d"] / link["h2d"], moved["d2h"] / link["d2h"])
+
+
+def table(rows: list[dict], base_name: str = "plain", compute_name: str = "plain", link: dict | None = None) -> str:
     """One line per variant; `x base` and `bitwise` (every logged loss equal to the base's, bit for
-    bit) against the variant `base_name`; `plan P+G` is the plan's parameters + gradients lines."""
+    bit) against the variant `base_name`; `plan P+G` is the plan's parameters + gradients lines;
+    `floor s` and `x floor` (step s / max(step s of `compute_name`, floor s)) as the module docstring says."""
     base = next((r for r in rows if r["variant"] == base_name and r.get("step_s")), None)
+    compute = next((r for r in rows if r["variant"] == compute_name and r.get("step_s")), None)
     lines = [f"{'variant':<18} {'rc':>4} {'tok/s':>9} {'step s':>7} {'x ' + base_name:>9} {'opt s':>6} {'exposed':>8} "
-             f"{'peak GiB':>9} {'plan GiB':>9} {'plan P+G':>9} {'loss':>8} {'bitwise':>8}"]
+             f"{'peak GiB':>9} {'plan GiB':>9} {'plan P+G':>9} {'loss':>8} {'bitwise':>8} {'h2d GiB':>8} "
+             f"{'d2h GiB':>8} {'floor s':>8} {'x floor':>8}"]
     for r in rows:
         if not r.get("step_s"):
             lines.append(f"{r['variant']:<18} {r['rc']!s:>4}  (no timed steps)")
@@ -80,8 +135,18 @@ def table(rows: list[dict], base_name: str = "plain") -> str:
         lines.append(f"{r['variant']:<18} {r['rc']!s:>4} {r['tokens_per_s']:>9,.0f} {r['step_s']:>7.3f} {rel:>9} "
                      f"{f(r['optimizer_s']):>6} {f(r['optimizer_exposed_s']):>8} {r['peak_gib']:>9.2f} "
                      f"{r['planned']['device_gib']:>9.2f} {terms['parameters'] + terms['gradients']:>9.2f} "
-                     f"{r['last_loss']:>8.4f} {same:>8}")
+                     f"{r['last_loss']:>8.4f} {same:>8} {_floor_columns(r, compute, link)}")
+    if link is not None:
+        lines.append(f"link: {link['h2d'] / 1e9:.1f} GB/s host->device and {link['d2h'] / 1e9:.1f} GB/s device->host "
+                     f"at once (pinned); x floor = step s / max(step s of {compute_name!r}, floor s)")
     return "\n".join(lines)
+
+
+def _floor_columns(r: dict, compute: dict | None, link: dict | None) -> str:
+    moved, floor = r.get("link_bytes"), link_floor_s(r, link)
+    gib = (lambda key: "-" if moved is None else f"{moved[key] / 2**30:.2f}")
+    x = "-" if floor is None or compute is None else f"{r['step_s'] / max(compute['step_s'], floor):.3f}"
+    return f"{gib('h2d'):>8} {gib('d2h'):>8} {'-' if floor is None else f'{floor:.3f}':>8} {x:>8}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=540)
     ap.add_argument("--out", default=os.environ.get("OUT", "train_variants_out"))
     ap.add_argument("--base", default="plain", help="the variant the x-column and the bitwise check compare with")
+    ap.add_argument("--compute", default="plain", choices=sorted(VARIANTS), help="the variant whose step is the compute-only step of `x floor`")
     a = ap.parse_args(argv)
     if a.warmup >= a.steps:
         ap.error(f"--warmup ({a.warmup}) must be below --steps ({a.steps}) to leave timed steps")
@@ -104,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     shape = ["--training.local_batch_size", str(batch), "--training.seq_len", str(seq)]
     os.makedirs(a.out, exist_ok=True)
     rows, start = [], time.perf_counter()
+    link = measure_link(a.out)
+    if link is not None:
+        print(f"link: {link['h2d'] / 1e9:.1f} GB/s h2d, {link['d2h'] / 1e9:.1f} GB/s d2h at once", flush=True)
     for name in a.variants:
         left = a.budget_s - (time.perf_counter() - start)
         if left < 30:
@@ -113,11 +182,13 @@ def main(argv: list[str] | None = None) -> int:
         row = run_variant(name, overrides, config=a.config, nproc=a.nproc, steps=a.steps, warmup=a.warmup,
                           timeout_s=min(a.point_timeout_s, left), out=a.out)
         row["planned"] = planned_gib(overrides, a.nproc, 128 * 2**30, config=a.config)
+        row["floor_s"] = link_floor_s(row, link)
         rows.append(row)
         print(f"{name}: rc={row['rc']} {row.get('tokens_per_s', 0):,.0f} tok/s in {row['wall_s']:.0f}s", flush=True)
     with open(os.path.join(a.out, "train_variants.json"), "w") as f:
-        json.dump({"rows": rows, "argv": sys.argv, "shape": a.shape, "date": time.strftime("%Y-%m-%d")}, f, indent=1)
-    print(table(rows, a.base))
+        json.dump({"rows": rows, "argv": sys.argv, "shape": a.shape, "date": time.strftime("%Y-%m-%d"),
+                   "link_bandwidth": link, "compute": a.compute}, f, indent=1)
+    print(table(rows, a.base, a.compute, link))
     return 0
 
 

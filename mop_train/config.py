@@ -204,6 +204,14 @@ class Reliability:
 
 
 @dataclass
+class Metrics:
+    peak_tflops: float = 0.0
+    """MFU's denominator, bf16 dense TFLOP/s per GPU: 0 takes the device's datasheet value
+    (mop_train.train.metrics.PEAK_BF16_TFLOPS: H100/H200 989, A100 312; none on CPU). Set it to what
+    your GPUs really sustain (a power-capped or NVL part runs lower: our lent H200 does ~790)."""
+
+
+@dataclass
 class Mop:
     layout: Layout = field(default_factory=Layout)
     reliability: Reliability = field(default_factory=Reliability)
@@ -214,6 +222,7 @@ class Mop:
     offload_adamw: OffloadAdamW = field(default_factory=OffloadAdamW)
     attention: Attention = field(default_factory=Attention)
     tiling: Tiling = field(default_factory=Tiling)
+    metrics: Metrics = field(default_factory=Metrics)
 
 
 @dataclass
@@ -476,6 +485,10 @@ def validate(cfg, *, source: str = "config") -> None:
     for name in ("seq_degree", "expert_degree", "vocab_degree"):
         v = getattr(lay, name)
         _require(v >= 1, f"{source}: mop.layout.{name} = {v} must be >= 1 (1 turns that split off)")
+    peak = mop.metrics.peak_tflops
+    _require(not isinstance(peak, bool) and peak >= 0,
+             f"{source}: mop.metrics.peak_tflops = {peak!r} must be >= 0 (bf16 dense TFLOP/s per GPU; "
+             f"0 = the device's datasheet value)")
     try:  # PipelinedLLEP's options hold every dispatch setting: each is checked whichever schedule runs
         dispatch_options("pipelined_llep", moe)
     except ValueError as err:

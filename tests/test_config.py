@@ -1,6 +1,7 @@
 """TOML + CLI parsing of the merged JobConfig and every bad-input case."""
 
 import pytest
+import torch
 
 from mop_train.config import load_job_config
 from mop_train.units import parse_bytes
@@ -105,6 +106,7 @@ UNHONOURED = [
     ("[quantize.linear.float8]\nenable_fsdp_float8_all_gather = true\n", ["quantize.linear", "no key of [quantize]"]),
     ("[job]\ncustom_config_module = \"os\"\n", ["job.custom_config_module", "not accepted"]),
     ("[mop.reliability]\nmax_consecutive_skips = 0\n", ["mop.reliability.max_consecutive_skips = 0", ">= 1"]),
+    ("[mop.metrics]\npeak_tflops = -790.0\n", ["mop.metrics.peak_tflops = -790.0", ">= 0", "datasheet"]),
 ]
 
 
@@ -147,3 +149,16 @@ def test_initial_load_in_hf_is_honoured_and_checked(tmp_path):
                           "checkpoint.initial_load_in_hf_quantized")):
         with pytest.raises(ValueError, match=needle):
             load_job_config(argv)
+
+
+def test_mfu_peak_is_the_configured_one_else_the_datasheet(tmp_path, monkeypatch):
+    from mop_train.train.metrics import PEAK_BF16_TFLOPS, peak_tflops
+    path = _write(tmp_path, "[mop.metrics]\npeak_tflops = 790.0\n")
+    assert load_job_config(["--job.config_file", path]).mop.metrics.peak_tflops == 790.0
+    assert load_job_config([]).mop.metrics.peak_tflops == 0.0
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert peak_tflops(cuda) == PEAK_BF16_TFLOPS["H200"] and peak_tflops(cuda, 790.0) == 790.0
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    assert peak_tflops(cuda) is None and peak_tflops(cuda, 1234.5) == 1234.5
+    assert peak_tflops(torch.device("cpu"), 790.0) is None  # no MFU without a GPU

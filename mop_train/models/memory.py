@@ -86,10 +86,57 @@ def core_saved_bytes(args: MoEModelArgs, positions: int, act_bytes: int) -> int:
 
 
 def core_gradient_bytes(args: MoEModelArgs, positions: int, act_bytes: int) -> int:
-    """The core's backward beside what it saved: the output's gradient and dq, dk, dv (kernel
-    workspace not included: benchmarks/tiling.py measures it on the GPU)."""
+    """The core's backward beside what it saved: the output's gradient and dq, dk, dv (the kernel's
+    workspace: core_workspace_bytes; benchmarks/tiling.py --phase core measures both on the GPU)."""
     h, h_kv, d_qk, d_v = _head_widths(args)
     return positions * (h * d_v + h * d_qk + h_kv * d_qk + h_kv * d_v) * act_bytes
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def core_workspace_bytes(args: MoEModelArgs, positions: int, act_bytes: int = 2, batch: int = 1) -> int:
+    """Bytes the core's backward kernel allocates on CUDA beyond q, k, v, out, lse, the output's gradient
+    and dq, dk, dv: the larger of the kernels F.scaled_dot_product_attention runs on Hopper for this shape
+    (measured on H200: cuDNN for MLA, d_qk != d_v; FlashAttention-2 also when d_qk == d_v). Freed when the
+    kernel returns. Per query position p of h heads:
+
+      cudnn  cudnn-frontend's CompositeSDPABackwardNode (include/cudnn_frontend/node/
+             scaled_dot_product_flash_attention.h, get_fe_workspace_size_node): from cuDNN 9.0 on (no dBias,
+             not deterministic) the dP workspace is off, so dQ accumulates in an fp32 workspace tensor
+             dQ_accum [b, h, s_q, d_qk] and softmax_sum = rowsum(dO * O) is fp32 [b, h, s_q]:
+             4 h (d_qk + 1); torch's run_cudnn_SDP_bprop (aten/src/ATen/native/cudnn/MHA.cpp) allocates
+             mha_graph->get_workspace_size() from the caching allocator (the engine's own share, not
+             modelled, is small). With h_kv < h our explicit path (attention_backends._repeat_kv) also
+             holds k, v repeated to h heads and dk, dv of h heads: 2 (h (d_qk + d_v) - h_kv (d_qk + d_v)) +
+             h (d_qk + d_v) more, in the activation dtype, i.e. 3 h - 2 h_kv head widths.
+      flash  FlashAttention-2's mha_bwd (flash_api.cpp, as vendored in aten/src/ATen/native/transformers/
+             cuda/flash_attn): dq_accum fp32 [b, s_q rounded to 128, h, d rounded (to 32 up to 192, else
+             256)] and softmax_d fp32 [b, h, s_q rounded]; with h_kv < h, dk_expanded and dv_expanded
+             [b, s_k, h, d] in the activation dtype.
+    `positions` = batch x S/D query positions (Ulysses: S positions of h/D heads, the same count)."""
+    h, h_kv, d_qk, d_v = _head_widths(args)
+    act = act_bytes
+    cudnn = positions * FP32_BYTES * h * (d_qk + 1)
+    if h_kv < h:
+        cudnn += positions * act * (3 * h - 2 * h_kv) * (d_qk + d_v)
+    if d_qk != d_v:
+        return cudnn
+    per_sequence = positions // max(batch, 1)
+    rounded = max(batch, 1) * _round_up(per_sequence, 128)
+    d_round = _round_up(d_qk, 32) if d_qk <= 192 else 256
+    flash = rounded * FP32_BYTES * h * (d_round + 1)
+    if h_kv < h:
+        flash += positions * act * h * (d_qk + d_v)
+    return max(cudnn, flash)
+
+
+def kept_core_bytes(args: MoEModelArgs, positions: int, act_bytes: int) -> int:
+    """The core's output and fp32 log-sum-exp: what [mop.attention] keep holds for every layer (its own
+    plan line), so a block's saved set does not count them again."""
+    h, _, _, d_v = _head_widths(args)
+    return positions * h * (d_v * act_bytes + FP32_BYTES)
 
 
 def projection_elements(args: MoEModelArgs) -> int:
@@ -129,13 +176,15 @@ def attention_stage_weights(args: MoEModelArgs) -> list[int]:
 
 
 def tiled_attention_phase_bytes(args: MoEModelArgs, positions: int, tile: int, act_bytes: int) -> int:
-    """The attention half of a block-tiled block in backward: the core whole (saved + gradients),
-    then the input stage's backward (its input gradient [N, H], one tile, its weight gradients)."""
+    """The attention half of a block-tiled block in backward: the core whole (saved + gradients), and
+    the larger of the core kernel's workspace (core_workspace_bytes, while the kernel runs) and the
+    input stage's backward that follows it (its input gradient [N, H], one tile, its weight gradients)."""
     h, _, _, d_v = _head_widths(args)
     stage = stage_working_bytes(positions, tile, in_elements=args.dim, tile_elements=0, weight_elements=
                                 attention_stage_weights(args), act_bytes=act_bytes)
     stage += largest_tile(positions, tile) * attention_stage_token_bytes(args, act_bytes)
-    return core_saved_bytes(args, positions, act_bytes) + core_gradient_bytes(args, positions, act_bytes) + stage
+    return (core_saved_bytes(args, positions, act_bytes) + core_gradient_bytes(args, positions, act_bytes)
+            + max(stage, core_workspace_bytes(args, positions, act_bytes)))
 
 
 def tiling_options(section, args: MoEModelArgs, *, tokens: int, act_bytes: int) -> TilingOptions:

@@ -8,7 +8,8 @@
 A configuration (settings.Settings) is the degrees (D, E_p, P), the dispatch and PipelinedLLEP's
 token budget c, Ring-DTP on or off, activation checkpointing (full or none) -- its *structure* -- and
 two *knobs*: SCO's host budget (0 .. every checkpointed boundary, in quarters) and the optimizer
-(AdamW on the device, or OffloadStreamAdamW keeping 3/4 .. none of its state on the device). Memory
+(AdamW on the device, or OffloadStreamAdamW keeping 3/4 .. none of its state on the device, with bf16
+working weights at share 0 or weights and gradients streamed beside each share: settings.optimizer_levels). Memory
 comes from the job's own plan (`plan_for_config`'s terms, with the meta model kept per flavor:
 settings.fast_plan); speed from the ranking model of mop_train.plan.cost_model.
 
@@ -45,7 +46,7 @@ from mop_train.plan.cost_model import StepInputs, StepPrediction, format_predict
 from mop_train.plan.job import plan_for_config
 from mop_train.plan.report import plan_job
 from mop_train.plan.settings import (SEARCHED_KEYS, Evaluation, Settings, configure, fast_plan, fixed_keys,
-                                    flavor_model, optimizer_levels)
+                                    flavor_model, keeps_no_less, optimizer_levels)
 from mop_train.plan.terms import GIB
 from mop_train.units import parse_device_fraction
 
@@ -313,17 +314,19 @@ class AutoPlanner:
 
     def best_knobs(self, s: Settings) -> tuple[Evaluation | None, list[Evaluation]]:
         """The fastest knobs of structure `s` that fit, and the faster ones planned not to fit. Skips
-        what a failure rules out: a device failure, any knobs with less SCO and no less optimizer
-        state on the device; a host failure, more SCO and no more state on the device (AdamW on the
-        device pins none; OffloadStreamAdamW's levels keep less on the device as j grows)."""
+        what a failure rules out: a device failure, any knobs with less SCO and an optimizer level that
+        keeps no less on the device; a host failure, more SCO and a level that pins no less on the host
+        (AdamW on the device pins none; among OffloadStreamAdamW's levels: settings.keeps_no_less)."""
         grid = self.knobs(s)
+        levels = [(r[0].optimizer, r[0].device_fraction, r[0].weights, r[0].gradients) for r in grid]
         offloads = [row[0].offloads_optimizer for row in grid]
         order = sorted(((j, i) for j in range(len(grid)) for i in range(len(grid[j]))),
                        key=lambda ji: -self.predict(grid[ji[0]][ji[1]]).tokens_per_s)
 
         def ruled_out(j: int, i: int, fails: list, sign: int) -> bool:
             for fj, fi in fails:
-                same_side = (j == fj) if not offloads[fj] else (offloads[j] and sign * (j - fj) <= 0)
+                same_side = (j == fj) if not offloads[fj] else (
+                    keeps_no_less(levels[j], levels[fj]) if sign > 0 else keeps_no_less(levels[fj], levels[j]))
                 if sign * (i - fi) <= 0 and (same_side or (sign < 0 and not offloads[fj] and offloads[j])):
                     return True
             return False

@@ -21,6 +21,9 @@ used for every width. A term is one cost per step, per rank (every rank does the
   ring_dtp    Ring-DTP's extra GEMM pass over the standard loss (and its hops when P spans nodes)
   sco         the share of SCO's boundary traffic the prefetch does not hide
   optimizer   AdamW on the device, or OffloadStreamAdamW: the host link or host memory, whichever binds
+              (with weights / gradients streamed, every element's gradient in and working copy out too)
+  streams     weights / gradients = "stream": the working weights in per gather, the gradients out, exposed
+              beyond the compute (an assumption: not measured yet)
 
 Not modelled: LLEP's relocation under skewed routing (zero at balanced routing, what the router's
 bias balancing aims for), the CPU share of OffloadStreamAdamW (host_fraction), overlap of the
@@ -161,11 +164,11 @@ class StepInputs:
     """Boundary bytes SCO offloads per micro-batch on this rank."""
     offload_optimizer: bool = False
     device_fraction: float = 0.0
+    """OffloadStreamAdamW's share of the state kept and updated on the device."""
     stream_weights: bool = False
     """[mop.offload_adamw] weights = "stream": each block's working weights copied in per gather."""
     stream_gradients: bool = False
     """[mop.offload_adamw] gradients = "stream": each gradient copied out as it is final."""
-    """OffloadStreamAdamW's share of the state kept and updated on the device."""
     act_bytes: int = 2
 
 
@@ -201,9 +204,12 @@ def _optimizer_term(x: StepInputs) -> tuple[float, str]:
         return x.local_params * DEVICE_ADAMW_S_PER_PARAM, "fused AdamW on the device"
     streamed = x.local_params - round(x.device_fraction * x.local_params)
     sharing = min(x.ranks_per_node, x.world)
-    # 12 B each way per streamed element; + 4 B in (its gradient, from the host) or + 2 B out (the
-    # working copy written to the host), whichever direction that makes the longer
-    link = streamed * OFFLOAD_S_PER_PARAM * max(12 + 4 * x.stream_gradients, 12 + 2 * x.stream_weights) / 12
+    # 12 B each way per streamed element; with streaming, every local element's gradient comes in from
+    # the host (4 B) and its working copy goes out to it (act B), the device share's too (its state is
+    # resident, its gradient and working weight are not): whichever direction that makes the longer
+    inward = 12 * streamed + 4 * x.local_params * x.stream_gradients
+    outward = 12 * streamed + x.act_bytes * x.local_params * x.stream_weights
+    link = max(inward, outward) * OFFLOAD_S_PER_PARAM / 12
     host = sharing * streamed * HOST_BYTES_PER_PARAM / HOST_MEMORY_BYTES_PER_S
     on_device = (x.local_params - streamed) * DEVICE_ADAMW_S_PER_PARAM
     bound = "host link" if link >= host else f"host memory shared by {sharing} ranks"

@@ -15,7 +15,7 @@ its own bound (mop_train.ops.bound), the model's lines what its modules save (mo
 from __future__ import annotations
 
 from mop_train.plan.job import plan_for_config
-from mop_train.plan.terms import GIB, format_plan
+from mop_train.plan.terms import GIB, format_plan, host_memory_fix
 
 
 def plan_job(cfg, *, world: int, ranks_per_node: int, gpu_bytes: int | None, host_bytes: int | None) -> tuple[str, bool]:
@@ -38,5 +38,6 @@ def plan_job(cfg, *, world: int, ranks_per_node: int, gpu_bytes: int | None, hos
         ok = need <= host_bytes
         fits &= ok
         lines.append(f"host: {ranks_per_node} ranks x {need / ranks_per_node / GIB:.1f} GiB = {need / GIB:.1f} GiB of "
-                     f"{host_bytes / GIB:.1f} GiB per node: " + ("fits" if ok else "DOES NOT FIT"))
+                     f"{host_bytes / GIB:.1f} GiB per node: " + ("fits" if ok else "DOES NOT FIT: " + host_memory_fix(
+                         plan.host_terms, local_ranks=ranks_per_node, available_bytes=host_bytes)))
     return "\n".join(lines), fits

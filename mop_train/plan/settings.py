@@ -153,8 +153,11 @@ DEVICE_FRACTIONS = ("0.75", "0.5", "0.25", "0")
 def optimizer_levels(base, fixed: set[str]) -> list[tuple[str, str, str, str]]:
     """(optimizer.name, device_fraction, weights, gradients), fastest first; the last leaves the least
     on the device. After OffloadStreamAdamW's device shares come bf16 working weights (under bf16
-    compute: no traffic) and then weights and gradients both streamed, each keeping less on the
-    device and pinning more on the host than the one before (other mixes are left to the user)."""
+    compute: no traffic) and then weights and gradients both streamed beside each device share: the
+    two compose (a share keeps its state resident while every block's weights and gradients stream), and
+    the share that fits beside the streams is the fastest of them (with a CPU share, host_fraction > 0,
+    the gradients stay on the device: the launch refuses them streamed). Other mixes are left to the
+    user; `keeps_no_less` orders the levels for the search's pruning."""
     oa = base.mop.offload_adamw
     levels = _share_levels(base, fixed)
     if {"mop.offload_adamw.weights", "mop.offload_adamw.gradients"} & fixed:  # given: keep them, offloaded
@@ -162,11 +165,33 @@ def optimizer_levels(base, fixed: set[str]) -> list[tuple[str, str, str, str]]:
     out = [(n, f, "device", "device") for n, f in levels]
     shares = [f for n, f in levels if n == OFFLOAD_ADAMW]
     if shares:
-        bf16 = MixedPrecision.from_training(base.training).activation_bytes == 2
-        streams = [("bf16", "device")] if bf16 else []  # (free under bf16 compute); then everything streamed
-        streams += [("stream", "stream")]
-        out += [(OFFLOAD_ADAMW, shares[-1], w, g) for w, g in streams]
+        if MixedPrecision.from_training(base.training).activation_bytes == 2:   # (free under bf16 compute)
+            out.append((OFFLOAD_ADAMW, shares[-1], "bf16", "device"))
+        grads = "device" if oa.host_fraction else "stream"   # (the CPU share reads device gradients)
+        out += [(OFFLOAD_ADAMW, f, "stream", grads) for f in shares]   # the least on the device last
     return out
+
+
+_WEIGHT_RANK = {"device": 0, "bf16": 1, "stream": 2}
+_WEIGHT_BYTES = {"device": 4, "bf16": 2, "stream": 0}     # per local element on the device (leading term)
+
+
+def keeps_no_less(a: tuple[str, str, str, str], b: tuple[str, str, str, str]) -> bool:
+    """Whether optimizer level `a` keeps at least as much on the device as `b` and pins no more host
+    memory (a partial order; False where it is not known). Both OffloadStreamAdamW: `a` keeps no smaller
+    share (host: 12 B per element off the device) with weights and gradients no further off the device
+    (host: + the working copies and gradient buffer), and its leading device bytes per element -- the
+    weights' 4 / 2 / 0 B plus the share's 8 B (fp32 shards are their own masters) or 12 B -- are no
+    fewer: fp32 shards at share 0.75 keep less than bf16 working weights at 0.75 (4 + 6 < 2 + 9). The
+    streamed windows and gradient staging are taken as smaller than the 2 B per element they replace."""
+    if a == b:
+        return True
+    if a[0] != OFFLOAD_ADAMW or b[0] != OFFLOAD_ADAMW or "auto" in (a[1], b[1]):
+        return False
+    fa, fb = float(a[1]), float(b[1])
+    device = lambda w, f: _WEIGHT_BYTES[w] + (8 if w == "device" else 12) * f  # noqa: E731
+    return (fa >= fb and _WEIGHT_RANK[a[2]] <= _WEIGHT_RANK[b[2]] and (a[3], b[3]) != ("stream", "device")
+            and device(a[2], fa) >= device(b[2], fb))
 
 def _share_levels(base, fixed: set[str]) -> list[tuple[str, str]]:
     """(optimizer.name, device_fraction), fastest first; the last leaves the least on the device."""

@@ -144,7 +144,7 @@ def _block_term(x: MemoryPlanInputs, tokens: int) -> tuple[int, int, str]:
     routed = dispatch_memory.device_bound(o.dispatch, dispatch_memory.RoutedShapes(
         tokens=tokens, hidden=a.dim, inter=a.moe_inter_dim, top_k=a.top_k, group_size=expert_degree,
         local_experts=a.num_experts // expert_degree, act_bytes=act))
-    return block_bound(a, tokens, act, o.tiling, routed)
+    return block_bound(a, tokens, act, o.tiling, routed, keep=o.keep_attention)
 
 
 def _loss_bound(x: MemoryPlanInputs, tokens: int) -> DeviceBound:
@@ -241,6 +241,36 @@ def host_memory_plan(local_params: int, *, offload_optimizer: bool, host_fractio
         if offload_optimizer and gradients == "stream" else [])
 
 
+_HOST_FIXES = {
+    "optimizer state": "keep more of it on the device ([mop.offload_adamw] device_fraction)",
+    "host share grads": "lower [mop.offload_adamw] host_fraction",
+    "working weights": "keep the working weights on the device ([mop.offload_adamw] weights = \"bf16\")",
+    "streamed grads": "keep the gradients on the device ([mop.offload_adamw] gradients = \"device\")",
+}
+
+
+def host_memory_fix(terms: list[tuple[str, int, str]], *, local_ranks: int, available_bytes: int) -> str:
+    """What binds when `local_ranks` ranks needing `terms` each exceed `available_bytes`, and a fix: the
+    largest term; when SCO's boundary budget is on and the other terms leave room, the budget that fits
+    (SCO's "auto" takes its share of the node before the optimizer and the streams pin theirs);
+    otherwise what frees the largest of the others ("" when it fits)."""
+    per_rank = sum(b for _, b, _ in terms)
+    if per_rank * local_ranks <= available_bytes:
+        return ""
+    name, biggest, _ = max(terms, key=lambda t: t[1])
+    sco = next((b for n, b, _ in terms if n == "sco boundaries"), 0)
+    left = available_bytes // local_ranks - (per_rank - sco)    # what the other terms leave SCO per rank
+    head = f"the largest host term is {name} ({biggest / GIB:.1f} GiB per rank); "
+    if sco and left >= 2**20:
+        return head + (f"set [mop.sco] host_budget = \"{left >> 20}MiB\" or less per rank (what the other terms "
+                       f"leave of {available_bytes / GIB:.1f} GiB over {local_ranks} ranks), e.g. --mop.sco.host_budget "
+                       f"{left >> 20}MiB")
+    others = max((t for t in terms if t[0] != "sco boundaries"), key=lambda t: t[1])
+    fix = _HOST_FIXES.get(others[0], "lower it")
+    return head + (f"without SCO's budget the rest still needs {(per_rank - sco) * local_ranks / GIB:.1f} GiB: "
+                   f"{fix} for {others[0]}, or spread the model over more ranks or nodes")
+
+
 def check_host_memory(terms: list[tuple[str, int, str]], *, local_ranks: int, available_bytes: int) -> None:
     """Raise ValueError if `local_ranks` ranks of this node, each needing `terms`, exceed the host
     memory available now (read it on every rank before any rank allocates)."""
@@ -251,9 +281,9 @@ def check_host_memory(terms: list[tuple[str, int, str]], *, local_ranks: int, av
     parts = ", ".join(f"{name} {b / GIB:.1f} GiB" for name, b, _ in terms if b)
     raise ValueError(
         f"host memory: {local_ranks} rank(s) on this node need {need / GIB:.1f} GiB pinned ({parts} per rank) "
-        f"but {available_bytes / GIB:.1f} GiB are available; spread the model over more ranks or nodes, lower "
-        "[mop.sco] host_budget or [mop.offload_adamw] host_fraction, or keep the optimizer on the device "
-        "(optimizer.name = \"AdamW\")")
+        f"but {available_bytes / GIB:.1f} GiB are available; "
+        + host_memory_fix(terms, local_ranks=local_ranks, available_bytes=available_bytes)
+        + "; or keep the optimizer on the device (optimizer.name = \"AdamW\")")
 
 
 def format_plan(terms: list[tuple[str, int, str]], *, title: str = "per-rank memory plan") -> str:

@@ -171,7 +171,7 @@ def _folder(base: str, step: int) -> str:
 
 
 SET_ASIDE = "incomplete-{step}"
-"""Where `set_aside` moves an incomplete `step-N` folder: a name torchtitan's `step-(\d+)` search
+r"""Where `set_aside` moves an incomplete `step-N` folder: a name torchtitan's `step-(\d+)` search
 (its load and its keep_latest_k purge) does not match, so it neither takes nor counts it."""
 
 

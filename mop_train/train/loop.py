@@ -152,6 +152,9 @@ def train_step(parts: ModelParts, layout, batches: list, optimizers, lr_schedule
     lr = lr_schedulers.schedulers[0].get_last_lr()[0]
     optimizer_span = DeviceSpan(device)
     if verdict.skip:  # nothing moves: parameters, optimizer state, schedule, router biases
+        for opt in optimizers:  # (OffloadStreamAdamW: the step's host-link account ends here)
+            if hasattr(opt, "close_link_account"):
+                opt.close_link_account()
         optimizers.zero_grad()
         for moe in model.moe_layers():
             moe.router.tokens_per_expert.zero_()
@@ -234,7 +237,7 @@ def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards:
     `validator` (mop_train.train.validate) scores the held-out batches at its steps, logged in the
     step's record (its time left out of tokens/s); `profiler` (mop_train.train.profiling) is told
     each step's end."""
-    steps, peak, sco = cfg.training.steps, peak_tflops(device), run.parts.sco
+    steps, peak, sco = cfg.training.steps, peak_tflops(device, cfg.mop.metrics.peak_tflops), run.parts.sco
     train_state, checkpointer, optimizers = run.train_state, run.checkpointer, run.optimizers
     micro_batches = run.micro_batches
     batches = iter(run.dataloader)        # draws its seed from the torch CPU generator
@@ -288,6 +291,8 @@ def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards:
                 tflops = flops_per_token * tokens_per_s / dist.get_world_size() / 1e12
                 values["tflops"] = tflops
                 values["mfu_pct"] = 100.0 * tflops / peak if peak else None
+                values["mfu_peak_tflops"] = peak
+            values.update(offload_link_metrics(optimizers))
             if sco is not None:
                 values.update({f"sco_{k}": v for k, v in sco.last_step_stats().items()})
             values.update({f"moe_{k}": v for k, v in out["dispatch"].items()})
@@ -307,6 +312,16 @@ def exposed_optimizer_seconds(optimizers) -> float | None:
     """What the step waited for the optimizer (OffloadStreamAdamW's own figure; None for others)."""
     offload = [o for o in optimizers if hasattr(o, "exposed_seconds")]
     return sum(o.exposed_seconds() for o in offload) if offload else None
+
+
+def offload_link_metrics(optimizers) -> dict:
+    """OffloadStreamAdamW's host-link bytes of the logged step, in GiB, summed over its optimizers:
+    offload_h2d_gib / offload_d2h_gib and per source (_optimizer, _windows, _gradients; link.py);
+    {} for other optimizers."""
+    accounts = [o.link_bytes() for o in optimizers if hasattr(o, "link_bytes")]
+    if not accounts:
+        return {}
+    return type(accounts[0]).summed(accounts).metrics()
 
 
 def stop_cleanly(cfg, checkpointer, step: int) -> None:

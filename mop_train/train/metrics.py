@@ -41,9 +41,13 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 """Dense bf16 peak TFLOP/s per device, matched against the CUDA device name."""
 
 
-def peak_tflops(device: torch.device) -> float | None:
+def peak_tflops(device: torch.device, configured: float = 0.0) -> float | None:
+    """MFU's denominator: `configured` ([mop.metrics] peak_tflops) when > 0, else the datasheet's
+    dense bf16 peak of the CUDA device by name; None (no MFU) on CPU or an unknown device."""
     if device.type != "cuda":
         return None
+    if configured > 0:
+        return float(configured)
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
@@ -267,6 +271,8 @@ def format_line(r: dict) -> str:
         line += f"  opt {1e3 * r['optimizer_s']:.0f} ms"
     if r.get("optimizer_exposed_s") is not None:
         line += f" (exposed {1e3 * r['optimizer_exposed_s']:.0f} ms)"
+    if r.get("offload_h2d_gib") is not None:
+        line += f"  link h2d {r['offload_h2d_gib']:.2f} d2h {r['offload_d2h_gib']:.2f} GiB"
     if "sco_offloaded_layers" in r:
         line += (f"  sco {r['sco_offloaded_layers']} layers {r['sco_host_bytes'] / 2**30:.2f} GiB host "
                  f"wait {1e3 * r['sco_wait_s']:.1f} ms")

@@ -6,8 +6,10 @@ from __future__ import annotations
 import math
 import random
 
-from mop_train.ops.moe_dispatch import EPOptions, LLEPOptions, PipelinedLLEPOptions
-from mop_train.ops.moe_dispatch.memory import RoutedShapes, device_bound
+import torch
+
+from mop_train.ops.moe_dispatch import EPOptions, LLEPOptions, PipelinedLLEPOptions, moe_experts_forward
+from mop_train.ops.moe_dispatch.memory import ROUTE_INDEX_BYTES, RoutedShapes, device_bound
 from tests.utils import fresh_seed
 
 
@@ -48,7 +50,8 @@ def test_whole_layer_schedules_save_every_route():
 
 
 def test_pipelined_llep_saves_rows_and_recomputes_one_chunk():
-    """Saved: every received row (N k H). Backward: one chunk's recompute, (2H + 7I) per route of the
+    """Saved: every received row and every row the combine adds (2 N k H) and the per-route index
+    bookkeeping (ROUTE_INDEX_BYTES). Backward: one chunk's recompute, (2H + 7I) per route of the
     largest chunk a destination receives, plus one weight-sized (E_l I H) temporary."""
     rng = random.Random(fresh_seed(7311))
     for _ in range(10):
@@ -63,7 +66,7 @@ def test_pipelined_llep_saves_rows_and_recomputes_one_chunk():
         K = min(math.ceil(N / c), K_max)
         c_eff = math.ceil(N / K)                  # tokens per chunk
         chunk = min(G * k * c_eff, int(max(alpha, threshold) * k * c_eff) + m)
-        assert saved == N * k * H * b
+        assert saved == N * k * (2 * H * b + ROUTE_INDEX_BYTES)
         assert transient == (chunk * (2 * H + 7 * I) + E_l * I * H) * b
         assert f"K={K} chunks" in how and f"c_eff={c_eff:,}" in how
 
@@ -78,3 +81,42 @@ def test_pipelined_llep_with_one_token_plans_a_chunk_of_one():
     _, transient, how = routed_activation_bytes(options, tokens=1, **s)
     assert transient == (G * k * (2 * H + 7 * I) + E_l * I * H) * b
     assert "K=1 chunks" in how and "c_eff=1)" in how
+
+
+def _saved_by_layer(N, H, I, E, k, K, seed):
+    """Bytes of distinct storages a pipelined_llep layer (group of one) saves for backward, its inputs
+    excluded, counted by autograd's own pack hook, and the routing weights' dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, H, generator=gen).bfloat16().requires_grad_()
+    w1, w3 = (torch.randn(E, I, H, generator=gen).bfloat16().requires_grad_() for _ in range(2))
+    w2 = torch.randn(E, H, I, generator=gen).bfloat16().requires_grad_()
+    weights, indices = torch.rand(N, E, generator=gen).topk(k, dim=1)
+    weights.requires_grad_()
+    inputs = {t.untyped_storage().data_ptr() for t in (x, w1, w2, w3, weights, indices)}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in inputs:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = moe_experts_forward(x, indices, weights, w1, w2, w3,
+                                PipelinedLLEPOptions(token_budget=-(-N // K), max_chunks=K))
+    y.float().pow(2).sum().backward()          # the graph it saved runs (nothing dropped by mistake)
+    return sum(seen.values())
+
+
+def test_pipelined_llep_saved_bytes_are_what_autograd_packs():
+    """The bound's `saved` against what autograd actually packs for a layer at group size one (bf16 rows,
+    fp32 routing weights), at two token counts: a factor off in the rows, the combine or the index
+    bookkeeping fails."""
+    rng = random.Random(fresh_seed(7313))
+    H, I, E, K = 8 * rng.randint(2, 8), 8 * rng.randint(1, 4), rng.randint(2, 8), rng.randint(2, 4)
+    k = rng.randint(1, min(3, E))
+    for N in (K * rng.randint(50, 100), K * rng.randint(150, 300)):
+        bound = device_bound(PipelinedLLEPOptions(token_budget=-(-N // K), max_chunks=K),
+                             RoutedShapes(tokens=N, hidden=H, inter=I, top_k=k, group_size=1, local_experts=E,
+                                          act_bytes=2))
+        assert _saved_by_layer(N, H, I, E, k, K, rng.randint(0, 2**31)) == bound.saved, (N, H, I, E, k, K)

@@ -161,7 +161,10 @@ def test_matches_fp32_adamw_given_the_same_gradients(dtype, host_fraction, monke
     numel = sum(p.numel() for p in ours_p)
     on_host = round(host_fraction * numel)  # the last step has every gradient
     assert opt.last_step.host_updated_elements == on_host
-    assert opt.last_step.h2d_bytes == opt.last_step.d2h_bytes == 12 * (numel - on_host) + 4 * on_host
+    state_bytes = 12 * (numel - on_host) + 4 * on_host  # streamed state; the CPU share's gradients / weights
+    assert opt.last_step.d2h_bytes == state_bytes
+    assert opt.last_step.h2d_bytes == state_bytes + 4 * len(ours_p)  # and the fp32 step counts up
+    assert opt.link_bytes().h2d == {"optimizer": opt.last_step.h2d_bytes, "windows": 0, "gradients": 0}
     assert opt.host_buffer_bytes == 4 * on_host
 
 
@@ -443,7 +446,7 @@ def test_staging_bound_and_bytes_moved():
         for p in params:
             p.grad = torch.randn_like(p)
         opt.step()
-        assert opt.last_step.h2d_bytes == opt.last_step.d2h_bytes == 12 * numel
+        assert opt.last_step.h2d_bytes - 4 * len(params) == opt.last_step.d2h_bytes == 12 * numel  # + step counts
         assert opt.last_step.buckets == -(-numel // bucket_params)
         assert opt.step_seconds() >= 0.0
     fresh = OffloadStreamAdamW(params, bucket_params=7)

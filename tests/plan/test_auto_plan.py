@@ -188,8 +188,9 @@ def test_mop_667b_on_64_ranks_is_searched_within_a_bounded_number_of_plans():
     r = p.fastest_at(262144, keep=2)
     assert fits(p, truth(p, r.chosen.settings)) and r.chosen.settings.expert_degree == 64
     # 1,682 plans before weights/gradients streaming: it lets more families fit (EP without chunks among
-    # them, which it then picks), and each is searched
-    assert r.planned < 4000, "the family and structure pruning keep the plans to a few per structure"
+    # them, which it then picks), and each is searched; ~3.6K with streaming at share 0 only, 4,347 with
+    # streaming beside every device share (tests/plan/test_auto_streaming.py)
+    assert r.planned < 5000, "the family and structure pruning keep the plans to a few per structure"
 
 
 # -- the cost model ------------------------------------------------------------------------------

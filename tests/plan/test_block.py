@@ -62,7 +62,8 @@ def test_the_block_term_shrinks_with_tiles_and_untiled_is_unchanged():
     a, tokens = zoo.get_model_args("small"), 1 << 20
     untiled = block_bound(a, tokens, 2, TilingOptions(), _routed(tokens))
     tiled = block_bound(a, tokens, 2, TilingOptions(20480, 16384), _routed(tokens))
-    assert tiled[0] < 0.6 * untiled[0] and "dense-FFN block" in untiled[2] and "tiled by 16,384" in tiled[2]
+    # Tiling drops at least the dense FFN's h1/h3 (2F per token) from the binding block.
+    assert untiled[0] - tiled[0] >= tokens * 2 * a.dense_ffn_dim * 2 and "dense-FFN block" in untiled[2] and "tiled by 16,384" in tiled[2]
     big = block_bound(a, tokens, 2, TilingOptions(tokens, tokens), _routed(tokens))   # one tile: untiled
     assert big == untiled
     none = DeviceBound(0, 0, "none")
@@ -83,12 +84,17 @@ def _small_every_operator(seq_len: int, *extra: str):
 
 
 def test_small_at_1m_on_one_h200_fits_on_paper_only_with_tiling():
-    """`small`, every operator, one H200 (141 GiB less the 2 GiB headroom), 128 GiB of host memory."""
+    """`small`, every operator, one H200 (141 GiB less the 2 GiB headroom), 128 GiB of host memory. With
+    keep (K_max 10) the plan does not fit: that step ran out of memory on the H200
+    (benchmarks/results/h200_2026-12-01/); with keep, K_max 40 and the weights and gradients streamed it does."""
     budget = (141 - 2) << 30
     tiles = ("--mop.tiling.ffn_tokens", "auto", "--mop.tiling.block_tokens", "auto")
     untiled, _ = _small_every_operator(1 << 20)
     tiled, how = _small_every_operator(1 << 20, *tiles)
     kept, _ = _small_every_operator(1 << 20, *tiles, "--mop.attention.keep")
-    assert untiled > budget >= kept > tiled, (untiled / 2**30, kept / 2**30, tiled / 2**30)
+    streamed, _ = _small_every_operator(1 << 20, *tiles, "--mop.attention.keep", "--mop.moe.max_chunks", "40",
+                                        "--mop.offload_adamw.weights", "stream", "--mop.offload_adamw.gradients", "stream")
+    assert untiled > kept > budget >= streamed and budget >= tiled, (untiled / 2**30, kept / 2**30, tiled / 2**30,
+                                                                      streamed / 2**30)
     per_token = core_saved_bytes(zoo.get_model_args("small"), 1, 2)
     assert "attention tiled by" in how["block"] and f"core q, k, v, out, lse {per_token:,} B/token" in how["block"]

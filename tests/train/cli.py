@@ -23,9 +23,18 @@ def run_train(args: list[str], *, nproc: int | None, timeout: float = 180,
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def failure_text(proc: subprocess.CompletedProcess) -> str:
+    """A failed run's account: the first rank traceback (torchrun prints its own after it, which a tail
+    alone would keep instead) and the output's tail."""
+    out = proc.stdout + proc.stderr
+    first = out.find("Traceback (most recent call last)")
+    head = f"first traceback:\n{out[first:first + 4000]}\n...\n" if first >= 0 else ""
+    return f"training failed ({proc.returncode}):\n{head}tail:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+
+
 def check_ok(proc: subprocess.CompletedProcess) -> None:
     if proc.returncode != 0:
-        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(failure_text(proc))
 
 
 def read_metrics(dump_folder: str, name: str = "metrics.jsonl") -> list[dict]:

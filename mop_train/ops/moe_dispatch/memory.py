@@ -8,8 +8,11 @@ layer runs backward:
     the weighting runs backward.
     R is N*k under balanced routing ("ep" can receive up to E_p * N * k routes when one rank's
     experts are hot; "llep" holds a receiver to max(alpha, imbalance_threshold) x the mean).
-  - "pipelined_llep": each chunk saves only its received rows (PipelinedLLEP recomputes the [R', I]
-    activations in its backward, chunked_experts.ChunkExperts), so N*k*H over the layer; the
+  - "pipelined_llep": each chunk saves its received rows (PipelinedLLEP recomputes the [R', I]
+    activations in its backward, chunked_experts.ChunkExperts) and the combine's `index_add_` saves the
+    rows it adds (autograd's IndexAddBackward0 keeps `source`, for `expand_as` alone: NaN under a
+    checkpoint's recompute, still [R, H] bytes), so 2 N*k*H over the layer, plus ROUTE_INDEX_BYTES
+    of index bookkeeping per route (counted by tests/ops/test_moe_dispatch_memory.py); the
     backward recomputes one chunk at a time: the token budget guarantees a destination at most
     `max_received_bound` (E_p * k * c_eff) routes of it, and LLEP's relocation holds it to
     max(alpha, threshold) x the mean k * c_eff (+ one GEMM's minimum), the figure planned here, with
@@ -27,6 +30,11 @@ from dataclasses import dataclass
 from mop_train.ops.bound import DeviceBound
 from mop_train.ops.moe_dispatch.options import DispatchOptions, LLEPOptions, PipelinedLLEPOptions
 from mop_train.ops.moe_dispatch.pipelined_llep import max_received_bound, num_chunks
+
+ROUTE_INDEX_BYTES = 5 * 8 + 4
+"""What llep.run_chunks saves per route besides rows: five int64 index vectors (the layer's send order,
+which each chunk's route ids view; GatherTokens' token ids; the receive permutation, saved by both
+gathers; its inverse; the combine's token ids) and the permuted fp32 routing weight."""
 
 
 @dataclass(frozen=True)
@@ -71,11 +79,12 @@ def _routed_bytes(options: DispatchOptions | None, shapes: RoutedShapes) -> tupl
     # threshold) x the mean k * c_eff (one GEMM's worth of helper rows over it at most).
     guaranteed = max_received_bound(group_size, k, c_eff)
     chunk_routes = min(guaranteed, int(balance * k * c_eff) + options.min_tokens_per_gemm)
-    saved = tokens * k * H                         # every chunk's received rows
+    # Every chunk's received rows and the rows its combine adds, and their index bookkeeping.
+    saved = tokens * k * 2 * H * act_bytes + tokens * k * ROUTE_INDEX_BYTES
     # One chunk in backward: its recomputed h1, h3, a, their grads and silu'(h1) (7I), the rows'
     # and output's grads (2H); one weight-sized temporary of the grouped dW (CUDA).
     transient = chunk_routes * (2 * H + 7 * I) + local_experts * I * H
-    return (saved * act_bytes, transient * act_bytes,
-            f"pipelined_llep: N*k*H rows over K={K} chunks, one chunk of {chunk_routes:,} routes "
+    return (saved, transient * act_bytes,
+            f"pipelined_llep: 2 N*k*H rows (received + combined) + {ROUTE_INDEX_BYTES} B of indices per route over K={K} chunks, one chunk of {chunk_routes:,} routes "
             f"(LLEP-balanced; the budget alone guarantees E_p*k*c_eff = {guaranteed:,}, c_eff={c_eff:,}) "
             f"recomputed in backward + a dW temporary")

@@ -23,6 +23,7 @@ block), and gradients may leave as they become final (`gradients = "stream"`), b
 - weight_windows.py: weights = "stream": each block copied in one block ahead into weight_window slots.
 - working_weight.py: the autograd seam of a shard kept out of FSDP2 (fp32 gradients, as a cast's).
 - grad_stream.py:   gradients = "stream": each final gradient to the pinned host buffer, norm terms as it leaves.
+- link.py:          each step's host-link bytes per source (optimizer, weight windows, gradients): `link_bytes()`.
 - memory.py:        device bounds the plan sums: staging and share, weights_bound, gradients_bound.
 Legend: N local elements, N_d device-resident, B bucket capacity (elements), s slots.
 """

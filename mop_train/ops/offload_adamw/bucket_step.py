@@ -19,13 +19,14 @@ Legend: B bucket capacity (elements), s slots.
 from __future__ import annotations
 
 from mop_train.ops.offload_adamw.forward_waits import Ready
+from mop_train.ops.offload_adamw.link import host_bytes
 from mop_train.ops.offload_adamw.update import fused_adamw_by_group
 
 
 class BucketStep:
     """Mixin of OffloadStreamAdamW: uses its _streams, _device_share, _buckets, _slot_buffers,
-    _slot_free, _slot_read, _grad_buffer, _group_of, _dev_end, _host, slots, grad_scale and
-    _working_on_host."""
+    _slot_free, _slot_read, _grad_buffer, _group_of, _dev_end, _host, slots, grad_scale,
+    gradients, link (the step's host-link account, link.py) and _working_on_host."""
 
     def _update_on_device(self, bucket, grads, work, fresh, steps, hparams) -> Ready:
         """A bucket of the device-resident head: fused AdamW in place (on the update stream)."""
@@ -61,6 +62,7 @@ class BucketStep:
                 for row in range(3):
                     staged[row].copy_(host[row], non_blocking=True)
                 loaded = s.record()
+            self.link.add("optimizer", h2d=host_bytes(host), d2h=host_bytes(host))  # (the write-back below)
             live = self._upcast_grads(bucket, grads)  # needs no slot: overlaps the copy-in
             s.wait(loaded)
             self._adamw(staged, live, work, fresh, steps, hparams)
@@ -89,6 +91,7 @@ class BucketStep:
             return read, read
         # Cast on the device (a copy even in the same dtype: the d2h copy must not read the slot).
         casts = [master.to(weight.dtype, copy=True) for weight, master in pairs]
+        self.link.add("optimizer", d2h=sum(host_bytes(weight) for weight, _ in pairs))
         read = s.record(timing=True)
         with s.use(s.d2h):
             s.wait(read)
@@ -112,6 +115,8 @@ class BucketStep:
             dst = slice(seg.bucket_start, seg.bucket_start + seg.numel)
             src = slice(seg.param_start, seg.param_start + seg.numel)
             grad32[dst].copy_(grad[src], non_blocking=True)  # pinned host source when gradients stream
+            if self.gradients == "stream":
+                self.link.add("optimizer", h2d=host_bytes(grad[src]))
             if scale is not None:
                 grad32[dst].mul_(scale)  # the clipping coefficient (gradients = "stream")
             live.append((seg.param, src, dst))

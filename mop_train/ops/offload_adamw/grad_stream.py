@@ -23,7 +23,8 @@ The clipping coefficient is handed to the optimizer (`set_scale`), which multipl
 it after copying it back to the device, the same fp32 multiply the device path applies in place.
 Nothing here waits on the host: the optimizer's update stream waits for `grads_landed`, and the
 next step's first copy waits for the optimizer's `grads_read`. On a CPU-only build the same copies
-run in program order into the separate host buffer.
+run in program order into the separate host buffer. Every copy's bytes go to the optimizer's
+host-link account (`opt.link`, source "gradients"; link.py).
 FSDP2's own CPUOffloadPolicy moves gradients to the CPU after the reduce-scatter too, but it copies
 synchronously when accumulating (and adds on the CPU), blocks the host on every copy at the end of
 backward, and hands hooks a gradient already on the CPU, where the norm cannot be formed as the
@@ -38,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from mop_train.ops.offload_adamw.link import host_bytes
 from mop_train.ops.offload_adamw.state import local_shard
 
 
@@ -157,6 +159,7 @@ class GradientStream:
 
     def _from_host(self, i: int, like: torch.Tensor) -> torch.Tensor:
         host = self.opt.host_grad(i)
+        self.opt.link.add("gradients", h2d=host_bytes(host))
         if not self.cuda:
             return host
         current = torch.cuda.current_stream(like.device)
@@ -176,6 +179,7 @@ class GradientStream:
             self._sq[i].copy_(self._norm_term(grad))
             self._final[i] = True
         host = self.opt.host_grad(i)
+        self.opt.link.add("gradients", d2h=host_bytes(host))
         if self.cuda:
             current = torch.cuda.current_stream(grad.device)
             self.d2h.wait_stream(current)

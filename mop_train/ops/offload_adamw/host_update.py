@@ -30,6 +30,7 @@ import torch
 from mop_train.ops.offload_adamw.buckets import (FP32_BYTES, HOST_CHUNK, allocate_host_buffer, plan_buckets,
                                                  release_when_idle)
 from mop_train.ops.offload_adamw.forward_waits import Ready
+from mop_train.ops.offload_adamw.link import host_bytes
 from mop_train.ops.offload_adamw.update import fused_adamw_by_group
 
 CHUNK = HOST_CHUNK  # read at construction, so tests can cut smaller chunks
@@ -51,7 +52,8 @@ class HostUpdate:
     The host state passed to `download` / `update` is [3, N - base]: column 0 is flat element `base`.
     Holds one pinned fp32 buffer for the range's gradients (`host_bytes`)."""
 
-    def __init__(self, numels: list[int], start: int, streams, base: int = 0):
+    def __init__(self, numels: list[int], start: int, streams, base: int = 0, link=None):
+        self.link = link  # LinkCounter of the step's host-link bytes (link.py), or None
         self.chunks = plan_buckets(numels, CHUNK, start=start)
         self.base = base
         self.numel = sum(chunk.numel for chunk in self.chunks)
@@ -91,13 +93,16 @@ class HostUpdate:
                     continue  # no gradient: master, moments and step stay as they are
                 src = slice(seg.param_start, seg.param_start + seg.numel)
                 self._grad_views[view].copy_(grad[src], non_blocking=True)  # cast (if any) on the device
+                self._count(d2h=host_bytes(self._grad_views[view]))
                 if fresh[seg.param]:
                     host_state[0, flat:flat + seg.numel].copy_(work[seg.param][src], non_blocking=True)
+                    self._count(d2h=host_bytes(host_state[0, flat:flat + seg.numel]))
             if last >= 0:
                 self._arrived[last] = s.record()
 
-    def update(self, grads, work, host_state, steps, group_of, hparams):
-        """CPU AdamW chunk by chunk as the gradients arrive; each chunk's weights go up when done.
+    def update(self, grads, work, host_state, steps, group_of, hparams, *, work_on_host: bool = False):
+        """CPU AdamW chunk by chunk as the gradients arrive; each chunk's weights go up when done
+        (`work_on_host`: the working weights are pinned host tensors, weights = "stream": no link).
 
         Returns one Ready piece per updated chunk, in flat order (events None on CPU); `uploaded`
         keeps the event of the latest upload of any step."""
@@ -115,6 +120,8 @@ class HostUpdate:
                 for seg, flat, _ in live:
                     dst = work[seg.param][seg.param_start:seg.param_start + seg.numel]
                     dst.copy_(host_state[0, flat:flat + seg.numel], non_blocking=True)  # cast on the device
+                    if not work_on_host:
+                        self._count(h2d=host_bytes(host_state[0, flat:flat + seg.numel]))
                 last = s.record(timing=True)
             chunk = self.chunks[c]
             ready.append(Ready(chunk.start, chunk.start + chunk.numel, last))
@@ -129,8 +136,7 @@ class HostUpdate:
                            steps[seg.param]))
         fused_adamw_by_group(pieces, hparams)
 
-    def bytes_moved(self, grads) -> tuple[int, int]:
-        """(host->device, device->host) bytes of one step with these gradients: 4 B/element each way."""
-        moved = sum(seg.numel * FP32_BYTES for _, seg, _, _ in self._segments() if grads[seg.param] is not None)
-        return moved, moved
+    def _count(self, *, h2d: int = 0, d2h: int = 0) -> None:
+        if self.link is not None:
+            self.link.add("optimizer", h2d=h2d, d2h=d2h)
 

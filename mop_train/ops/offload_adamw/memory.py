@@ -39,12 +39,25 @@ def device_bound(settings: OffloadSettings, local_params: int, *, fp32_weights: 
                                        f"+ grad buffer, device share {s.device_fraction:g} x {per} B")
 
 
+WEIGHTS = ("device", "bf16", "stream")
+GRADIENTS = ("device", "stream")
+
+
 @dataclass(frozen=True)
 class StreamSettings:
     """[mop.offload_adamw] weights, gradients and weight_window (working.py, grad_stream.py)."""
     weights: str = "device"
     gradients: str = "device"
     weight_window: int = 2
+
+    def __post_init__(self):
+        for key, value, valid in (("weights", self.weights, WEIGHTS), ("gradients", self.gradients, GRADIENTS)):
+            if value not in valid:
+                raise ValueError(f"mop.offload_adamw.{key} = {value!r} must be one of {valid}; set one of them")
+        w = self.weight_window
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ValueError(f"mop.offload_adamw.weight_window = {w!r} must be an int >= 1 (block-sized device "
+                             "slots; 2 copies one block ahead)")
 
 
 @dataclass(frozen=True)

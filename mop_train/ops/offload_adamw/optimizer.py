@@ -26,18 +26,19 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.optim import Optimizer
 
 from mop_train.ops.offload_adamw.bucket_step import BucketStep
 from mop_train.ops.offload_adamw.buckets import (
-    FP32_BYTES, allocate_host_buffer, allocate_host_state, device_split, host_state_bytes, param_offsets,
+    FP32_BYTES, allocate_host_buffer, allocate_host_state, device_split, param_offsets,
     plan_buckets, release_when_idle)
 from mop_train.ops.offload_adamw.device_share import DeviceShare
 from mop_train.ops.offload_adamw.forward_waits import ForwardWaits
 from mop_train.ops.offload_adamw.host_update import HostUpdate, host_split
+from mop_train.ops.offload_adamw.link import FP32_STEP_BYTES, LinkBytes, LinkCounter
 from mop_train.ops.offload_adamw.state import ROW, StateDictMixin, check_group, local_shard
 from mop_train.ops.offload_adamw.streams import Streams
 
@@ -49,7 +50,9 @@ GRADIENTS = ("device", "stream")
 
 @dataclass
 class OffloadStepStats:
-    """What the last step moved (its duration: `step_seconds()`; what it held back: `exposed_seconds()`)."""
+    """What the last step moved (its duration: `step_seconds()`; what it held back: `exposed_seconds()`).
+    h2d_bytes / d2h_bytes: the step's own copies over the host link; `link`: the whole account of
+    the step (its forwards' and backwards' weight windows and streamed gradients too; link.py)."""
 
     buckets: int = 0
     h2d_bytes: int = 0
@@ -57,6 +60,7 @@ class OffloadStepStats:
     params_updated: int = 0
     host_updated_elements: int = 0    # elements of the flat state updated on the CPU
     device_updated_elements: int = 0  # elements of the device-resident share (updated in place)
+    link: LinkBytes = field(default_factory=LinkBytes)
 
 
 def _check_staging(bucket_params, slots) -> None:
@@ -175,6 +179,7 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         self._writeback_done = None
         self._host_update = None
         self._timing = (None, (), 0.0)
+        self.link = LinkCounter()  # this step's host-link bytes so far (windows, gradient stream, step)
         self.last_step = OffloadStepStats()
         self._working, self._working_on_host = None, False  # set by use_working (weights != "device")
         self._mirrors: dict[int, torch.Tensor] = {}          # value_tensor of the straddler
@@ -230,7 +235,8 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
             self.host_fraction = float(host_fraction)
             self._split = self._dev_end + host_split(total - self._dev_end, self.host_fraction)
             self._host_update = None  # frees the previous pinned buffers first
-            self._host_update = HostUpdate(self._numels, self._split, self._streams, base=self._dev_end)
+            self._host_update = HostUpdate(self._numels, self._split, self._streams, base=self._dev_end,
+                                           link=self.link)
         self._device_buckets = plan_buckets(self._numels, bucket_params, end=self._dev_end)
         self._buckets = plan_buckets(self._numels, bucket_params, start=self._dev_end, end=self._split)
         capacity = max((b.numel for b in self._buckets), default=0)
@@ -280,6 +286,7 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         grads = [self._flat_grad(i) for i in range(len(self._params))]
         active = [g is not None for g in grads]
         if not any(active):
+            self.close_link_account()
             return loss
         fresh = [a and self.weights == "device" and float(self._steps[i]) == 0.0 for i, a in enumerate(active)]
         self.weights_version += 1  # working weights change: copies of the previous ones are stale
@@ -299,10 +306,12 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
             s.wait(start)
             s.wait(self.grads_landed)  # streamed gradients: in host memory
             steps = self._steps.pin_memory().to(self.device, non_blocking=True) if s.cuda else self._steps
+            self.link.add("optimizer", h2d=len(self._params) * FP32_STEP_BYTES)
             ready = [self._update_on_device(b, grads, work, fresh, steps, hparams) for b in self._device_buckets]
             ready += self._stream_buckets(grads, work, fresh, steps, hparams)
             self.grads_read = s.record()  # the next backward may overwrite the host gradients after this
-        uploads = host.update(grads, work, self._host, self._steps, self._group_of, hparams)
+        uploads = host.update(grads, work, self._host, self._steps, self._group_of, hparams,
+                              work_on_host=self._working_on_host)
         overlap = self.overlap and self._waits.hooked
         self._waits.arm((ready, uploads), count_wall=overlap or not s.cuda)
         if not overlap:
@@ -312,11 +321,20 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         done = [r.event for r in ready[-1:] + uploads[-1:]] + [
             self._writeback_done if self._buckets or self._working_on_host else None]
         self._timing = (start, [e for e in done if e is not None], wall)
-        streamed = host_state_bytes(sum(b.numel for b in self._buckets))  # each way
-        up, down = host.bytes_moved(grads)
-        self.last_step = OffloadStepStats(len(self._buckets), streamed + up, streamed + down, sum(active),
-                                          host.numel, self._dev_end)
+        link = self.link.close()
+        self.last_step = OffloadStepStats(len(self._buckets), link.h2d["optimizer"], link.d2h["optimizer"],
+                                          sum(active), host.numel, self._dev_end, link)
         return loss
+
+    def link_bytes(self) -> LinkBytes:
+        """The host-link bytes of the last optimizer step, per source and direction (link.py): its
+        forwards' and backwards' weight windows, its streamed gradients and the step's own copies."""
+        return self.last_step.link
+
+    def close_link_account(self) -> None:
+        """End the step's account without an update (a step the loop skips): `link_bytes()` then holds
+        what its forwards and backwards moved, and the next step starts from zero."""
+        self.last_step = OffloadStepStats(link=self.link.close())
 
     # ---- working weights and streamed gradients (weights / gradients != "device") ---------------
     def master_view(self, i: int) -> torch.Tensor:

@@ -29,7 +29,8 @@ Two windows, each `weight_window` slots (s_w, default 2):
   step that follows these rules).
 Every copy is on the window's h2d stream after an event of the current stream (so after the
 optimizer's step and the forward's waits); the consumer waits for the copy's event; nothing waits on
-the host. On CPU the same copies run in program order.
+the host. On CPU the same copies run in program order. Each load's bytes go to the optimizer's
+host-link account (`link`, source "windows"; link.py).
 Legend: s_w window slots.
 """
 
@@ -37,13 +38,15 @@ from __future__ import annotations
 
 import torch
 
+from mop_train.ops.offload_adamw.link import host_bytes
 from mop_train.ops.offload_adamw.working_weight import WorkingWeight, in_backward
 
 
 class _Slots:
     """`count` device buffers of `capacity` elements with their load / release events."""
 
-    def __init__(self, count: int, capacity: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, count: int, capacity: int, dtype: torch.dtype, device: torch.device, link=None):
+        self.link = link  # LinkCounter of the step's host-link bytes (link.py), or None
         self.cuda = device.type == "cuda"
         self.device, self.dtype, self.capacity = device, dtype, capacity
         self.buffers = [torch.zeros(capacity, dtype=dtype, device=device) for _ in range(count)]
@@ -89,6 +92,8 @@ class _Slots:
         """Copy (slot offset, host source) pairs into slot k on the h2d stream, after the current
         stream's work so far and the slot's last reader."""
         buffer = self.buffers[k]
+        if self.link is not None:
+            self.link.add("windows", h2d=sum(host_bytes(src) for _, src in copies))
         if not self.cuda:
             for offset, src in copies:
                 buffer[offset:offset + src.numel()].copy_(src)
@@ -127,10 +132,10 @@ class UnitWindow:
     host: the flat pinned working views with FSDP2's padding, per optimizer index."""
 
     def __init__(self, units, host, slots: int, dtype: torch.dtype, device: torch.device, wait_for_params,
-                 root=None):
+                 root=None, link=None):
         sizes = {id(group): sum(n for *_, n in entries) for group, entries in units}
         capacity = max((n for key, n in sizes.items() if key != id(root)), default=0)  # the root: its own buffer
-        self._slots = _Slots(slots, capacity, dtype, device)
+        self._slots = _Slots(slots, capacity, dtype, device, link)
         self._host, self._wait_for_params = host, wait_for_params
         self._pending: dict[int, int] = {}  # id(group) -> slot, between unshard and wait_for_unshard
         self.stats = {"loads": 0, "overflow": 0, "transient": 0}
@@ -191,7 +196,7 @@ class ShardWindow:
     optimizer index; host: flat pinned working views per optimizer index."""
 
     def __init__(self, blocks, index, host, slots: int, dtype: torch.dtype, device: torch.device, wait_for_params,
-                 version=lambda: 0):
+                 version=lambda: 0, link=None):
         self._version, self._loaded_at = version, {}  # the working weights' version, per resident block
         self._blocks = [tuple(params) for params, _ in blocks]
         self._checkpointed = [bool(c) for _, c in blocks]
@@ -203,7 +208,7 @@ class ShardWindow:
                 self._where[id(p)] = (b, offset, index[id(p)])
                 offset += host[index[id(p)]].numel()
             capacity = max(capacity, offset)
-        self._slots = _Slots(slots, capacity, dtype, device)
+        self._slots = _Slots(slots, capacity, dtype, device, link)
         self._host, self._wait_for_params = host, wait_for_params
         self._resident: dict[int, int] = {}  # block -> slot holding it
         self._owner: dict[int, int] = {}     # slot -> block

@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mop_train.ops.offload_adamw.buckets import allocate_host_buffer, release_when_idle
+from mop_train.ops.offload_adamw.master_state_dict import serve_masters
 from mop_train.ops.offload_adamw.weight_windows import ShardWindow, UnitWindow
 from mop_train.ops.offload_adamw.working_weight import WorkingWeight
 
@@ -89,6 +90,7 @@ class WorkingWeights:
         self._storage, padded = self._allocate(caps, opt.device, stream=mode == "stream")
         self.views = [t[:n] for t, n in zip(padded, opt._numels)]  # flat working tensor per parameter
         self._adopt(padded)
+        serve_masters(roots, set(self._index))  # state dicts see the masters, on their own device
         opt.use_working(self.views, on_host=mode == "stream")
         opt.refresh_working()
         self._managed = {id(p) for params, _ in blocks for p in params}
@@ -97,9 +99,10 @@ class WorkingWeights:
             wait = opt.wait_for_params
             units = [(g, self._unit_entries(g, padded)) for g in groups]
             root = roots[0]._get_fsdp_state()._fsdp_param_group if hasattr(roots[0], "_get_fsdp_state") else None
-            self.units = UnitWindow([u for u in units if u[1]], padded, window, dtype, opt.device, wait, root=root)
+            self.units = UnitWindow([u for u in units if u[1]], padded, window, dtype, opt.device, wait, root=root,
+                                    link=opt.link)
             self.shards = ShardWindow(blocks, self._index, self.views, window, dtype, opt.device, wait,
-                                      version=lambda: opt.weights_version)
+                                      version=lambda: opt.weights_version, link=opt.link)
 
     def _capacity(self, i: int, p) -> int:
         if not isinstance(p, DTensor):
