@@ -5,6 +5,7 @@ plan's total, and the compute time of its step with every collective a local sta
     python benchmarks/fake_world.py smoke --out $OUT              # GPU path check: debug widened, W=64 (~1 min)
     python benchmarks/fake_world.py run mop-37b-w8-64k --out $OUT # one point (< 600 s): JSON under --out
     python benchmarks/fake_world.py run mop-241b-w64-1024k --snapshot --out $OUT   # + torch memory snapshot
+    python benchmarks/fake_world.py run mop-241b-w64-64k --census --out $OUT       # + the peak's make-up by site
 
 Points: mop-37b at W=8; mop-120b at W=16 and 64; mop-241b and mop-667b at W=64; each at 64K, 256K and
 1M tokens, with the layout (D, E_p, P) and operators of configs/mop_*.toml, rank 0, the balanced routing
@@ -161,7 +162,11 @@ def child(point: dict, steps: int, snapshot: str | None, model_args=None) -> dic
     guards = StepGuards(NonFiniteGuard(cfg.mop.reliability, rank=0, world=1, device=device), StopFlag(),
                         run.schedule_steps)
     batches = iter(run.dataloader)
+    census = _census(point, device, run.optimizers)
     for step in range(1, steps + 1):
+        if census is not None:
+            census[0].phase = "forward"
+            census[0].reset_peak()
         batch = [next(batches) for _ in range(run.micro_batches)]
         last = step == steps
         if last and snapshot and device.type == "cuda":
@@ -180,13 +185,43 @@ def child(point: dict, steps: int, snapshot: str | None, model_args=None) -> dic
                              if not res["verdict"].skip else None, "peak_gib": peak, "peak_kind": kind,
                              "skipped": res["verdict"].skip, "dispatch": res["dispatch"]})
         print(f"step {step}: {seconds:.2f} s, peak {peak:.2f} GiB ({kind})", flush=True)
+        if census is not None:
+            out["steps"][-1]["census"] = _census_record(census[0])
+            print(json.dumps(out["steps"][-1]["census"], indent=1), flush=True)
         if last and snapshot and device.type == "cuda":
             torch.cuda.memory._dump_snapshot(snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)
             out["snapshot"] = snapshot
+    if census is not None:
+        for part in reversed(census):
+            part.__exit__(None, None, None)
     out["measured_gib"] = max(s["peak_gib"] for s in out["steps"])
     out["plan_over_measured"] = out["plan_device_gib"] / out["measured_gib"]
     return out
+
+
+def _census(point: dict, device, optimizers):
+    """`--census`: (StorageCensus, StepPhases) entered on the run's device, or None. Storages made before
+    the first step (parameters, gradients of step 0, OffloadStreamAdamW's staging) are not counted, so
+    the census peak is the step's own allocations beside `peak_gib`'s total (mop_train.train.census)."""
+    if not point.get("census"):
+        return None
+    from mop_train.train.census import StepPhases, StorageCensus
+
+    census = StorageCensus(device.type, resolution=64 * 2**20)
+    phases = StepPhases(census, optimizers)
+    census.__enter__()
+    phases.__enter__()
+    return census, phases
+
+
+def _census_record(census) -> dict:
+    """The step's census peak, its phase, and its make-up by (phase, site, op, dtype), largest first (GiB)."""
+    from mop_train.train.census import group_labels
+
+    parts = group_labels(census.peak_labels, key=lambda lb: " | ".join(lb))
+    return {"peak_gib": census.peak_bytes / GIB, "phase": census.peak_phase,
+            "make_up_gib": {k: round(b / GIB, 4) for k, b in parts[:40] if b >= 2**24}}
 
 
 def run_point(point: dict, *, steps: int, snapshot: bool, out_dir: str, timeout_s: float) -> dict:
@@ -242,6 +277,8 @@ def main() -> None:
             p.add_argument("points", nargs="+", help="point names (`list` prints them)")
         p.add_argument("--steps", type=int, default=0, help="steps per point (0: 2 when they fit the timeout, else 1)")
         p.add_argument("--snapshot", action="store_true", help="torch memory snapshot of the last step")
+        p.add_argument("--census", action="store_true",
+                       help="count the steps' tensors by allocation site (mop_train.train.census): the peak's make-up")
         p.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, "benchmarks", "results", "fake_world")))
         p.add_argument("--timeout", type=float, default=570.0)
         p.add_argument("--host-limit", default="112GiB")
@@ -280,6 +317,8 @@ def main() -> None:
     for p in points:
         steps = a.steps or (1 if p.get("variant") is None and 2 * estimate_seconds(p) - SETUP_S > a.timeout else 2)
         p["flags"] = [*p["flags"][:2], "--training.steps", str(steps), *p["flags"][4:]]
+        if a.census:
+            p["census"] = True
         results.append(run_point(p, steps=steps, snapshot=a.snapshot, out_dir=a.out, timeout_s=a.timeout))
     print(HEADER)
     for r in results:
