@@ -82,7 +82,8 @@ def _init(backend: str, rank: int, world_size: int) -> None:
     dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
 
 
-PRELOAD = ["mop_train", "torch.distributed.tensor", "torch.distributed.fsdp", "mop_train.config", "mop_train.train.build", "mop_train.train.loop", "tests.utils",
+PRELOAD = ["mop_train", "torch.distributed.tensor", "torch.distributed.fsdp", "mop_train.config", "mop_train.train.build", "mop_train.train.loop",
+           "mop_train.parallel.fake_world", "tests.utils",
            "tests.dist_utils"]
 """What the fork server imports once (module docstring); mop_train first, so that torchtitan finds its
 triton stand-in on a CPU install (mop_train.optional_triton)."""

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mop_train.models import zoo
-from tests.dist_utils import run_distributed
+from tests.dist_utils import rank_context, run_distributed
 from tests.train.cli import DEBUG_CONFIG, REPO, check_ok, read_metrics, run_train
 from tests.utils import fresh_seed
 
@@ -34,7 +34,9 @@ DEBUG_WIDE = replace(zoo.get_model_args("debug"), n_heads=16, num_experts=64)
 experts for E_p=64 (its V=2048 already splits over P=8)."""
 
 
-def _alone(fn, args, errors):
+def _alone(fn, args, errors, environ):
+    os.environ.clear()
+    os.environ.update(environ)
     torch.set_num_threads(1)
     try:
         fn(*args)
@@ -45,20 +47,14 @@ def _alone(fn, args, errors):
             dist.destroy_process_group()
 
 
-_PRELOAD = ["mop_train", "mop_train.config", "mop_train.train.build", "mop_train.train.loop",
-            "mop_train.parallel.fake_world", "tests.train.test_fake_world"]
-"""What the fork server imports once, so that each fake rank starts in a moment, not an import of
-torch, torchtitan and mop_train (most of a fake rank's time on a 2-core machine)."""
-
-
 def run_alone(fn, *args, timeout_s: float = 300) -> None:
     """fn(*args) in one fresh process (a fake world needs a process without a default group), forked
-    from a fork server that has imported `_PRELOAD` and run nothing (no threads, no process group),
-    so each child starts as a spawned process would, without its imports."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    from the tests' fork server (tests.dist_utils.rank_context: torch and mop_train imported, nothing
+    run), so each child starts as a spawned process would, without its imports; it gets the caller's
+    environment."""
+    ctx = rank_context()
     errors = ctx.SimpleQueue()
-    proc = ctx.Process(target=_alone, args=(fn, args, errors))
+    proc = ctx.Process(target=_alone, args=(fn, args, errors, dict(os.environ)))
     proc.start()
     proc.join(timeout_s)
     if proc.is_alive():
