@@ -90,8 +90,9 @@ def test_two_ranks_train_and_resume_bitwise(tmp_path):
               "--checkpoint.keep_latest_k", "0", "--checkpoint.no-last_save_model_only",
               "--metrics.enable_tensorboard"]
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    # 600 s: on a 2-core machine shared with other jobs the 30-step launch took longer than run_train's 180 s
     proc = run_train([*common, "--training.steps", str(STEPS), "--job.dump_folder", straight], nproc=2,
-                     entry=(DROPOUT_ENTRY,))
+                     entry=(DROPOUT_ENTRY,), timeout=600)
     check_ok(proc)
     check_done(proc, read_metrics(straight))
     check_progress_lines(proc.stdout, STEPS)
@@ -105,7 +106,7 @@ def test_two_ranks_train_and_resume_bitwise(tmp_path):
     os.unlink(os.path.join(cut, "manifest.json"))   # what a save killed before its commit leaves
     os.unlink(os.path.join(cut, "__1_0.distcp"))
     proc = run_train([*common, "--training.steps", "8", "--job.dump_folder", resumed], nproc=2,
-                     entry=(DROPOUT_ENTRY,))
+                     entry=(DROPOUT_ENTRY,), timeout=600)
     check_ok(proc)
     (note,) = [line for line in proc.stdout.splitlines() if line.startswith("skipped ")]
     for part in ("step-8", "no manifest.json", os.path.join(ckpt, "incomplete-8"), os.path.join(ckpt, "step-4")):
