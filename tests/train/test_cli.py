@@ -82,7 +82,7 @@ def test_two_ranks_train_and_resume_bitwise(tmp_path):
     steps (checkpoints every 4, all kept): loss falls, TensorBoard events, `step N/30 elapsed eta`
     lines. A copy of that dump folder (metrics.jsonl and TensorBoard of steps 1-30, checkpoints up to
     step 8) whose step-8 save is cut short (manifest and a shard gone), resumed to 8: the cut save is
-    skipped in one line naming it and step-4, the records of steps 5-30 move aside (metrics.jsonl and
+    skipped in one line naming it and step-4 and moved aside (step-8 is then the resumed run's save), the records of steps 5-30 move aside (metrics.jsonl and
     TensorBoard read as one run), and steps 5..8 repeat the straight run bit for bit. (The copy stands
     in for a separate 8-step launch, whose folder would hold the same files for steps 1-8: the same
     seed, schedule and steps; one launch fewer.)"""
@@ -111,7 +111,10 @@ def test_two_ranks_train_and_resume_bitwise(tmp_path):
     (note,) = [line for line in proc.stdout.splitlines() if line.startswith("skipped ")]
     for part in ("step-8", "no manifest.json", os.path.join(ckpt, "incomplete-8"), os.path.join(ckpt, "step-4")):
         assert part in note, f"{part!r} missing from: {note}"
-    assert "resumed from step 4" in proc.stdout and not os.path.exists(cut)
+    assert "resumed from step 4" in proc.stdout
+    # the cut save was moved aside whole; step-8 is now the resumed run's own, complete save
+    assert "manifest.json" not in os.listdir(os.path.join(ckpt, "incomplete-8"))
+    assert os.path.isfile(os.path.join(cut, "manifest.json"))
     a, b = read_metrics(straight), read_metrics(resumed)
     assert [r["step"] for r in b] == list(range(1, 9)), "metrics.jsonl reads as one run"
     (aside,) = [n for n in os.listdir(resumed) if n.startswith("metrics.jsonl.superseded-")]
