@@ -82,10 +82,11 @@ def test_two_ranks_train_and_resume_bitwise(tmp_path):
     steps (checkpoints every 4, all kept): loss falls, TensorBoard events, `step N/30 elapsed eta`
     lines. A copy of that dump folder (metrics.jsonl and TensorBoard of steps 1-30, checkpoints up to
     step 8) whose step-8 save is cut short (manifest and a shard gone), resumed to 8: the cut save is
-    skipped in one line naming it and step-4 and moved aside (step-8 is then the resumed run's save), the records of steps 5-30 move aside (metrics.jsonl and
-    TensorBoard read as one run), and steps 5..8 repeat the straight run bit for bit. (The copy stands
-    in for a separate 8-step launch, whose folder would hold the same files for steps 1-8: the same
-    seed, schedule and steps; one launch fewer.)"""
+    skipped in one line naming it and step-4 and moved aside (step-8 is then the resumed run's save),
+    the records of steps 5-30 move aside (metrics.jsonl and TensorBoard read as one run), and steps
+    5..8 repeat the straight run bit for bit. (The copy stands in for a separate launch cut at step 8,
+    whose records and saves of steps 1-8 would be the same: the same seed, schedule and steps; one
+    launch fewer.)"""
     common = [*TINY, "--debug.seed", "11", "--checkpoint.enable", "--checkpoint.interval", "4",
               "--checkpoint.keep_latest_k", "0", "--checkpoint.no-last_save_model_only",
               "--metrics.enable_tensorboard"]
