@@ -68,9 +68,11 @@ def test_classify_failure():
     assert classify_failure("rank 1\nexitcode  : -9 (pid: 12)\nSignal 9 (SIGKILL) received\n")[0] == "oom"
 
 
-def test_launch_kills_the_whole_process_group_at_its_time_limit(tmp_path):
+def test_launch_kills_the_whole_process_group_at_its_time_limit(tmp_path, monkeypatch):
     """Stopped at its limit counted from its start; a child that ignores SIGTERM is SIGKILLed after
-    the grace; the record tells the stop time from the time it was gone."""
+    the grace; the record tells the stop time from the time it was gone. The grace is 2 s here
+    instead of KILL_GRACE_S = 10 s: the test waits it out, and any grace shows the two times apart."""
+    monkeypatch.setattr(sweep, "KILL_GRACE_S", 2.0)
     pid_file = tmp_path / "grandchild.pid"
     # The child starts a grandchild (as torchrun starts ranks), ignores SIGTERM, and both sleep far past the limit.
     code = ("import signal, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "

@@ -128,13 +128,14 @@ def test_nonfinite_steps_skip_then_stop_and_damaged_checkpoints(tmp_path):
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0x5A]))
-    proc = mop_train([*common, "--training.steps", "7", "--mop.reliability.resume_from_verified"])
+    # one step past the verified step 4 shows the resumed run trains on (steps 6-7 added nothing to check)
+    proc = mop_train([*common, "--training.steps", "5", "--mop.reliability.resume_from_verified"])
     check_ok(proc)
     note = next(line for line in proc.stdout.splitlines() if "failed verification" in line)
     for part in (shard, "SHA-256", os.path.join(ckpt, "step-4")):
         assert part in note, f"{part!r} missing from: {note}"
     assert "resumed from step 4" in proc.stdout
-    assert read_metrics(dump)[-1]["step"] == 7
+    assert read_metrics(dump)[-1]["step"] == 5
 
 
 def test_extend_past_the_schedule_then_sigterm(tmp_path):
@@ -188,18 +189,29 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
 def test_one_writer_and_no_orphans(tmp_path):
     """A second job on a held dump folder exits 7 naming the holder; SIGKILL of the launcher takes its
-    ranks with it within seconds."""
+    ranks with it within seconds. The holder's ranks are paused (SIGSTOP) while the second job starts,
+    so its two ranks have the machine's cores to themselves instead of sharing them with training: a
+    paused rank 0 is alive and holds the lock all the same. They train again (SIGCONT, a step logged)
+    before the launcher is killed."""
     dump = str(tmp_path / "run")
-    common = ["--job.dump_folder", dump, "--training.steps", "500", "--checkpoint.interval", "1000"]
+    # a collective the pause catches counts the pause against the train timeout (100 s by default)
+    common = ["--job.dump_folder", dump, "--training.steps", "500", "--checkpoint.interval", "1000",
+              "--comm.train_timeout_seconds", "900"]
     first = mop_train(common, background=True)
     try:
-        wait_for_records(dump, 2, first)
+        wait_for_records(dump, 1, first)
         ranks = _children(first.pid)
         assert len(ranks) == 2, ranks
+        for r in ranks:
+            os.kill(r, signal.SIGSTOP)
         second = mop_train(common)
+        for r in ranks:
+            os.kill(r, signal.SIGCONT)
+        paused_at = len(read_metrics(dump))
         assert second.returncode == 7, second.stderr[-3000:]
         (line,) = errors(second)
         assert "in use by another job" in line and any(f"pid {r}" in line for r in ranks), line
+        wait_for_records(dump, paused_at + 1, first)   # training again
         os.kill(first.pid, signal.SIGKILL)
         deadline = time.time() + 10
         while time.time() < deadline and any(os.path.exists(f"/proc/{r}") and _state(r) != "Z" for r in ranks):
@@ -222,22 +234,23 @@ def _state(pid: int) -> str:
 
 def test_hung_collective_fails_within_the_timeout_naming_it(tmp_path):
     """Launched as one node of a multi-node job would be: torchrun's rendezvous flags pass through.
-    Rank 1 hangs before step 3: rank 0 exits 6 within seconds of the 5 s timeout (timed from step 2's
-    record, so a slow start on a loaded machine does not count; the init timeout would be 300 s)."""
+    Rank 1 hangs before step 2 (the first step under the train timeout: step 1 runs under the init
+    timeout): rank 0 exits 6 within seconds of the 3 s timeout (timed from step 1's record, so a slow
+    start on a loaded machine does not count; the init timeout would be 300 s)."""
     dump = str(tmp_path / "run")
     rendezvous = ("--nnodes", "1", "--node-rank", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                   f"127.0.0.1:{_free_port()}", "--rdzv-id", "hung")
-    proc = mop_train(["--job.dump_folder", dump, "--training.steps", "5", "--checkpoint.no-enable",
-                      "--comm.train_timeout_seconds", "5"],
-                     env=_env(MOP_TRAIN_FAULT="hang:3:1"), launcher=rendezvous, background=True)
-    wait_for_records(dump, 2, proc)
+    proc = mop_train(["--job.dump_folder", dump, "--training.steps", "4", "--checkpoint.no-enable",
+                      "--comm.train_timeout_seconds", "3"],
+                     env=_env(MOP_TRAIN_FAULT="hang:2:1"), launcher=rendezvous, background=True)
+    wait_for_records(dump, 1, proc)
     start = time.time()
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 6, err[-3000:]
     assert time.time() - start < 60
     (line,) = [ln for ln in err.splitlines() if "error:" in ln]
-    assert "rank 0, step 3" in line and "during the target-token count all-reduce" in line, line
-    assert "comm.train_timeout_seconds = 5" in line, line
+    assert "rank 0, step 2" in line and "during the target-token count all-reduce" in line, line
+    assert "comm.train_timeout_seconds = 3" in line, line
 
 
 def test_config_error_under_torchrun_is_printed_once(tmp_path):
