@@ -1,6 +1,7 @@
 """Ring-DTP against the full-logits reference: loss, dX and every shard's dW, both schedules
 (recompute, grad_in_forward), at P = 1..4 on gloo (impl="torch"; P = 2 as two rings inside a world of 4)
-and at P = 2 on NCCL (impl="triton", marked gpu). The ways of calling a loss (autocast, no_grad, two calls, ...) are in test_ring_dtp_calls.py.
+and at P = 2 on NCCL (impl="triton", marked gpu). The ways of calling a loss (autocast, no_grad, two
+calls, ...) are in test_ring_dtp_calls.py.
 
 Every rank rebuilds the whole problem (all ranks' tokens, the full weight) from one fresh seed, runs
 the ring op on its own part, and checks it against a single-process reference over the full data.
