@@ -17,9 +17,6 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from mop_train.models import zoo
-from mop_train.models.attention import rope_cos_sin, rope_inv_freq
-from mop_train.models.model import TransformerBlock
 from mop_train.ops.moe_dispatch import DispatchStats, ExpertDispatch, PipelinedLLEPOptions, moe_experts_forward
 from mop_train.ops.moe_dispatch import local as local_dispatch
 from mop_train.ops.moe_dispatch.chunked_experts import ExpertGradSum
@@ -154,6 +151,11 @@ def test_output_saved_in_checkpoint_fails_loudly():
 def test_transformer_block_checkpointed():
     """The decoder's real block (attention + MoE with shared expert), checkpointed as training runs
     it: pipelined_llep's output and every parameter gradient equal local dispatch's."""
+    # imported here, not at the top: the models pull in torch._dynamo, which every spawned rank of
+    # test_pipelined_checkpointed_block_multi_rank would import for nothing (seconds per rank on CI)
+    from mop_train.models import zoo
+    from mop_train.models.attention import rope_cos_sin, rope_inv_freq
+    from mop_train.models.model import TransformerBlock
     args = replace(zoo.get_model_args("debug"), n_dense_layers=0)
     torch.manual_seed(fresh_seed(3))
     ref = TransformerBlock(0, args)
