@@ -98,3 +98,13 @@ def no_host_syncs():
     finally:
         torch.cuda.set_sync_debug_mode("default")
         gc.enable()
+
+
+def bf16_moe_layer(gen: torch.Generator, N: int, H: int, I: int, E: int, k: int) -> tuple[torch.Tensor, ...]:
+    """Random inputs of one MoE layer at group size one, leaves requiring grad: x [N, H], w1 and w3
+    [E, I, H], w2 [E, H, I] in bf16, the top-k routing weights [N, k] (fp32) and their expert indices."""
+    x = torch.randn(N, H, generator=gen).bfloat16().requires_grad_()
+    w1, w3 = (torch.randn(E, I, H, generator=gen).bfloat16().requires_grad_() for _ in range(2))
+    w2 = torch.randn(E, H, I, generator=gen).bfloat16().requires_grad_()
+    weights, indices = torch.rand(N, E, generator=gen).topk(k, dim=1)
+    return x, w1, w2, w3, weights.requires_grad_(), indices

@@ -10,7 +10,7 @@ import torch
 
 from mop_train.ops.moe_dispatch import PipelinedLLEPOptions, llep, local, moe_experts_forward
 from mop_train.ops.moe_dispatch.combine import combine_rows
-from tests.utils import assert_bitwise_equal, fresh_seed
+from tests.utils import assert_bitwise_equal, bf16_moe_layer, fresh_seed
 
 
 def _plain(y, ids, rows):
@@ -77,11 +77,7 @@ def _layer(options, seed, monkeypatch, combine):
     N, H, I, E = rng.randint(40, 120), 8 * rng.randint(1, 6), 8 * rng.randint(1, 4), rng.randint(2, 6)
     k = rng.randint(1, min(3, E))
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(N, H, generator=gen).bfloat16().requires_grad_()
-    w1, w3 = (torch.randn(E, I, H, generator=gen).bfloat16().requires_grad_() for _ in range(2))
-    w2 = torch.randn(E, H, I, generator=gen).bfloat16().requires_grad_()
-    weights, indices = torch.rand(N, E, generator=gen).topk(k, dim=1)
-    weights.requires_grad_()
+    x, w1, w2, w3, weights, indices = bf16_moe_layer(gen, N, H, I, E, k)
     leaves = (x, w1, w2, w3, weights)
     inputs = {t.untyped_storage().data_ptr() for t in leaves + (indices,)}
     pack, seen = _saved_storages()

@@ -10,7 +10,7 @@ import torch
 
 from mop_train.ops.moe_dispatch import EPOptions, LLEPOptions, PipelinedLLEPOptions, moe_experts_forward
 from mop_train.ops.moe_dispatch.memory import ROUTE_INDEX_BYTES, RoutedShapes, device_bound
-from tests.utils import fresh_seed
+from tests.utils import bf16_moe_layer, fresh_seed
 
 
 def routed_activation_bytes(options, **shapes):
@@ -88,11 +88,7 @@ def _saved_by_layer(N, H, I, E, k, K, seed):
     """Bytes of distinct storages a pipelined_llep layer (group of one) saves for backward, its inputs
     excluded, counted by autograd's own pack hook, and the routing weights' dtype."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(N, H, generator=gen).bfloat16().requires_grad_()
-    w1, w3 = (torch.randn(E, I, H, generator=gen).bfloat16().requires_grad_() for _ in range(2))
-    w2 = torch.randn(E, H, I, generator=gen).bfloat16().requires_grad_()
-    weights, indices = torch.rand(N, E, generator=gen).topk(k, dim=1)
-    weights.requires_grad_()
+    x, w1, w2, w3, weights, indices = bf16_moe_layer(gen, N, H, I, E, k)
     inputs = {t.untyped_storage().data_ptr() for t in (x, w1, w2, w3, weights, indices)}
     seen = {}
 
