@@ -168,8 +168,14 @@ class _nothing:
         return False
 
 
-def test_settings_are_bitwise_device_device_on_fsdp2():
-    run_distributed(_working_worker, 2, False)
+def _fsdp2_worker(rank, world_size):
+    _adopt_worker(rank, world_size)
+    _working_worker(rank, world_size, False)
+
+
+def test_settings_are_bitwise_device_device_and_adopt_their_masters_on_fsdp2():
+    """Both workers in one spawn of 2 gloo ranks (a spawn costs more than either worker's checks)."""
+    run_distributed(_fsdp2_worker, 2)
 
 
 def _adopt_worker(rank, world_size):
@@ -197,10 +203,6 @@ def _adopt_worker(rank, world_size):
         if weights == "bf16":  # 2 B per parameter element (FSDP2's padding included), nothing else
             assert working.device_bytes() == 2 * (padded + sum(w.to_local().numel() for w in model.experts))
         assert opt._mirrors, "no parameter straddles the device share's end: the test misses that case"
-
-
-def test_adopted_parameters_are_their_masters():
-    run_distributed(_adopt_worker, 2)
 
 
 def test_bad_settings_are_refused():

@@ -2,15 +2,17 @@
 combination is bitwise the run of weights = "device", gradients = "device" (issue 32).
 
 Under the fp32 and the bf16 policy, at W=1 and at (W=4, D=2, E_p=2, P=2, PipelinedLLEP with
-chunks), with two micro-batches per step: each combination trains 3 steps with checkpoints at steps
-2 and 3; its per-step losses and gradient norms and both checkpoints (every tensor: model, optimizer,
-schedule, data position, RNG) are bitwise those of device/device. From device/device's step-2
-checkpoint (W=1: fp32 and bf16; W=4: bf16), runs resumed with weights = "bf16" and "stream" (the setting changed at the resume)
-repeat its step 3, and their step-3 checkpoints are those of a device/device resume (not of the
-straight run: a resumed run's torch CPU RNG state differs at its next checkpoint, device/device
-too, a behaviour that predates these settings). The W=4 checkpoint, resumed at W=2 (E_p=2, the same
-two sequence groups), gives the same bits with device/device and with stream/stream.
-Each world runs all its cases in one spawn (`train` called in process).
+chunks), with two micro-batches per step: each combination trains 2 steps with checkpoints at steps
+1 and 2 (step 2 follows a step and a mid-run save); its per-step losses and gradient norms and both
+checkpoints (every tensor: model, optimizer, schedule, data position, RNG) are bitwise those of
+device/device. From device/device's step-1 checkpoint (W=1: fp32 and bf16; W=4: bf16), runs resumed
+with weights = "bf16" and "stream" (the setting changed at the resume) repeat its step 2, and their
+step-2 checkpoints are those of a device/device resume (not of the straight run: a resumed run's
+torch CPU RNG state differs at its next checkpoint, device/device too, a behaviour that predates
+these settings). The W=4 checkpoint, resumed at W=2 (E_p=2, the same two sequence groups), gives the
+same bits with device/device and with stream/stream.
+Each world runs all its cases in one spawn (`train` called in process); the checkpoints are read
+back here with DCP's own reader, in memory (no torch.save copy of each).
 """
 
 from __future__ import annotations
@@ -18,20 +20,24 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from functools import lru_cache
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from tests.dist_utils import run_distributed
 from tests.train.cli import DEBUG_CONFIG
 
 pytestmark = pytest.mark.slow
-STEPS = 3
+STEPS = 2
+SAVED = 1  # the checkpoint the resumes start from
 BASE = ["--job.config_file", DEBUG_CONFIG, "--metrics.log_freq", "1", "--metrics.no-enable-tensorboard",
         "--debug.seed", "17", "--training.seq_len", "64", "--training.global_batch_size", "4",
-        "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
+        "--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0",
         "--checkpoint.no-last_save_model_only", "--lr_scheduler.total_steps", "3", "--lr_scheduler.warmup_steps", "1",
         "--optimizer.name", "OffloadStreamAdamW", "--mop.offload_adamw.bucket_params", "3000",
         "--mop.offload_adamw.weight_window", "2"]
@@ -63,24 +69,19 @@ def _train(folder: str, args: list[str], steps: int = STEPS) -> None:
     cfg = load_job_config([*BASE, *args, "--training.steps", str(steps), "--job.dump_folder", folder],
                           model_flavors=zoo.names())
     train(cfg, torch.device("cpu"), StopFlag())
-    if dist.get_rank() == 0:
-        for step in (2, STEPS):
-            ckpt = os.path.join(folder, "checkpoint", f"step-{step}")
-            if os.path.isdir(ckpt) and not os.path.exists(ckpt + ".pt"):
-                dcp_to_torch_save(ckpt, ckpt + ".pt")
-    dist.barrier()
 
 
 def _resume(source: str, folder: str, args: list[str]) -> None:
     if dist.get_rank() == 0:
         os.makedirs(os.path.join(folder, "checkpoint"))
-        shutil.copytree(os.path.join(source, "checkpoint", "step-2"), os.path.join(folder, "checkpoint", "step-2"))
+        step = f"step-{SAVED}"
+        shutil.copytree(os.path.join(source, "checkpoint", step), os.path.join(folder, "checkpoint", step))
     dist.barrier()
     _train(folder, args)
 
 
 def _world_worker(rank, world, root, layout, plan, resharded_from):
-    if resharded_from:  # the wide layout's step-2 checkpoint at this (narrower) world
+    if resharded_from:  # the wide layout's step-1 checkpoint at this (narrower) world
         for name, setting in (("dd", _setting("device", "device")), ("ss", _setting("stream", "stream"))):
             _resume(resharded_from, os.path.join(root, f"resharded-{name}"), [*layout, *POLICY["bf16"], *setting])
         return
@@ -112,9 +113,17 @@ def _tensors(state, prefix="") -> dict:
     return {}
 
 
+@lru_cache(maxsize=8)  # (a reference is compared with several runs)
+def _checkpoint(folder: str, step: int) -> dict:
+    """Every tensor of a DCP checkpoint, as DCP's own reader assembles it (dcp_to_torch_save's load)."""
+    state: dict = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(os.path.join(folder, "checkpoint", f"step-{step}")),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return _tensors(state)
+
+
 def _assert_same_checkpoint(folder: str, ref: str, step: int, name: str) -> None:
-    ours = _tensors(torch.load(os.path.join(folder, "checkpoint", f"step-{step}.pt"), weights_only=False))
-    theirs = _tensors(torch.load(os.path.join(ref, "checkpoint", f"step-{step}.pt"), weights_only=False))
+    ours, theirs = _checkpoint(folder, step), _checkpoint(ref, step)
     assert sorted(ours) == sorted(theirs), f"{name} step {step}: checkpoint keys differ"
     assert any(".experts.w1" in k for k in ours) and any("exp_avg_sq" in k for k in ours)
     for key, value in theirs.items():
@@ -129,12 +138,12 @@ def _check_world(root: str, plan) -> None:
         for w, g in _combos(policy)[1:]:
             folder, name = os.path.join(root, f"{policy}-{w}-{g}"), f"{policy} weights={w} gradients={g}"
             assert _metrics(folder) == want, f"{name}: {_metrics(folder)} != {want}"
-            for step in (2, STEPS):
+            for step in (SAVED, STEPS):
                 _assert_same_checkpoint(folder, ref, step, name)
         resumed_ref = os.path.join(root, f"{policy}-resumed-device-device")
         for w, g in resumed:
             folder, name = os.path.join(root, f"{policy}-resumed-{w}-{g}"), f"{policy} resumed with {w}/{g}"
-            assert _metrics(folder) == want[2:], f"{name}: {_metrics(folder)} != {want[2:]}"
+            assert _metrics(folder) == want[SAVED:], f"{name}: {_metrics(folder)} != {want[SAVED:]}"
             _assert_same_checkpoint(folder, resumed_ref, STEPS, name)
 
 
@@ -149,7 +158,7 @@ def test_every_setting_is_bitwise_device_device_at_w4_and_resharded(tmp_path):
     _check_world(wide, AT_W4)
     run_distributed(_world_worker, 2, narrow, NARROW, (), os.path.join(wide, "bf16-device-device"), timeout_s=600)
     want = _metrics(os.path.join(narrow, "resharded-dd"))
-    assert [m[0] for m in want] == [3]
+    assert [m[0] for m in want] == [STEPS]
     assert _metrics(os.path.join(narrow, "resharded-ss")) == want
     _assert_same_checkpoint(os.path.join(narrow, "resharded-ss"), os.path.join(narrow, "resharded-dd"), STEPS,
                             "resharded")
