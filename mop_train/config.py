@@ -26,6 +26,7 @@ from torchtitan.config import ConfigManager
 from torchtitan.config import JobConfig as TitanJobConfig
 
 from mop_train.ops.moe_dispatch.options import LLEPOptions, PipelinedLLEPOptions, dispatch_options
+from mop_train.ops.offload_adamw.memory import GRADIENTS as STREAM_GRADIENTS, WEIGHTS as STREAM_WEIGHTS
 from mop_train.parallel.compile import COMPONENTS as COMPILE_COMPONENTS
 from mop_train.units import parse_bytes, parse_device_fraction
 
@@ -457,8 +458,7 @@ def _require(ok: bool, message: str) -> None:
 def _validate_streaming(cfg, source: str) -> None:
     """[mop.offload_adamw] weights / gradients / weight_window against the optimizer and the run."""
     oa = cfg.mop.offload_adamw
-    for key, value, valid in (("weights", oa.weights, ("device", "bf16", "stream")),
-                              ("gradients", oa.gradients, ("device", "stream"))):
+    for key, value, valid in (("weights", oa.weights, STREAM_WEIGHTS), ("gradients", oa.gradients, STREAM_GRADIENTS)):
         _require(value in valid, f"{source}: mop.offload_adamw.{key} = {value!r} must be one of {valid}")
         _require(value == "device" or cfg.optimizer.name == "OffloadStreamAdamW",
                  f"{source}: mop.offload_adamw.{key} = {value!r} needs the fp32 masters on the host: set "

@@ -33,6 +33,7 @@ from torchtitan.tools.logging import init_logger, logger
 from mop_train.config import load_job_config
 from mop_train.models import zoo
 from mop_train.models.document_mask import document_ids
+from mop_train.ops.offload_adamw.link import LinkBytes
 from mop_train.parallel.apply import dispatch_metrics
 from mop_train.parallel.fake_world import COMM_MODE as FAKE_MODE
 from mop_train.parallel.fake_world import fake_world_from_env, fake_world_note, in_fake_world, init_fake_world
@@ -321,7 +322,7 @@ def offload_link_metrics(optimizers) -> dict:
     accounts = [o.link_bytes() for o in optimizers if hasattr(o, "link_bytes")]
     if not accounts:
         return {}
-    return type(accounts[0]).summed(accounts).metrics()
+    return LinkBytes.summed(accounts).metrics()
 
 
 def stop_cleanly(cfg, checkpointer, step: int) -> None:

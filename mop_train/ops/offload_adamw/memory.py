@@ -40,7 +40,9 @@ def device_bound(settings: OffloadSettings, local_params: int, *, fp32_weights: 
 
 
 WEIGHTS = ("device", "bf16", "stream")
+"""[mop.offload_adamw] weights values (the optimizer, the config check and the plan use these)."""
 GRADIENTS = ("device", "stream")
+"""[mop.offload_adamw] gradients values."""
 
 
 @dataclass(frozen=True)

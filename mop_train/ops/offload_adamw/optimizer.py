@@ -39,13 +39,12 @@ from mop_train.ops.offload_adamw.device_share import DeviceShare
 from mop_train.ops.offload_adamw.forward_waits import ForwardWaits
 from mop_train.ops.offload_adamw.host_update import HostUpdate, host_split
 from mop_train.ops.offload_adamw.link import FP32_STEP_BYTES, LinkBytes, LinkCounter
+from mop_train.ops.offload_adamw.memory import GRADIENTS, WEIGHTS
 from mop_train.ops.offload_adamw.state import ROW, StateDictMixin, check_group, local_shard
 from mop_train.ops.offload_adamw.streams import Streams
 
 DEFAULT_BUCKET_PARAMS = 25_000_000  # benchmarks/RESULTS.md: 25M x 3 slots is 2-4% faster than
 DEFAULT_SLOTS = 3                   # 100M x 2 at 1B and 2.6B params, with 954 MiB of staging (not 2.6 GiB)
-WEIGHTS = ("device", "bf16", "stream")
-GRADIENTS = ("device", "stream")
 
 
 @dataclass
