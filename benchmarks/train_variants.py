@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from plan_vs_measured import ALL_OPS, CONFIG, planned_gib, train_small  # noqa: E402
 
 OFFLOAD = ["--optimizer.name", "OffloadStreamAdamW"]
+TILED = ["--mop.tiling.ffn_tokens", "auto", "--mop.tiling.block_tokens", "auto", "--mop.attention.keep"]
 VARIANTS = {
     "plain": [],
     "streamed": OFFLOAD,
@@ -56,6 +57,10 @@ VARIANTS = {
     "all-gstream": [*ALL_OPS, "--mop.offload_adamw.gradients", "stream"],
     "all-bf16-gstream": [*ALL_OPS, "--mop.offload_adamw.weights", "bf16", "--mop.offload_adamw.gradients", "stream"],
     "all-stream": [*ALL_OPS, "--mop.offload_adamw.weights", "stream", "--mop.offload_adamw.gradients", "stream"],
+    # issues 32 and 36 at long context: every operator with sequence tiling and the attention kept
+    "all-tiled": [*ALL_OPS, *TILED],
+    "all-tiled-stream": [*ALL_OPS, *TILED, "--mop.offload_adamw.weights", "stream",
+                         "--mop.offload_adamw.gradients", "stream"],
 }
 """Name -> overrides of CONFIG (B=2 x 4K unless --shape says otherwise)."""
 

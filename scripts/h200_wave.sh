@@ -10,8 +10,9 @@
 #   profile_2x4k       where ours-auto's step time goes at 2 x 4K (benchmarks/step_profile.py)
 #   gpu_tests          the wave's gpu-marked tests (profiling, streaming, core workspace, compile)
 #   variants_2x4k      issue 32 at 2 x 4K: every weights/gradients setting, link floor (train_variants.py)
-#   variants_long      issue 32 at SHAPE (default 1x524288), LONG_VARIANTS (default "all"), 2 steps each: a
-#                      524K step of `small` takes ~170 s, so one variant per call (then LONG_VARIANTS=all-stream)
+#   variants_long      issue 32 at SHAPE (default 1x524288), LONG_VARIANTS (default "all"), LONG_STEPS (default 2)
+#                      each: a 524K step of `small` takes ~170 s, so two variants per call need LONG_STEPS=1
+#                      LONG_WARMUP=0 (the one step is then the first, warm-up included: say so)
 #   tiling_core        the attention core's bytes per token and backward workspace against the plan
 #   small_1m           `small` at 1M tokens, every operator + tiling (+ streaming), one step
 #   compile_2x4k       compile gain at 2 x 4K, ours and torchtitan (benchmarks/compile_gain.py)
@@ -28,16 +29,20 @@ TAIL=12 step fake_37b_64k 200 python3 benchmarks/fake_world.py run mop-37b-w8-64
 TAIL=12 step fake_120b_64k 200 python3 benchmarks/fake_world.py run mop-120b-w16-64k --out "$OUT/fake"
 TAIL=40 step profile_2x4k 150 python3 benchmarks/step_profile.py --config configs/small_1gpu.toml --auto \
   --seq-len 4096 --batch 2 --out "$OUT/prof_2x4k"
-TAIL=30 step gpu_tests 300 python3 -m pytest -q -m gpu tests/train/test_profiling.py tests/train/test_offload_streaming_gpu.py \
-  tests/ops/test_offload_adamw_working.py tests/models/test_core_workspace.py tests/train/test_compile.py ${GPU_TESTS:-} \
-  -p no:cacheprovider
-TAIL=30 step variants_2x4k 560 python3 benchmarks/train_variants.py --variants ops-device all all-stream all-gstream \
-  all-bf16 --base all --compute ops-device --steps 6 --warmup 2 --budget-s 540 --out "$OUT/variants_2x4k"
-TAIL=30 step variants_long 590 python3 benchmarks/train_variants.py --shape ${SHAPE:-1x524288} \
-  --variants ${LONG_VARIANTS:-all} --base all --steps 2 --warmup 1 --point-timeout-s 575 --budget-s 580 --out "$OUT/variants_long"
+GPU_TEST_FILES=${GPU_TEST_FILES:-tests/train/test_profiling.py tests/train/test_offload_streaming_gpu.py \
+  tests/ops/test_offload_adamw_working.py tests/models/test_core_workspace.py tests/train/test_compile.py}
+TAIL=30 step gpu_tests ${GPU_TESTS_S:-300} python3 -m pytest -q -m gpu $GPU_TEST_FILES -p no:cacheprovider
+V2_S=${V2_S:-560}
+TAIL=30 step variants_2x4k $V2_S python3 benchmarks/train_variants.py --variants ${V2_VARIANTS:-ops-device all all-stream \
+  all-gstream all-bf16} --base all --compute ops-device --steps 6 --warmup 2 --budget-s $((V2_S - 20)) --out "$OUT/variants_2x4k"
+LONG_S=${LONG_S:-590}
+TAIL=30 step variants_long $LONG_S python3 benchmarks/train_variants.py --shape ${SHAPE:-1x524288} \
+  --variants ${LONG_VARIANTS:-all} --base ${LONG_BASE:-all} --steps ${LONG_STEPS:-2} --warmup ${LONG_WARMUP:-1} \
+  --point-timeout-s ${LONG_POINT_S:-575} --budget-s $((LONG_S - 10)) --out "$OUT/variants_long"
 TAIL=30 step tiling_core 120 python3 benchmarks/tiling.py --phase core
 TAIL=30 step small_1m 590 torchrun --standalone --nproc_per_node=1 -m mop_train.train \
   --job.config_file configs/small_1gpu.toml --job.dump_folder /tmp/run_1m --training.steps 1 \
   --training.seq_len ${SEQ:-1048576} "${ALL_OPS[@]}" ${SMALL_1M_FLAGS:-}
+[[ -f /tmp/run_1m/metrics.jsonl ]] && cp /tmp/run_1m/metrics.jsonl "$OUT/small_1m_metrics.jsonl"
 TAIL=30 step compile_2x4k 420 python3 benchmarks/compile_gain.py --shapes 2x4096 --out "$OUT/compile"
 exit 0
