@@ -89,8 +89,13 @@ PRELOAD = ["mop_train", "torch.distributed.tensor", "torch.distributed.fsdp", "m
 triton stand-in on a CPU install (mop_train.optional_triton)."""
 
 
-def rank_context():
-    """The multiprocessing context ranks start from: the fork server that has imported PRELOAD."""
+def rank_context(backend: str = "gloo"):
+    """The multiprocessing context ranks start from: the fork server that has imported PRELOAD, or, for
+    NCCL, a fresh interpreter per rank. Importing PRELOAD may initialise CUDA in the server (seen on the
+    H200, 2026-12-01: "Cannot re-initialize CUDA in forked subprocess" at `torch.cuda.set_device`), and a
+    forked child cannot use CUDA after that; GPU tests are few, so they pay for `spawn`."""
+    if backend == "nccl":
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # (takes effect when the server starts: the first call's list)
     return ctx
@@ -129,7 +134,7 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout_s
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(f"NCCL at world size {world_size} needs {world_size} CUDA devices, this machine has "
                          f"{torch.cuda.device_count()}; mark the test with requires_gpus({world_size})")
-    ctx = rank_context()
+    ctx = rank_context(backend)
     error_queue = ctx.SimpleQueue()
     port = _free_port()
     environ = dict(os.environ)
