@@ -12,8 +12,16 @@ Under torchrun the message also goes to the rank's torchelastic error file
 (TORCHELASTIC_ERROR_FILE), so torchrun's failure summary shows it as the root cause instead of a
 link to its docs. torchrun itself still exits 1 when a rank fails (and with a traceback after a
 SIGTERM); `mop-train train` exits with the ranks' own code (mop_train/cli.py).
+
+On the way out (`leave`), once the run has returned, every object still alive moves to the garbage
+collector's permanent generation (`gc.freeze()`), so the interpreter's shutdown does not walk the
+whole heap (torch, torchtitan, sympy: millions of objects) in several full collections: about 2 s
+of CPU per rank on CI's CPU. Everything the run wrote is closed by then (the loop closes its
+loggers, checkpointer and process group in `train`/`main`); what stays alive is freed with the
+process, as CPython already allows for objects alive at exit.
 """
 
+import gc
 import json
 import os
 import signal
@@ -76,5 +84,11 @@ def run() -> int:
     return 0
 
 
+def leave(code: int) -> None:
+    """Leave with `code`, skipping the shutdown's full collections (module docstring)."""
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(run())
+    leave(run())

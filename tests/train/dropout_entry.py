@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch.nn.functional as F  # noqa: E402
 
 from mop_train.train import build  # noqa: E402
-from mop_train.train.__main__ import run  # noqa: E402
+from mop_train.train.__main__ import leave, run  # noqa: E402
 
 DROPOUT = 0.1
 
@@ -35,4 +35,4 @@ def _with_dropout(build_model):
 
 if __name__ == "__main__":
     build.build_model = _with_dropout(build.build_model)
-    sys.exit(run())
+    leave(run())
