@@ -1,12 +1,13 @@
 """HF import at another layout continues the same losses, and a sharded run's checkpoint exports exactly
-(fp32 CPU, gloo, through the real launch path: `python -m mop_train.train` and `mop-train export`).
+(fp32 CPU, gloo, through the real launch path: `torchrun -m mop_train.train` and `mop-train export`).
 
-One random `debug` model W0 (router biases drawn too) is saved as DCP and exported to HF. Run C starts
-from the DCP at W=1, run B from the HF folder at (W=4, D=2, E_p=2, P=2): both take the same global
-batch, so their losses must agree (rel 1e-5), and C's first loss must be W0's loss on that batch
-computed here (so both really loaded W0). Then B's step-2 checkpoint (FSDP2 rows over 4 ranks, expert
-shards over E_p, vocabulary intervals over P) is exported from its run record, each stored piece read
-once, and every HF tensor equals, bit for bit, that checkpoint's tensor as DCP's own reader assembles it.
+One random `debug` model W0 (router biases drawn too) is saved as DCP and exported to HF. Run C starts from
+the DCP at W=1 (the training function the CLI calls, in one spawned rank: tests/train/in_process.py, a
+launch fewer), run B (a torchrun launch) from the HF folder at (W=4, D=2, E_p=2, P=2): both take the same
+global batch, so their losses must agree (rel 1e-5), and C's first loss must be W0's loss on that batch
+computed here (so both really loaded W0). Then B's step-2 checkpoint (FSDP2 rows over 4 ranks, expert shards
+over E_p, vocabulary intervals over P) is exported from its run record, each stored piece read once, and
+every HF tensor equals, bit for bit, that checkpoint's tensor as DCP's own reader assembles it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from mop_train.hf.run_record import find_run_record
 from mop_train.train import data
 from mop_train.train.loss import IGNORE_INDEX
 from tests.hf.checkpoints import debug_args, random_model, save_dcp
+from tests.dist_utils import run_distributed
 from tests.train.cli import DEBUG_CONFIG, check_ok, read_metrics, run_train
+from tests.train.in_process import stdout_of, train_here
 from tests.utils import assert_bitwise_equal, assert_close, fresh_seed
 
 pytestmark = pytest.mark.slow
@@ -66,19 +69,22 @@ def expected_reads(args) -> int:
     return total
 
 
+def _dcp_start_worker(rank, world, folder, dcp_w0):
+    train_here(folder, [*COMMON, "--training.local_batch_size", str(GLOBAL_BATCH),
+                        "--checkpoint.initial_load_path", dcp_w0])
+
+
 def test_hf_import_at_another_layout_and_sharded_export(tmp_path):
     args = debug_args()
     w0 = random_model(args, fresh_seed(80))
     dcp_w0, hf0 = save_dcp(w0, str(tmp_path / "w0")), str(tmp_path / "hf0")
     assert main(["export", "--checkpoint", dcp_w0, "--out", hf0, "--flavor", "debug", "--tokenizer", "none"]) == 0
     c, b = str(tmp_path / "c"), str(tmp_path / "b")
-    proc_c = run_train([*COMMON, "--training.local_batch_size", str(GLOBAL_BATCH), "--job.dump_folder", c,
-                        "--checkpoint.initial_load_path", dcp_w0], nproc=None, timeout=300)
-    check_ok(proc_c)
+    run_distributed(_dcp_start_worker, 1, c, dcp_w0, timeout_s=300)
     proc_b = run_train([*COMMON, *WIDE, "--job.dump_folder", b, "--checkpoint.initial_load_path", hf0,
                         "--checkpoint.initial_load_in_hf"], nproc=W, timeout=300)
     check_ok(proc_b)
-    assert f"initial weights from {dcp_w0} (DCP, model only)" in proc_c.stdout
+    assert f"initial weights from {dcp_w0} (DCP, model only)" in stdout_of(c)
     assert f"initial weights from {hf0} (Hugging Face safetensors, model only)" in proc_b.stdout
     loss_c = torch.tensor([r["loss"] for r in read_metrics(c)])
     loss_b = torch.tensor([r["loss"] for r in read_metrics(b)])

@@ -7,7 +7,8 @@ left as graph breaks, the loss and every gradient equal to the eager model's.
   the router's load counters; state-dict names unchanged; compiled graphs really made.
 - On 2 gloo ranks (slow): every dispatch schedule (ep, llep, pipelined_llep), with Ulysses, kept
   attention and SCO, through `parallelize` (FSDP2), compiled against eager.
-- The training CLI (slow): `debug` at W=1 with inductor, losses of 3 steps against eager.
+- The training CLI (slow): `debug` at W=1 with inductor, losses of 3 steps against eager (the eager
+  reference through the same training function in a spawned rank).
 - The settings that cannot compile fail before launch, naming the setting.
 """
 
@@ -193,15 +194,25 @@ def test_every_dispatch_schedule_compiles_and_matches_eager():
     run_distributed(_schedules_worker, 2, fresh_seed(9403), timeout_s=900)
 
 
+def _eager_worker(rank, world, folder, args):
+    from tests.train.in_process import train_here
+
+    train_here(folder, args)
+
+
 @pytest.mark.slow
 def test_training_cli_compiled_losses_match_eager(tmp_path):
+    """The compiled run through the CLI (plain `python -m mop_train.train`); the eager reference through
+    the same training function in one spawned rank (tests/train/in_process.py), one launch fewer."""
+    from tests.dist_utils import run_distributed
+
     common = ["--job.config_file", DEBUG_CONFIG, "--training.steps", "3", "--metrics.log_freq", "1",
               "--metrics.no-enable-tensorboard", "--checkpoint.no-enable", "--debug.seed", str(fresh_seed(9404) % 1000)]
-    losses = {}
-    for name, extra in (("eager", []), ("compiled", ["--compile.enable"])):
-        folder = str(tmp_path / name)
-        check_ok(run_train([*common, "--job.dump_folder", folder, *extra], nproc=None, timeout=900))
-        losses[name] = torch.tensor([m["loss"] for m in read_metrics(folder)])
+    eager, compiled = str(tmp_path / "eager"), str(tmp_path / "compiled")
+    run_distributed(_eager_worker, 1, eager, common, timeout_s=300)
+    check_ok(run_train([*common, "--job.dump_folder", compiled, "--compile.enable"], nproc=None, timeout=900))
+    losses = {name: torch.tensor([m["loss"] for m in read_metrics(folder)])
+              for name, folder in (("eager", eager), ("compiled", compiled))}
     assert len(losses["eager"]) == 3
     assert_close(losses["compiled"], losses["eager"], rtol=1e-4, atol=0, name="compiled vs eager losses")
 

@@ -32,13 +32,22 @@ def _train(folder: str, steps: int, nproc: int, layout: list[str]) -> None:
                        nproc=nproc, timeout=300))
 
 
+def _straight_worker(rank, world, folder):
+    from tests.train.in_process import train_here
+
+    train_here(folder, [*COMMON, *NARROW, "--training.steps", "6"])
+
+
 def test_resume_at_another_layout(tmp_path):
-    """Three launches: the unchanged narrow run (1-6, checkpoints every 2 steps); from its step 2 the
-    wide layout trains 3-4 and saves; from that step 4 the narrow layout trains 5-6. (Resuming from
-    step 2 rather than 4 saves two steps of the straight run; step 2's checkpoint holds the same kinds
-    of state as step 4's: OffloadStreamAdamW moments after updates, the data position, the LR step.)"""
+    """The unchanged narrow run (1-6, checkpoints every 2 steps; the training function the CLI calls, in
+    2 spawned ranks: tests/train/in_process.py); then two launches: from its step 2 the wide layout
+    trains 3-4 and saves; from that step 4 the narrow layout trains 5-6. (Resuming from step 2 rather
+    than 4 saves two steps of the straight run; step 2's checkpoint holds the same kinds of state as
+    step 4's: OffloadStreamAdamW moments after updates, the data position, the LR step.)"""
+    from tests.dist_utils import run_distributed
+
     straight, chain = str(tmp_path / "straight"), str(tmp_path / "chain")
-    _train(straight, 6, 2, NARROW)
+    run_distributed(_straight_worker, 2, straight, timeout_s=300)
     ref = {r["step"]: r["loss"] for r in read_metrics(straight)}
     os.makedirs(os.path.join(chain, "checkpoint"))
     shutil.copytree(os.path.join(straight, "checkpoint", "step-2"), os.path.join(chain, "checkpoint", "step-2"))

@@ -6,9 +6,10 @@ same batches, what validation must leave untouched, and layout invariance throug
 - One rank (spawned, gloo): the validator's loss equals the mean over the same batches of the
   token-mean cross-entropy of an unsharded copy of the model; parameters, gradients, optimizer
   state, router biases and load counters are as they were; two validations give the same loss.
-- The CLI (slow): validation losses at W=1 equal those at (W=4, D=2, E_p=2, P=2) with every operator
-  on (Ulysses, PipelinedLLEP chunking, Ring-DTP, SCO, OffloadStreamAdamW overlapping the next forward),
-  rel 1e-5, in metrics.jsonl and TensorBoard.
+- The CLI (slow): validation losses at W=1 (a real `torchrun -m mop_train.train` launch, metrics.jsonl
+  and TensorBoard) equal those at (W=4, D=2, E_p=2, P=2) with every operator on (Ulysses, PipelinedLLEP
+  chunking, Ring-DTP, SCO, OffloadStreamAdamW overlapping the next forward), rel 1e-5; the W=4 run is
+  the same training function in 4 spawned ranks (tests/train/in_process.py), one launch fewer.
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ def test_validator_scores_the_held_out_batches_and_changes_nothing(tmp_path):
     run_distributed(_validator_worker, 1, fresh_seed(9502), str(tmp_path / "run"), timeout_s=600)
 
 
+VALIDATION_GLOBAL_BATCH, VALIDATION_STEPS = 4, 4
 LAYOUTS = [  # (W, D, E_p, P, flags)
     (1, 1, 1, 1, ["--mop.moe.dispatch", "local"]),
     (4, 2, 2, 2, ["--mop.moe.dispatch", "pipelined_llep", "--mop.moe.token_budget", "24",
@@ -139,24 +141,37 @@ LAYOUTS = [  # (W, D, E_p, P, flags)
 ]
 
 
-@pytest.mark.slow
-def test_validation_losses_are_the_same_at_every_layout(tmp_path):
-    global_batch, steps, seed = 4, 4, fresh_seed(9503) % 1000
-    results = []
-    for W, D, Ep, P, flags in LAYOUTS:
-        folder = str(tmp_path / f"w{W}")
-        rows = global_batch * D // W
-        check_ok(run_train([
-            "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", folder, "--training.steps", str(steps),
+def _validation_args(W, D, Ep, P, flags, seed) -> list[str]:
+    rows = VALIDATION_GLOBAL_BATCH * D // W
+    return ["--job.config_file", DEBUG_CONFIG, "--training.steps", str(VALIDATION_STEPS),
             "--training.local_batch_size", str(rows), "--metrics.log_freq", "3", "--checkpoint.no-enable",
             "--debug.seed", str(seed), "--validation.enable", "--validation.dataset", "embedded",
             "--validation.freq", "2", "--validation.steps", "3", "--validation.local_batch_size", str(rows),
             "--validation.seq_len", "96", "--mop.layout.seq_degree", str(D), "--mop.layout.expert_degree", str(Ep),
-            "--mop.layout.vocab_degree", str(P), *flags], nproc=W, timeout=600))
+            "--mop.layout.vocab_degree", str(P), *flags]
+
+
+def _validation_worker(rank, world, folder, seed):
+    from tests.train.in_process import train_here
+
+    train_here(folder, _validation_args(*LAYOUTS[1], seed))
+
+
+@pytest.mark.slow
+def test_validation_losses_are_the_same_at_every_layout(tmp_path):
+    """W=1 through the CLI (`torchrun -m mop_train.train`, metrics.jsonl and TensorBoard); the W=4 layout
+    through the same training function in 4 spawned ranks (tests/train/in_process.py), a launch fewer."""
+    seed = fresh_seed(9503) % 1000
+    folders = [str(tmp_path / f"w{layout[0]}") for layout in LAYOUTS]
+    check_ok(run_train(_validation_args(*LAYOUTS[0], seed) + ["--job.dump_folder", folders[0]], nproc=1,
+                       timeout=600))
+    run_distributed(_validation_worker, LAYOUTS[1][0], folders[1], seed, timeout_s=600)
+    results = []
+    for folder in folders:
         records = read_metrics(folder)
         validated = [r for r in records if "validation/loss" in r]
         assert [r["step"] for r in validated] == [2, 4]       # forced into the record at each validation
-        assert all(r["validation/batches"] == 3 and r["validation/tokens"] == 3 * global_batch * 96
+        assert all(r["validation/batches"] == 3 and r["validation/tokens"] == 3 * VALIDATION_GLOBAL_BATCH * 96
                    for r in validated)
         results.append((validated, records, folder))
     (ref, ref_records, ref_folder), (got, got_records, _) = results
