@@ -47,16 +47,21 @@ VARIANTS = {
     "auto": [*OFFLOAD, "--mop.offload_adamw.device_fraction", "auto"],
     "auto-overlap": [*OFFLOAD, "--mop.offload_adamw.device_fraction", "auto", "--mop.offload_adamw.overlap"],
     "all": ALL_OPS,
+    # the same run again: does "all" repeat itself bit for bit on this device (the bitwise column's control)?
+    "all-control": list(ALL_OPS),
     # the compute of "all" with nothing on the host link: AdamW on the device, no SCO
     "ops-device": ["--mop.moe.dispatch", "pipelined_llep", "--mop.ring_dtp.enable"],
     "all-auto": [*ALL_OPS, "--mop.offload_adamw.device_fraction", "auto", "--mop.offload_adamw.overlap"],
     "accum4-plain": ["--training.global_batch_size", "8"],
     "accum4-streamed": ["--training.global_batch_size", "8", *OFFLOAD],
     # issue 32: the model's own weights and gradients, every operator on ("all" is device/device)
+    "streamed-bf16": [*OFFLOAD, "--mop.offload_adamw.weights", "bf16"],
     "all-bf16": [*ALL_OPS, "--mop.offload_adamw.weights", "bf16"],
     "all-gstream": [*ALL_OPS, "--mop.offload_adamw.gradients", "stream"],
     "all-bf16-gstream": [*ALL_OPS, "--mop.offload_adamw.weights", "bf16", "--mop.offload_adamw.gradients", "stream"],
     "all-stream": [*ALL_OPS, "--mop.offload_adamw.weights", "stream", "--mop.offload_adamw.gradients", "stream"],
+    "all-stream-overlap": [*ALL_OPS, "--mop.offload_adamw.weights", "stream", "--mop.offload_adamw.gradients",
+                           "stream", "--mop.offload_adamw.overlap"],
     # issues 32 and 36 at long context: every operator with sequence tiling and the attention kept
     "all-tiled": [*ALL_OPS, *TILED],
     "all-tiled-stream": [*ALL_OPS, *TILED, "--mop.offload_adamw.weights", "stream",
