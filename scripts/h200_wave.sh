@@ -9,10 +9,12 @@
 #   fake_120b_64k      one rank of mop-120b at W=16, 64K tokens (fake world)
 #   profile_2x4k       where ours-auto's step time goes at 2 x 4K (benchmarks/step_profile.py)
 #   gpu_tests          the wave's gpu-marked tests (profiling, streaming, core workspace, compile)
-#   variants_2x4k      issue 32 at 2 x 4K: every weights/gradients setting, link floor (train_variants.py)
+#   variants_2x4k      issue 32 at 2 x 4K: every weights/gradients setting, link floor (train_variants.py);
+#                      V2_VARIANTS, V2_BASE, V2_EXTRA (one override for every variant, e.g. --debug.deterministic)
 #   variants_long      issue 32 at SHAPE (default 1x524288), LONG_VARIANTS (default "all"), LONG_STEPS (default 2)
 #                      each: a 524K step of `small` takes ~170 s, so two variants per call need LONG_STEPS=1
 #                      LONG_WARMUP=0 (the one step is then the first, warm-up included: say so)
+#   snapshot_repro     which memory-history setting trips the checkpointed loss (benchmarks/snapshot_repro.py)
 #   tiling_core        the attention core's bytes per token and backward workspace against the plan
 #   small_1m           `small` at 1M tokens, every operator + tiling (+ streaming), one step
 #   compile_2x4k       compile gain at 2 x 4K, ours and torchtitan (benchmarks/compile_gain.py)
@@ -34,11 +36,13 @@ GPU_TEST_FILES=${GPU_TEST_FILES:-tests/train/test_profiling.py tests/train/test_
 TAIL=30 step gpu_tests ${GPU_TESTS_S:-300} python3 -m pytest -q -m gpu $GPU_TEST_FILES -p no:cacheprovider
 V2_S=${V2_S:-560}
 TAIL=30 step variants_2x4k $V2_S python3 benchmarks/train_variants.py --variants ${V2_VARIANTS:-ops-device all all-stream \
-  all-gstream all-bf16} --base all --compute ops-device --steps 6 --warmup 2 --budget-s $((V2_S - 20)) --out "$OUT/variants_2x4k"
+  all-gstream all-bf16} --base ${V2_BASE:-all} --compute ops-device --steps 6 --warmup 2 --budget-s $((V2_S - 20)) ${V2_EXTRA:+--extra=$V2_EXTRA} \
+  --out "$OUT/variants_2x4k"
 LONG_S=${LONG_S:-590}
 TAIL=30 step variants_long $LONG_S python3 benchmarks/train_variants.py --shape ${SHAPE:-1x524288} \
   --variants ${LONG_VARIANTS:-all} --base ${LONG_BASE:-all} --steps ${LONG_STEPS:-2} --warmup ${LONG_WARMUP:-1} \
   --point-timeout-s ${LONG_POINT_S:-575} --budget-s $((LONG_S - 10)) --out "$OUT/variants_long"
+TAIL=20 step snapshot_repro 150 python3 benchmarks/snapshot_repro.py --out "$OUT/snapshot_repro"
 TAIL=30 step tiling_core 120 python3 benchmarks/tiling.py --phase core
 TAIL=30 step small_1m 590 torchrun --standalone --nproc_per_node=1 -m mop_train.train \
   --job.config_file configs/small_1gpu.toml --job.dump_folder /tmp/run_1m --training.steps 1 \
