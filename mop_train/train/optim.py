@@ -143,7 +143,8 @@ def attach_streaming(optimizers, parts, layout, offload_adamw) -> None:
         if offload_adamw.weights != "device":
             opt.working = WorkingWeights(opt, [parts.module], mode=offload_adamw.weights,
                                          dtype=parts.precision.param_dtype, blocks=experts + vocab,
-                                         window=offload_adamw.weight_window)
+                                         window=offload_adamw.weight_window,
+                                         one_off_units=[parts.model.tok_embeddings, parts.model.norm])
             bind_weight_sources(list(parts.module.modules()), opt.working)
             if offload_adamw.weights == "stream":
                 units = list(parts.model.layers.values())
