@@ -216,8 +216,9 @@ def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
     weights = offload_memory.weights_bound(stream, shapes)
     grads = offload_memory.gradients_bound(stream, shapes, device_grads=at["grads"], retained_grads=at["grads"],
                                            micro_batches=o.micro_batches)
-    held = {"loss": "the head unit's and the vocab shard's, formed by the loss's backward",
-            "first block backward": "the head unit's and the vocab shard's (reduced after the loss's backward)",
+    head_held = "the head unit's" + (" and the vocab shard's" if x.vocab_degree > 1 else "")
+    held = {"loss": f"{head_held}, formed by the loss's backward",
+            "first block backward": f"{head_held} (reduced after the loss's backward)",
             "last block backward": "every local param (the embedding's forms last)",
             "embedding backward": "every local param, and the embedding's unsharded gradient + fp32 reduce-scatter input"}
     grads_how = (f"fp32, at the peak ({phase}): {held[phase]}" if not streamed
