@@ -11,7 +11,8 @@ process (a SystemError can leave the interpreter unusable), under each recording
 
 Cases: "off" (no recording), "ours" (max_entries only: context "all", stacks "all", as our
 RunProfiler and torchtitan's profiler call it), "python-stacks" (stacks "python"), "alloc-only"
-(context "alloc", stacks "python"). Needs CUDA; writes snapshot_repro.json.
+(context "alloc", stacks "python"), "ours-no-early-stop" ("ours" with the checkpoints' early stop
+off, as RunProfiler now runs while the history records). Needs CUDA; writes snapshot_repro.json.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ CASES = {
     "ours": {"max_entries": 100_000},
     "python-stacks": {"max_entries": 100_000, "stacks": "python"},
     "alloc-only": {"max_entries": 100_000, "context": "alloc", "stacks": "python"},
+    "ours-no-early-stop": {"max_entries": 100_000},   # what RunProfiler now does: checkpoint early stop off
 }
 
 
@@ -44,8 +46,10 @@ def run_case(name: str, autocast: bool) -> None:
     hidden = torch.randn(n, h, device="cuda", generator=gen, requires_grad=True)
     weight = torch.randn(v, h, device="cuda", generator=gen, requires_grad=True)
     targets = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    early_stop = not name.endswith("no-early-stop")
     for _ in range(2):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast), \
+                torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
             loss = chunked_cross_entropy_sum(hidden, weight, targets)
         loss.backward()
     torch.cuda.synchronize()

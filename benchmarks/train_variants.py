@@ -7,6 +7,12 @@ the step's host-link floor.
         --steps 8 --warmup 3 --out $OUT        # one H200: issue 20's goals at B=2 x 4K
     python benchmarks/train_variants.py --variants ops-device all all-bf16 all-gstream all-stream \
         --base all --compute ops-device --steps 6 --warmup 2 --out $OUT   # issue 32 at B=2 x 4K
+    python benchmarks/train_variants.py --variants all all-control all-stream --base all \
+        --extra=--debug.deterministic --steps 4 --warmup 1 --out $OUT      # bitwise on the GPU too?
+
+On CUDA the every-operator step of `small` is not deterministic from run to run (2026-12-01: `all` and
+`all-control` differ; top-8 combines add with atomics), so its `bitwise` column means something there only
+under `--debug.deterministic` (torch.use_deterministic_algorithms), with `all-control` showing the base repeats.
 
 Link floor (issue 32's 2 x 4K goal). Before the first variant of a CUDA run, a child process measures
 pinned host<->device bandwidth with both directions in flight at once (bw_h2d, bw_d2h:
@@ -171,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--point-timeout-s", type=float, default=180)
     ap.add_argument("--budget-s", type=float, default=540)
     ap.add_argument("--out", default=os.environ.get("OUT", "train_variants_out"))
+    ap.add_argument("--extra", nargs="+", default=[], metavar="OVERRIDE",
+                    help="overrides appended to every variant, e.g. --extra=--debug.deterministic (one token per item)")
     ap.add_argument("--base", default="plain", help="the variant the x-column and the bitwise check compare with")
     ap.add_argument("--compute", default="plain", choices=sorted(VARIANTS), help="the variant whose step is the compute-only step of `x floor`")
     a = ap.parse_args(argv)
@@ -188,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         if left < 30:
             print(f"budget spent: {name} not run", flush=True)
             continue
-        overrides = [*shape, *VARIANTS[name]]
+        overrides = [*shape, *VARIANTS[name], *a.extra]
         row = run_variant(name, overrides, config=a.config, nproc=a.nproc, steps=a.steps, warmup=a.warmup,
                           timeout_s=min(a.point_timeout_s, left), out=a.out)
         row["planned"] = planned_gib(overrides, a.nproc, 128 * 2**30, config=a.config)

@@ -9,7 +9,8 @@
 #   fake_120b_64k      one rank of mop-120b at W=16, 64K tokens (fake world)
 #   profile_2x4k       where ours-auto's step time goes at 2 x 4K (benchmarks/step_profile.py)
 #   gpu_tests          the wave's gpu-marked tests (profiling, streaming, core workspace, compile)
-#   variants_2x4k      issue 32 at 2 x 4K: every weights/gradients setting, link floor (train_variants.py)
+#   variants_2x4k      issue 32 at 2 x 4K: every weights/gradients setting, link floor (train_variants.py);
+#                      V2_VARIANTS, V2_BASE, V2_EXTRA (one override for every variant, e.g. --debug.deterministic)
 #   variants_long      issue 32 at SHAPE (default 1x524288), LONG_VARIANTS (default "all"), LONG_STEPS (default 2)
 #                      each: a 524K step of `small` takes ~170 s, so two variants per call need LONG_STEPS=1
 #                      LONG_WARMUP=0 (the one step is then the first, warm-up included: say so)
@@ -35,7 +36,8 @@ GPU_TEST_FILES=${GPU_TEST_FILES:-tests/train/test_profiling.py tests/train/test_
 TAIL=30 step gpu_tests ${GPU_TESTS_S:-300} python3 -m pytest -q -m gpu $GPU_TEST_FILES -p no:cacheprovider
 V2_S=${V2_S:-560}
 TAIL=30 step variants_2x4k $V2_S python3 benchmarks/train_variants.py --variants ${V2_VARIANTS:-ops-device all all-stream \
-  all-gstream all-bf16} --base all --compute ops-device --steps 6 --warmup 2 --budget-s $((V2_S - 20)) --out "$OUT/variants_2x4k"
+  all-gstream all-bf16} --base ${V2_BASE:-all} --compute ops-device --steps 6 --warmup 2 --budget-s $((V2_S - 20)) ${V2_EXTRA:+--extra=$V2_EXTRA} \
+  --out "$OUT/variants_2x4k"
 LONG_S=${LONG_S:-590}
 TAIL=30 step variants_long $LONG_S python3 benchmarks/train_variants.py --shape ${SHAPE:-1x524288} \
   --variants ${LONG_VARIANTS:-all} --base ${LONG_BASE:-all} --steps ${LONG_STEPS:-2} --warmup ${LONG_WARMUP:-1} \

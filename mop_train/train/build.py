@@ -198,7 +198,14 @@ def build_run(cfg, device: torch.device, *, model_args: MoEModelArgs | None = No
     micro_batches = check_titan_parallelism(cfg.parallelism, cfg.training, data_size=layout.data_size)
     parallel = ParallelizeOptions.from_config(cfg, spec.args)
     if cfg.debug.deterministic:
+        # As torchtitan's set_determinism: torch's deterministic kernels (CUDA index_add_ among them,
+        # which the top-k combine uses), cuDNN's deterministic algorithms without autotuning, and the
+        # cuBLAS workspace setting without which deterministic mode refuses cuBLAS GEMMs (set before the
+        # first GEMM makes a cuBLAS handle; a value the user set is kept).
         torch.use_deterministic_algorithms(True, warn_only=cfg.debug.deterministic_warn_only)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     seed = seed_everything(cfg.debug.seed, device)
     dataloader, eos_id, tokenizer_dir = _build_data(cfg, layout, spec)
     parts = build_model(cfg, layout, device, spec, parallel)

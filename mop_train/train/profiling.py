@@ -18,6 +18,14 @@ recorded from the start and dumped at every multiple of `profile_freq` to
 (open it at https://pytorch.org/memory_viz), and when anything in the steps raises
 torch.OutOfMemoryError: then to `iteration_<N>_exit/` before the error goes on, re-raised with the
 file's name in its message. On a CPU-only machine the snapshot is refused before the run starts.
+While the history records, non-reentrant checkpoints recompute without early stopping
+(`torch.utils.checkpoint.set_checkpoint_early_stop(False)`): early stopping ends a recompute by
+raising from a saved-tensor hook inside an ATen op, and on one H200 (2026-12-01) with the history
+recording that exception came out as "SystemError: <built-in function cross_entropy_loss> returned
+NULL without setting an exception" in the loss's recompute (the likely cause: the allocator's
+stack capture on the frees made while the op unwinds). Without early stop a recompute runs its
+function to the end, which for our checkpointed functions (a block, one loss chunk) adds no saved
+tensor; `benchmarks/snapshot_repro.py` checks the cause apart from the loop (not yet run on a GPU).
 
 torchtitan's `tools/profiling.py` (maybe_enable_profiling, maybe_enable_memory_snapshot) is the
 model, with the same folders and file names; the code is ours (one object, the step numbers ours).
@@ -58,6 +66,7 @@ class RunProfiler:
         self.snapshot_dir = os.path.join(dump_folder, profiling.save_memory_snapshot_folder)
         self.last_step = 0                       # the last step completed
         self.torch_profiler = None
+        self._no_early_stop = None               # the checkpoint setting held while the history records
         if profiling.enable_memory_snapshot and device.type != "cuda":
             raise ValueError(f"profiling.enable_memory_snapshot = true needs CUDA (it records the CUDA caching "
                              f"allocator's history), but this run is on {device.type}; set it to false "
@@ -66,6 +75,8 @@ class RunProfiler:
     def start(self) -> None:
         if self.cfg.enable_memory_snapshot:
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+            self._no_early_stop = torch.utils.checkpoint.set_checkpoint_early_stop(False)
+            self._no_early_stop.__enter__()
         if self.cfg.enable_profiling:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             p = self.cfg
@@ -93,6 +104,9 @@ class RunProfiler:
             self.torch_profiler = None
         if self.cfg.enable_memory_snapshot:
             torch.cuda.memory._record_memory_history(enabled=None)
+        if self._no_early_stop is not None:
+            self._no_early_stop.__exit__(None, None, None)
+            self._no_early_stop = None
 
     def dump_snapshot(self, folder: str) -> str:
         """Write the allocator's snapshot (with its recorded history) and return the file's path."""
