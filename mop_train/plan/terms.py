@@ -166,6 +166,25 @@ def _loss_bound(x: MemoryPlanInputs, tokens: int) -> DeviceBound:
 PHASES = ("loss", "first block backward", "last block backward", "embedding backward")
 
 
+def _grads_held(phase: str, x: MemoryPlanInputs) -> str:
+    """Which gradients the device holds at `phase` when they stay there (gradients = "device")."""
+    head = "the head unit's" + (" and the vocab shard's" if x.vocab_degree > 1 else "")
+    return {"loss": f"{head}, formed by the loss's backward",
+            "first block backward": f"{head} (reduced after the loss's backward)",
+            "last block backward": "every local param (the embedding's forms last)",
+            "embedding backward": "every local param, and the embedding's unsharded gradient + fp32 reduce-scatter input",
+            }[phase]
+
+
+def _gathered_how(phase: str, x: MemoryPlanInputs) -> str:
+    """What FSDP2 holds unsharded at `phase` (parallel.parallelize.apply_fsdp's units)."""
+    how = {"loss": f"2 blocks unsharded (prefetch) + the head unit's {x.head_params:,} params (final norm, "
+                   "projection unless vocab-sharded)",
+           "embedding backward": "none (the embedding is not gathered in backward)"}.get(
+        phase, "2 blocks unsharded (prefetch); the head unit resharded after the loss's backward")
+    return how + (f" + the root unit's {x.root_params:,} params" if x.root_params else "")
+
+
 def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
     """Per-rank device bytes at the step's peak, term by term: [(name, bytes, formula)].
 
@@ -216,19 +235,9 @@ def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
     weights = offload_memory.weights_bound(stream, shapes)
     grads = offload_memory.gradients_bound(stream, shapes, device_grads=at["grads"], retained_grads=at["grads"],
                                            micro_batches=o.micro_batches)
-    head_held = "the head unit's" + (" and the vocab shard's" if x.vocab_degree > 1 else "")
-    held = {"loss": f"{head_held}, formed by the loss's backward",
-            "first block backward": f"{head_held} (reduced after the loss's backward)",
-            "last block backward": "every local param (the embedding's forms last)",
-            "embedding backward": "every local param, and the embedding's unsharded gradient + fp32 reduce-scatter input"}
-    grads_how = (f"fp32, at the peak ({phase}): {held[phase]}" if not streamed
+    grads_how = (f"fp32, at the peak ({phase}): {_grads_held(phase, x)}" if not streamed
                  else f"at the peak ({phase}): {grads.how}")
-    gathered_how = {"loss": f"2 blocks unsharded (prefetch) + the head unit's {x.head_params:,} params (final norm, "
-                            "projection unless vocab-sharded)",
-                    "embedding backward": "none (the embedding is not gathered in backward)"}.get(
-        phase, "2 blocks unsharded (prefetch); the head unit resharded after the loss's backward")
-    if x.root_params:
-        gathered_how += f" + the root unit's {x.root_params:,} params"
+    gathered_how = _gathered_how(phase, x)
     return [
         ("parameters", weights.device_bytes, weights.how),
         ("gradients", grads.device_bytes, grads_how),
