@@ -42,10 +42,10 @@ def _arrivals_worker(rank, world, root):
     module, model = run.parts.module, run.parts.model
     units = {id(m._get_fsdp_state()): m._get_fsdp_state() for m in module.modules() if isinstance(m, FSDPModule)}
     held = [tuple(type(m).__name__.removeprefix("FSDP") for m in s._modules) for s in units.values()
-            if s._fsdp_param_groups]
+            if s._fsdp_param_group is not None]
     assert held[0] == ("Embedding",) and held[-1] == ("RMSNorm", "OutputProjection"), held
     assert len(held) == len(model.layers) + 2, held                  # and one unit per block between them
-    assert not module._get_fsdp_state()._fsdp_param_groups, "the root unit holds no parameters"
+    assert module._get_fsdp_state()._fsdp_param_group is None, "the root unit holds no parameters"
 
     drive(cfg, run, device, steps=1)
     opt = run.optimizers.optimizers[0]
