@@ -8,7 +8,8 @@ With `tile_blocks(model, ffn_tokens, block_tokens)` the FFNs and attention's row
 token tiles (same values; mop_train.ops.tiling).
 
 `ffn` is `feed_forward` (dense SwiGLU) in the first n_dense_layers blocks and `moe` after.
-`output.weight [V, H]` is the vocabulary projection that the loss (e.g. Ring-DTP) consumes.
+`output.weight [V, H]` is the vocabulary projection that the loss (e.g. Ring-DTP) consumes: the loss
+calls `output()` for it (`OutputProjection`), so that module hooks (FSDP2's head unit) see its use.
 Runs on one device; parallelism (FSDP, expert/sequence parallel) is applied from outside.
 Build without allocation: `with torch.device("meta"): m = MoETransformer(args)`, then
 `m.to_empty(device=d)` and `m.init_weights(buffer_device=d)`.
@@ -83,6 +84,21 @@ def model_tiles(model: nn.Module) -> TilingOptions:
     return TilingOptions(max(ffns, default=0), max(blocks, default=0))
 
 
+class OutputProjection(nn.Linear):
+    """The vocabulary projection [V, H], an nn.Linear without bias: `output(h)` is `h @ W.T`; `output()` is
+    W itself, as a view, for a loss that consumes the weight rather than logits (chunked cross-entropy,
+    Ring-DTP). Calling the module instead of reading `.weight` lets module hooks see the use: FSDP2's head
+    unit [norm, output] (torchtitan's grouping) runs its post-forward once both modules have run and
+    registers its backward hooks on this output. A view, not the parameter, because a hook registered on
+    a tensor stays there: on the parameter, one would be added every step."""
+
+    def forward(self, x: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., H] -> [..., V] logits; no x -> the weight [V, H] (a view, same values)."""
+        if x is None:
+            return self.weight.view_as(self.weight)
+        return super().forward(x)
+
+
 class MoETransformer(KeepFp32Buffers):
     """The decoder family of `MoEModelArgs`; see the module docstring. RoPE's `rope_inv_freq`
     buffer stays fp32 under `.to(dtype)`."""
@@ -97,7 +113,7 @@ class MoETransformer(KeepFp32Buffers):
         self.register_buffer("rope_inv_freq", rope_inv_freq(args.rope_dim, args.rope_theta), persistent=False)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = OutputProjection(args.dim, args.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:

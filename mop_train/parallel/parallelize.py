@@ -14,9 +14,10 @@ activation checkpointing of the chosen blocks (non-reentrant: a block's input is
 boundary and everything inside is recomputed in backward; with an SCO host budget the block is
 wrapped by `SelectiveCheckpointOffload.wrap` instead, which also offloads boundaries to host);
 torch.compile of each block and of the loss ([compile]: mop_train/parallel/compile.py); FSDP2
-under one MixedPrecision policy. FSDP2 shards each block as one unit and the root (embeddings,
-final norm, output projection) as another, over all W ranks; weights sharded by a MoP
-group (experts over E_p, the projection over P) stay out of FSDP2. Gradients are summed over ranks,
+under one MixedPrecision policy. FSDP2 shards the token embedding, each block, and the head (final
+norm + output projection) as units of their own over all W ranks (torchtitan's units; `apply_fsdp`
+says when each is gathered and reduced); weights sharded by a MoP group (experts over E_p, the
+projection over P) stay out of FSDP2. Gradients are summed over ranks,
 not averaged: the loop divides the summed token loss by the global token count, so the sum is the
 exact gradient of the mean. Each check of the job against the layout and the model is made once, in
 the functions above `parallelize`, before the model is built.
@@ -26,6 +27,7 @@ Legend: W ranks, D sequence degree, E_p expert degree, P vocab degree.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -144,8 +146,8 @@ def parallelize(module: nn.Module, layout, options: ParallelizeOptions, *, sco=N
     order of the module docstring.
 
     Args:
-        module: the FSDP2 root, whose `.model` is the decoder and whose forward also uses
-            `model.output.weight` (mop_train.train.loss.LanguageModelLoss); meta or materialised.
+        module: the FSDP2 root, whose `.model` is the decoder and whose forward also uses the projection
+            through `model.output()` (mop_train.train.loss.LanguageModelLoss); meta or materialised.
         layout: the RankLayout (groups and meshes).
         options: `ParallelizeOptions.from_config(...)`.
         sco: a `SelectiveCheckpointOffload` that wraps the checkpointed blocks, or None.
@@ -180,17 +182,38 @@ def apply_activation_checkpointing(model: nn.Module, layer_ids, *, preserve_rng_
 
 def apply_fsdp(root: nn.Module, model: nn.Module, mesh, *, param_dtype: torch.dtype,
                reduce_dtype: torch.dtype, ignored_params: set | None = None) -> None:
-    """FSDP2 over `mesh`: one unit per block of `model.layers`, then `root` (which holds `model`).
+    """FSDP2 over `mesh`, units as torchtitan's llama3/deepseek_v3 `apply_fsdp` makes them: the token
+    embedding, one unit per block of `model.layers`, the head [final norm, output projection], then
+    `root` (which holds `model`; here it keeps no parameters of its own).
 
-    `root` must be the module whose forward also uses `model.output.weight`, so that the root
-    unit has every remaining parameter unsharded during its forward.
+    - embedding: gathered for its forward at the start of the step, resharded after it, and never
+      gathered in backward (`set_unshard_in_backward(False)`: the embedding's backward reads only the
+      token ids); its gradient forms at the end of backward and is reduced in FSDP2's final callback.
+    - head: gathered in the final norm's pre-forward, kept for the loss and its backward
+      (reshard_after_forward=False, as the last block), resharded and its gradient reduced by the
+      post-backward hook on the norm's input, i.e. right after the loss's and the norm's backward,
+      before the first block's. `root`'s forward reads the projection through `model.output()`
+      (models.model.OutputProjection), so both modules of the unit run forward. A projection kept out
+      of FSDP2 (vocab-sharded, P > 1) leaves the norm alone in the unit.
+    Names and values are FSDP2's sharding of each parameter over `mesh` whatever the unit, so state
+    dicts and DCP checkpoints are those of a single root unit.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    ignored = {id(p) for p in ignored_params or ()}
+    embedding = fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=mp, reshard_after_forward=True,
+                            ignored_params=ignored_params)
+    embedding.set_unshard_in_backward(False)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block is needed again first in backward: keep it unsharded after forward.
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1,
                     ignored_params=ignored_params)
+    head = [model.norm] + ([model.output] if id(model.output.weight) not in ignored else [])
+    # the head's output is `output()`, a view of the weight that only the loss reads (never in place):
+    # FSDP2's warning about in-place ops on a view returned by a unit does not apply to it
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPRMSNorm, FSDPOutputProjection\) "
+                            r"returned a view tensor")
+    fully_shard(head, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored_params)
     fully_shard(root, mesh=mesh, mp_policy=mp, ignored_params=ignored_params)
     for module in root.modules():
         if isinstance(module, FSDPModule):

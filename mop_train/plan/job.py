@@ -6,7 +6,9 @@ a configuration and either the built parts (at launch) or a meta model (`mop-tra
 
 Both take this rank's share of the weights the same way: FSDP2 shards the dense weights over W, the
 routed experts are sharded over E_p (unless dispatch = "local") and the output projection over P
-(P > 1); FSDP2 gathers each block's and the root unit's weights but those a MoP group shards.
+(P > 1); FSDP2 gathers each of its units' weights but those a MoP group shards: the token embedding
+(for its forward), each block, the head (final norm + projection unless P > 1, from the final norm's
+forward to the end of the loss's backward), and the root's own (none here; parallel.parallelize).
 
 Legend: W ranks, D sequence degree, E_p expert degree, P vocab degree.
 """
@@ -57,9 +59,21 @@ def root_unit_params(model) -> list:
     return [p for p in model.parameters() if id(p) not in in_blocks]
 
 
+def head_unit_params(model) -> list:
+    """The parameters of FSDP2's head unit [final norm, output projection] (the projection's whether or
+    not a vocab group shards it)."""
+    return [*model.norm.parameters(), *model.output.parameters()]
+
+
 def fsdp_root_params(model, kept_out: set[int]) -> int:
-    """Parameters of FSDP2's root unit: those outside every block and not kept out of FSDP2."""
-    return sum(p.numel() for p in root_unit_params(model) if id(p) not in kept_out)
+    """Parameters of FSDP2's root unit: those outside every block, the embedding and the head (0 here)."""
+    units = {id(p) for p in [*model.tok_embeddings.parameters(), *head_unit_params(model)]}
+    return sum(p.numel() for p in root_unit_params(model) if id(p) not in kept_out and id(p) not in units)
+
+
+def fsdp_head_params(model, kept_out: set[int]) -> int:
+    """Parameters FSDP2 gathers for the head unit: the final norm, and the projection unless kept out."""
+    return sum(p.numel() for p in head_unit_params(model) if id(p) not in kept_out)
 
 
 def ring_dtp_plan_schedule(cfg, *, tokens: int, hidden: int, vocab: int, vocab_degree: int, act_bytes: int) -> str:
@@ -104,7 +118,8 @@ def operator_plan(cfg, args: MoEModelArgs, *, layout_plan, act_bytes: int, sco_h
 
 def memory_plans(cfg, args: MoEModelArgs, *, layout_plan, total_params: int, largest_block_params: int,
                  root_params: int, first_grad_params: int, checkpointed_layers: int, local_params: int,
-                 sco_host_budget: int, precision: MixedPrecision, device_fraction: float | None = None):
+                 sco_host_budget: int, precision: MixedPrecision, device_fraction: float | None = None,
+                 head_params: int = 0, embedding_params: int = 0):
     """(device terms, host terms) of one rank (mop_train.plan.terms). OffloadStreamAdamW's share kept on
     the device is `device_fraction` when known (the launch resolves "auto" first); otherwise the
     configured number, and for an unresolved "auto" 0 on the device and all of it in the host terms
@@ -119,7 +134,8 @@ def memory_plans(cfg, args: MoEModelArgs, *, layout_plan, total_params: int, lar
         total_params=total_params, largest_block_params=largest_block_params, root_params=root_params,
         first_grad_params=first_grad_params, checkpointed_layers=checkpointed_layers, local_params=local_params,
         seq_degree=layout_plan.seq_degree, expert_degree=layout_plan.expert_degree,
-        vocab_degree=layout_plan.vocab_degree, act_bytes=act,
+        vocab_degree=layout_plan.vocab_degree, act_bytes=act, head_params=head_params,
+        embedding_params=embedding_params,
         ops=operator_plan(cfg, args, layout_plan=layout_plan, act_bytes=act, sco_host_budget=sco_host_budget,
                           device_fraction=device_fraction)))
     host_terms = host_memory_plan(local_params, offload_optimizer=cfg.optimizer.name == OFFLOAD_ADAMW,
@@ -139,8 +155,9 @@ def plan_from_parts(cfg, layout_plan: LayoutPlan, parts: BuiltModel, args: MoEMo
     return memory_plans(
         cfg, args, layout_plan=layout_plan, total_params=total_params,
         largest_block_params=max(fsdp_block_params(b, kept_out) for b in model.layers.values()),
-        root_params=fsdp_root_params(model, kept_out),
-        first_grad_params=sum(local(p).numel() for p in root_unit_params(model)),
+        root_params=fsdp_root_params(model, kept_out), head_params=fsdp_head_params(model, kept_out),
+        first_grad_params=sum(local(p).numel() for p in head_unit_params(model)),
+        embedding_params=model.tok_embeddings.weight.numel(),
         checkpointed_layers=len(parts.checkpointed),
         local_params=sum(local(p).numel() for p in parts.module.parameters()),
         sco_host_budget=parts.sco.host_budget_bytes if parts.sco is not None else 0, precision=parts.precision,
@@ -185,11 +202,11 @@ class JobPlan:
         return sum(b for _, b, _ in self.host_terms) * self.ranks_per_node
 
 
-def local_root_params(model, layout_plan) -> int:
-    """This rank's share of the parameters outside the blocks: FSDP2 shards them over W, except the
-    projection, which is sharded over P when P > 1."""
+def local_head_params(model, layout_plan) -> int:
+    """This rank's share of the head unit's parameters (the gradients the loss's backward makes): FSDP2
+    shards the final norm (and the projection at P = 1) over W; the projection is sharded over P when P > 1."""
     projection = model.output.weight.numel() if layout_plan.vocab_degree > 1 else 0
-    rest = sum(p.numel() for p in root_unit_params(model)) - projection
+    rest = sum(p.numel() for p in head_unit_params(model)) - projection
     return -(-rest // layout_plan.world_size) + -(-projection // layout_plan.vocab_degree)
 
 
@@ -214,8 +231,8 @@ def plan_for_config(cfg, *, world: int, ranks_per_node: int, host_bytes: int | N
     device_terms, host_terms = memory_plans(
         cfg, args, layout_plan=layout, total_params=total,
         largest_block_params=max(fsdp_block_params(b, kept_out) for b in model.layers.values()),
-        root_params=fsdp_root_params(model, kept_out),
-        first_grad_params=local_root_params(model, layout),
+        root_params=fsdp_root_params(model, kept_out), head_params=fsdp_head_params(model, kept_out),
+        first_grad_params=local_head_params(model, layout), embedding_params=model.tok_embeddings.weight.numel(),
         checkpointed_layers=len(checkpointed_layer_ids(cfg.activation_checkpoint, args.n_layers)),
         local_params=mine, sco_host_budget=sco_budget, precision=precision)
     return JobPlan(layout, total, mine, micro, str(precision.param_dtype).removeprefix("torch."),

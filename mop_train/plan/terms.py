@@ -13,8 +13,9 @@ when the operator does:
   gradients    their fp32 gradients                                      4 * local params
   optimizer    AdamW's moments on the device (8 B / param), or OffloadStreamAdamW's staging
                (offload_adamw.memory.device_bound: staging plus its device share)
-  gathered     FSDP2: two blocks unsharded in the compute dtype (prefetch) and the root unit
-               (embeddings, projection unless vocab-sharded), which stays unsharded all step
+  gathered     FSDP2: two blocks unsharded in the compute dtype (prefetch); in the loss also the head
+               unit (final norm + projection unless vocab-sharded), gathered from the final norm's
+               forward to the end of the loss's backward; the embedding unit only for its forward
   boundaries   checkpointed block inputs B*S/D*H, less what SCO offloads (sco.budget.device_bound)
   kept attn    attention outputs and log-sum-exps kept across the recompute ([mop.attention] keep)
   block        one block in backward (plan.block): what attention and the FFN save (mop_train.models.memory),
@@ -91,12 +92,13 @@ class MemoryPlanInputs:
     largest_block_params: int
     """Parameters FSDP2 gathers for the largest decoder block (those kept out of it excluded)."""
     root_params: int
-    """Parameters of FSDP2's root unit (embeddings, final norm, the projection unless P > 1)."""
+    """Parameters of FSDP2's root unit, unsharded all step: those outside the blocks, the embedding and
+    the head (none for MoETransformer; parallel.parallelize.apply_fsdp)."""
     checkpointed_layers: int
     """Blocks under activation checkpointing (their inputs are the retained boundaries)."""
     first_grad_params: int
-    """This rank's parameters whose gradients exist when the first block runs backward: the root
-    unit's shard and the projection's (the loss's backward made them)."""
+    """This rank's parameters whose gradients the loss's backward makes, before the first block's: the
+    head unit's shard (final norm, the projection unless P > 1) and the vocab shard (P > 1)."""
     local_params: int
     """This rank's parameters: dense / W + routed experts / E_p + the projection / P when sharded."""
     seq_degree: int = 1
@@ -105,6 +107,10 @@ class MemoryPlanInputs:
     act_bytes: int = 2
     """Bytes per activation / compute-dtype weight element (2 for bf16, 4 for fp32)."""
     ops: OperatorPlan = field(default_factory=OperatorPlan)
+    head_params: int = 0
+    """Parameters of FSDP2's head unit (final norm, the projection unless P > 1), unsharded in the loss."""
+    embedding_params: int = 0
+    """The token embedding's parameters (V x H): its unsharded gradient forms at the end of backward."""
 
 
 def compute_dtype(act_bytes: int) -> torch.dtype:
@@ -157,17 +163,39 @@ def _loss_bound(x: MemoryPlanInputs, tokens: int) -> DeviceBound:
         tokens, a.dim, a.vocab_size, x.vocab_degree, compute_dtype(x.act_bytes)))
 
 
-PHASES = ("loss", "first block backward", "last block backward")
+PHASES = ("loss", "first block backward", "last block backward", "embedding backward")
+
+
+def _grads_held(phase: str, x: MemoryPlanInputs) -> str:
+    """Which gradients the device holds at `phase` when they stay there (gradients = "device")."""
+    head = "the head unit's" + (" and the vocab shard's" if x.vocab_degree > 1 else "")
+    return {"loss": f"{head}, formed by the loss's backward",
+            "first block backward": f"{head} (reduced after the loss's backward)",
+            "last block backward": "every local param (the embedding's forms last)",
+            "embedding backward": "every local param, and the embedding's unsharded gradient + fp32 reduce-scatter input",
+            }[phase]
+
+
+def _gathered_how(phase: str, x: MemoryPlanInputs) -> str:
+    """What FSDP2 holds unsharded at `phase` (parallel.parallelize.apply_fsdp's units)."""
+    how = {"loss": f"2 blocks unsharded (prefetch) + the head unit's {x.head_params:,} params (final norm, "
+                   "projection unless vocab-sharded)",
+           "embedding backward": "none (the embedding is not gathered in backward)"}.get(
+        phase, "2 blocks unsharded (prefetch); the head unit resharded after the loss's backward")
+    return how + (f" + the root unit's {x.root_params:,} params" if x.root_params else "")
 
 
 def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
     """Per-rank device bytes at the step's peak, term by term: [(name, bytes, formula)].
 
-    Three moments compete for the peak: the loss (every boundary retained, the loss's working set),
-    the first block's backward (still every boundary, only the root unit's gradients) and the last
-    block's (all gradients, one boundary). Gradients are allocated by backward and freed by
-    zero_grad, so they and the boundaries trade places through backward; the plan is the largest
-    of the three, and its `gradients` line says which one it is.
+    Four moments compete for the peak: the loss (every boundary retained, the loss's working set, the
+    head unit gathered and its gradients forming), the first block's backward (still every boundary;
+    the head's gradients: FSDP2 reduced them right after the loss's and the norm's backward, and with
+    gradients = "stream" they have left), the last block's (all gradients but the embedding's, one
+    boundary) and the embedding's backward at the very end (its unsharded gradient and FSDP2's fp32
+    reduce-scatter input, nothing else of backward alive). Gradients are allocated by backward and
+    freed by zero_grad (or leave as they are final), so they and the boundaries trade places through
+    backward; the plan is the largest of the four, and its `gradients` line says which one it is.
     """
     a, o, act, mine = x.model, x.ops, x.act_bytes, x.local_params
     tokens = x.local_batch * x.seq_len // x.seq_degree
@@ -183,14 +211,23 @@ def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
     optimizer_bound = _optimizer_bound(x)
     optimizer, optimizer_how = optimizer_bound.device_bytes, optimizer_bound.how
     head = tokens * a.dim * (2 * act + 4)
-    early = dict(boundaries=boundaries.device_bytes, kept=L_ckpt * kept_layer, grads=4 * x.first_grad_params)
     streamed = o.offload_gradients == "stream"
-    grads_last = 4 * x.first_grad_params if streamed else 4 * mine  # streamed: only the root unit's remain
+    head_grads = 4 * x.first_grad_params                              # formed by the loss's backward
+    # the embedding's own backward: its unsharded gradient (compute dtype), FSDP2's fp32 reduce-scatter
+    # input and this rank's fp32 shard of the result (counted in 4 * mine when the gradients stay)
+    embedding_grad = x.embedding_params * (act + 4) + (4 * -(-x.embedding_params // x.world_size) if streamed else 0)
+    blocks_gathered = (2 * x.largest_block_params + x.root_params) * act
+    early = dict(boundaries=boundaries.device_bytes, kept=L_ckpt * kept_layer)
     candidates = {
-        "loss": {**early, "block": plain_blocks, "head": head, "loss": loss},
-        "first block backward": {**early, "block": plain_blocks + block_peak, "head": 0, "loss": 0},
+        "loss": {**early, "grads": head_grads, "block": plain_blocks, "head": head, "loss": loss,
+                 "gathered": blocks_gathered + x.head_params * act},
+        "first block backward": {**early, "grads": 0 if streamed else head_grads, "block": plain_blocks + block_peak,
+                                 "head": 0, "loss": 0, "gathered": blocks_gathered},
         "last block backward": dict(boundaries=boundary if L_ckpt else 0, kept=kept_layer if L_ckpt else 0,
-                                    grads=grads_last, block=block_peak, head=0, loss=0),
+                                    grads=0 if streamed else 4 * mine, block=block_peak, head=0, loss=0,
+                                    gathered=blocks_gathered),
+        "embedding backward": dict(boundaries=0, kept=0, grads=(0 if streamed else 4 * mine) + embedding_grad,
+                                   block=0, head=0, loss=0, gathered=x.root_params * act),
     }
     phase = max(PHASES, key=lambda name: sum(candidates[name].values()))
     at = candidates[phase]
@@ -198,22 +235,23 @@ def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
     weights = offload_memory.weights_bound(stream, shapes)
     grads = offload_memory.gradients_bound(stream, shapes, device_grads=at["grads"], retained_grads=at["grads"],
                                            micro_batches=o.micro_batches)
-    grads_how = (f"fp32, at the peak ({phase}): "
-                 + ("every local param" if at["grads"] == 4 * mine else "the root unit's and the projection's")
-                 if not streamed else f"at the peak ({phase}): {grads.how}")
+    grads_how = (f"fp32, at the peak ({phase}): {_grads_held(phase, x)}" if not streamed
+                 else f"at the peak ({phase}): {grads.how}")
+    gathered_how = _gathered_how(phase, x)
     return [
         ("parameters", weights.device_bytes, weights.how),
         ("gradients", grads.device_bytes, grads_how),
         ("optimizer", optimizer, optimizer_how),
-        ("gathered", (2 * x.largest_block_params + x.root_params) * act,
-         f"2 blocks unsharded (prefetch) + the root unit's {x.root_params:,} params"),
+        ("gathered", at["gathered"], gathered_how),
         ("boundaries", at["boundaries"], "the first block's input, B*S/D*H" if phase == "last block backward"
+         else "none: backward is over" if phase == "embedding backward"
          else f"{L_ckpt} checkpointed block inputs of B*S/D*H" + (
              f", {offloaded} offloaded by SCO (2 in flight in backward)" if o.sco_host_budget else "")),
         ("kept attn", at["kept"], "B*S/D*heads*(d_v*act+4) per kept layer" if kept_layer
          else "attention replayed in the recompute"),
         ("block", at["block"], (f"{a.n_layers - L_ckpt} block(s) not checkpointed, saved all step; " if plain_blocks
-                                else "") + ("none in backward yet" if phase == "loss" else f"one in backward: {block_how}")),
+                                else "") + ("none in backward yet" if phase == "loss" else "none left"
+                                            if phase == "embedding backward" else f"one in backward: {block_how}")),
         ("head", at["head"], "final norm input and output, fp32 grad of the hidden states"),
         ("loss", at["loss"], loss_how),
     ]

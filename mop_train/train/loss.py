@@ -64,8 +64,9 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, target
 class LanguageModelLoss(torch.nn.Module):
     """`model` plus the loss: forward(tokens [B, S], labels [B, S]) -> summed token loss (fp32).
 
-    It is the FSDP root, so the output projection `model.output.weight` [V, H] is unsharded
-    while this forward runs, and its gradient is reduced like every other root parameter.
+    It is the FSDP root. The output projection `model.output.weight` [V, H] is read by calling
+    `model.output()` after the final norm: FSDP2's head unit [norm, output] gathers it in the norm's
+    pre-forward and reduces its gradient as soon as the loss's and the norm's backward have run.
     `loss_fn(hidden [N, H], weight [V, H], targets [N]) -> fp32 sum` is the swap point for
     Ring-DTP (e.g. `functools.partial(ring_dtp_cross_entropy, group=..., vocab_size=V, reduction="sum")`).
     """
@@ -82,6 +83,7 @@ class LanguageModelLoss(torch.nn.Module):
                 positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """doc_ids: None or [B, S_full] document ids of the whole sequence (the model's argument)."""
         hidden = self.model(tokens, positions, doc_ids)                        # [B, S, H]
-        weight = self.model.output.weight                                      # [V, H] or its shard
-        working = self.weight_source(weight, weight.dtype) if self.weight_source is not None else None
-        return self.loss_fn(hidden.flatten(0, 1), weight if working is None else working, labels.flatten())
+        param = self.model.output.weight                                       # [V, H] or its shard
+        working = self.weight_source(param, param.dtype) if self.weight_source is not None else None
+        weight = self.model.output() if working is None else working            # the call: FSDP2's head unit sees it
+        return self.loss_fn(hidden.flatten(0, 1), weight, labels.flatten())

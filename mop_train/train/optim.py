@@ -11,7 +11,7 @@
 "OffloadStreamAdamW" builds `mop_train.ops.offload_adamw.OffloadStreamAdamW` (fp32 master weights
 and moments in pinned host memory, streamed through the device in buckets) inside torchtitan's
 `OptimizersContainer`, so it checkpoints through DCP like the others; its parameters are laid out in
-the order the forward consumes them (FSDP2 units: the root's own, then block by block), so that its
+the order the forward consumes them (FSDP2 units: the embedding, block by block, the head), so that its
 device-resident share is what the forward needs first and, with `overlap`, each unit's forward
 waits for its own buckets only. `device_fraction = "auto"` is resolved from the device bytes the
 rest of the plan leaves free (`resolve_device_fraction`). The LR schedule is
@@ -143,7 +143,8 @@ def attach_streaming(optimizers, parts, layout, offload_adamw) -> None:
         if offload_adamw.weights != "device":
             opt.working = WorkingWeights(opt, [parts.module], mode=offload_adamw.weights,
                                          dtype=parts.precision.param_dtype, blocks=experts + vocab,
-                                         window=offload_adamw.weight_window)
+                                         window=offload_adamw.weight_window,
+                                         one_off_units=[parts.model.tok_embeddings, parts.model.norm])
             bind_weight_sources(list(parts.module.modules()), opt.working)
             if offload_adamw.weights == "stream":
                 units = list(parts.model.layers.values())

@@ -7,7 +7,7 @@ weights are their own masters (AdamW updates them in place: the master is 4 byte
 holds), so a device-resident element costs 8 bytes (both moments); bf16 working weights also need an
 fp32 master, 12 bytes. A parameter may straddle N_d: its head is here, its tail on the host.
 
-Why the head: the forward consumes the flat order from the front (the root unit, then block 0, 1,
+Why the head: the forward consumes the flat order from the front (the FSDP2 units: the embedding, block 0, 1,
 ...), so a resident head lets it start at once while the streamed tail is still in flight, and the
 last streamed bucket has the whole forward to arrive (exposed ~ T_stream - T_forward). A resident
 tail would make the forward wait for the first streamed bucket and leave the stream only the

@@ -45,18 +45,29 @@ def forward_units(root: nn.Module, units: list[nn.Module] | None = None) -> list
 
     Default units: the FSDP2 units under `root` (`fully_shard`ed modules) in registration order,
     the root first (FSDP2 gathers the root's own parameters before any block runs), or [root] when
-    nothing is sharded. Each parameter belongs to the innermost unit that holds it; units with no
-    parameters of their own are dropped.
+    nothing is sharded; the modules of one `fully_shard([a, b])` are one unit, named by its first
+    module (its pre-forward gathers them all: the head [norm, output]). Each parameter belongs to the
+    innermost unit that holds it; units with no parameters of their own are dropped.
     """
+    members: dict[nn.Module, list[nn.Module]] = {}
     if units is None:
         from torch.distributed.fsdp import FSDPModule
-        units = [m for m in root.modules() if isinstance(m, FSDPModule)] or [root]
+        units, states = [], set()
+        for m in root.modules():
+            if isinstance(m, FSDPModule) and id(state := m._get_fsdp_state()) not in states:
+                states.add(id(state))
+                units.append(m)
+                members[m] = list(getattr(state, "_modules", (m,)))
+        units = units or [root]
+
+    def params_of(unit):
+        return [p for m in members.get(unit, [unit]) for p in m.parameters()]
     owner: dict[int, nn.Module] = {}
     # a nested unit holds a subset of its ancestors' parameters: fewest parameters = innermost
-    for unit in sorted(units, key=lambda m: sum(1 for _ in m.parameters())):
-        for p in unit.parameters():
+    for unit in sorted(units, key=lambda m: len(params_of(m))):
+        for p in params_of(unit):
             owner.setdefault(id(p), unit)
-    out = [(unit, [p for p in unit.parameters() if owner[id(p)] is unit]) for unit in units]
+    out = [(unit, [p for p in params_of(unit) if owner[id(p)] is unit]) for unit in units]
     return [(unit, params) for unit, params in out if params]
 
 

@@ -29,6 +29,9 @@ FSDP2's own CPUOffloadPolicy moves gradients to the CPU after the reduce-scatter
 synchronously when accumulating (and adds on the CPU), blocks the host on every copy at the end of
 backward, and hands hooks a gradient already on the CPU, where the norm cannot be formed as the
 device path forms it; so this is our own, at FSDP2's post-accumulate-grad seam.
+FSDP2's units make the order: the head [norm, output] is reduced right after the loss's backward,
+each block after its own, the token embedding in FSDP2's final callback (parallel.parallelize.apply_fsdp);
+`log` keeps the order of one step's arrivals.
 Legend: M micro-batches, g_k a parameter's gradient of micro-batch k, S_k their running sum.
 """
 
@@ -88,6 +91,7 @@ class GradientStream:
         self._final = [False] * len(self._params)    # ... and it is final (norm term written)
         self._pending: dict[int, dict[int, torch.Tensor]] = {}
         self._held = 0
+        self.log: list[int] = []  # optimizer index of each gradient as it arrived this step, in order
 
     # ---- the loop's calls ----------------------------------------------------------------------
     def begin_micro_batch(self, index: int, count: int) -> None:
@@ -127,6 +131,7 @@ class GradientStream:
     # ---- the hook ------------------------------------------------------------------------------
     def _arrived(self, param) -> None:
         i = self._index[id(param)]
+        self.log.append(i)
         final = self._micro == self._count - 1
         grad = self._accumulated(i, local_shard(param.grad).reshape(-1))
         param.grad = None

@@ -92,17 +92,20 @@ def weights_bound(settings: StreamSettings, shapes: WeightShapes) -> DeviceBound
 def gradients_bound(settings: StreamSettings, shapes: WeightShapes, *, device_grads: int,
                     retained_grads: int, micro_batches: int = 1) -> DeviceBound:
     """The device bytes of the gradients ("gradients" line): `device_grads` (what the plan counts at
-    its peak with gradients on the device), or streamed: `retained_grads` (the root unit's, which
-    FSDP2 reduces at the end of backward) plus the staging of the blocks leaving: two units' fp32
-    shards (one copying out, the next reduced) and one block kept out of FSDP2 (its gradients are
-    formed together, and held until its replica sum), and with several micro-batches the running
-    sum of one block copied back for the add."""
+    its peak with gradients on the device), or streamed: `retained_grads` (what is still on the device
+    at the plan's peak: in the loss, the head unit's and the vocab shard's being formed; none once the
+    loss's backward is over, since FSDP2 reduces the head unit right after it and each block after its
+    own; at the very end the embedding's unsharded gradient and its reduce-scatter buffers) plus the
+    staging of the blocks leaving: two units' fp32 shards (one copying out, the next reduced) and one
+    block kept out of FSDP2 (its gradients are formed together, and held until its replica sum), and
+    with several micro-batches the running sum of one block copied back for the add.
+        streamed bytes = retained + 4 x (2 x unit shard + kept-out block) [+ 4 x max(unit, block) if M > 1]"""
     s, x = settings, shapes
     if s.gradients == "device":
         return DeviceBound(device_grads, 0, "fp32 gradients on the device")
     staging = 4 * (2 * x.unit_shard + x.kept_out_block)
     partial = 4 * max(x.unit_shard, x.kept_out_block) if micro_batches > 1 else 0
     return DeviceBound(retained_grads, staging + partial,
-                       f"streamed to the host: the root unit's until the end of backward + 2 x {x.unit_shard:,} unit "
-                       f"+ {x.kept_out_block:,} shard block in flight x 4 B"
+                       f"streamed to the host as each unit's is final: {retained_grads:,} B still here + 2 x "
+                       f"{x.unit_shard:,} unit + {x.kept_out_block:,} shard block in flight x 4 B"
                        + (" + one running sum copied back (micro-batches)" if partial else ""))

@@ -2,8 +2,9 @@
 block ahead of their use into a fixed set of block-sized slots, reused after the block's last use.
 
 Two windows, each `weight_window` slots (s_w, default 2):
-- `UnitWindow`: FSDP2 units (slots of the largest block unit; the root unit, gathered once a step
-  at the forward's start and kept all step, gets a one-off buffer). FSDP2 reads a parameter's all-gather source from
+- `UnitWindow`: FSDP2 units (slots of the largest block unit; the units gathered once a step and
+  larger than a block get a one-off buffer, held only while FSDP2 copies it in: the root's own, the
+  token embedding at the forward's start, the head [norm, output] at the forward's end). FSDP2 reads a parameter's all-gather source from
   `FSDPParam._sharded_param_data` inside `FSDPParamGroup.unshard` (world size > 1: copied into the
   all-gather buffer on its copy-in stream) or `wait_for_unshard` (world size 1: copied on the current
   stream). This is where FSDP2's CPUOffloadPolicy makes its host -> device copy (in
@@ -60,8 +61,8 @@ class _Slots:
 
     def take(self, numel: int = 0) -> tuple[int, bool]:
         """The least recently used slot not in use (a new one when all are); (index, overflow). A
-        request larger than the slots (FSDP2's root unit, gathered once a step, before the peak)
-        gets a buffer of its own, dropped on release."""
+        request larger than the slots (a unit gathered once a step: the root's, the embedding, the
+        head) gets a buffer of its own, dropped on release."""
         if numel > self.capacity:
             self.buffers.append(torch.empty(numel, dtype=self.dtype, device=self.device))
             self.freed.append(None)
@@ -129,12 +130,15 @@ class UnitWindow:
     """Streams FSDP2 units' working shards into `slots` slots around their all-gathers.
 
     units: [(FSDPParamGroup, [(FSDPParam, optimizer index, slot offset, padded numel)])];
-    host: the flat pinned working views with FSDP2's padding, per optimizer index."""
+    host: the flat pinned working views with FSDP2's padding, per optimizer index;
+    root: a group (or None), and one_off: groups, that the slots are not sized for (each load of
+    them larger than a slot gets its own buffer)."""
 
     def __init__(self, units, host, slots: int, dtype: torch.dtype, device: torch.device, wait_for_params,
-                 root=None, link=None):
+                 root=None, link=None, one_off=()):
         sizes = {id(group): sum(n for *_, n in entries) for group, entries in units}
-        capacity = max((n for key, n in sizes.items() if key != id(root)), default=0)  # the root: its own buffer
+        apart = {id(root)} | {id(group) for group in one_off}
+        capacity = max((n for key, n in sizes.items() if key not in apart), default=0)  # the others: their own
         self._slots = _Slots(slots, capacity, dtype, device, link)
         self._host, self._wait_for_params = host, wait_for_params
         self._pending: dict[int, int] = {}  # id(group) -> slot, between unshard and wait_for_unshard

@@ -65,9 +65,12 @@ class WorkingWeights:
             layer's w1, w2, w3; the vocab shard); "stream" needs checkpointed blocks, except for a
             block whose weight is asked for in another dtype (it is copied at once).
         window: slots per window (s_w, "stream").
+        one_off_units: modules whose FSDP2 units the unit window's slots are not sized for ("stream":
+            the token embedding and the head, gathered once a step; the root's own unit never is).
     """
 
-    def __init__(self, opt, roots, *, mode: str, dtype: torch.dtype, blocks=(), window: int = 2):
+    def __init__(self, opt, roots, *, mode: str, dtype: torch.dtype, blocks=(), window: int = 2,
+                 one_off_units=()):
         if mode not in MODES:
             raise ValueError(f"weights ({mode!r}) must be one of {MODES} here; 'device' needs no WorkingWeights")
         if opt.weights != mode:
@@ -99,8 +102,9 @@ class WorkingWeights:
             wait = opt.wait_for_params
             units = [(g, self._unit_entries(g, padded)) for g in groups]
             root = roots[0]._get_fsdp_state()._fsdp_param_group if hasattr(roots[0], "_get_fsdp_state") else None
+            apart = fsdp_param_groups(one_off_units)
             self.units = UnitWindow([u for u in units if u[1]], padded, window, dtype, opt.device, wait, root=root,
-                                    link=opt.link)
+                                    link=opt.link, one_off=apart)
             self.shards = ShardWindow(blocks, self._index, self.views, window, dtype, opt.device, wait,
                                       version=lambda: opt.weights_version, link=opt.link)
 
