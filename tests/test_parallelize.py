@@ -279,10 +279,16 @@ def _check_parallelized(layout, options, sco):
             assert isinstance(layer, CheckpointWrapper) and layer._checkpoint_wrapped_module is block
             assert layer.checkpoint_fn.keywords["preserve_rng_state"] is options.preserve_rng_state
 
-    # FSDP2: one unit per block and the root, over all ranks, in the run's precision, summing gradients;
-    # the last block stays unsharded after forward (backward needs it first).
+    # FSDP2, torchtitan's units: the token embedding, one unit per block and the head [norm, output],
+    # over all ranks, in the run's precision, summing gradients; the root holds no parameters. The last
+    # block and the head stay unsharded after forward (backward needs them first); the embedding is
+    # resharded after forward and not gathered in backward (its backward reads only the token ids).
     assert not isinstance(model, FSDPModule) and isinstance(module, FSDPModule)
-    for i, unit in enumerate(layers + [module]):
+    assert _fsdp_group(module) is None
+    embedding, head = _fsdp_group(model.tok_embeddings), _fsdp_group(model.norm)
+    if isinstance(model.output, FSDPModule):      # the projection in FSDP2 (not a vocab shard): in the head
+        assert _fsdp_group(model.output) is head
+    for i, unit in enumerate(layers + [model.tok_embeddings, model.norm]):
         assert isinstance(unit, FSDPModule)
         group = _fsdp_group(unit)
         assert group.mesh_info.mesh == layout.mesh
@@ -291,6 +297,8 @@ def _check_parallelized(layout, options, sco):
         assert group.gradient_divide_factor == 1.0 and group.force_sum_reduction_for_comms is True
         if i < len(layers):
             assert (group.post_forward_mesh_info is not None) == (i < len(layers) - 1), i
+    assert embedding.post_forward_mesh_info is not None and embedding.unshard_in_backward is False
+    assert head.post_forward_mesh_info is None and head.unshard_in_backward is True
 
 
 def _layouts_and_options(world_size, seed):
