@@ -267,7 +267,7 @@ class FlavorModel:
         """Parameters FSDP2 holds (gathers and reduces): all but those a MoP group shards."""
         return self.total - sum(self._kept_out(layout, dispatch))
 
-    def block_and_root(self, layout, dispatch: str) -> tuple[int, int, int]:
+    def gathered_units(self, layout, dispatch: str) -> tuple[int, int, int]:
         """(largest block's, root unit's, head unit's) parameters FSDP2 gathers."""
         def count():
             kept = {id(p) for ps in kept_out_of_fsdp(self.model, layout, dispatch=dispatch) for p in ps}
@@ -275,7 +275,7 @@ class FlavorModel:
                     fsdp_root_params(self.model, kept), fsdp_head_params(self.model, kept))
         return self._cached(("gathered", dispatch == "local", layout.vocab_degree > 1), count)
 
-    def local_root(self, layout) -> int:
+    def local_head(self, layout) -> int:
         """This rank's share of the head unit (job.local_head_params)."""
         return self._cached(("first", layout.world_size, layout.vocab_degree),
                             lambda: local_head_params(self.model, layout))
@@ -298,10 +298,10 @@ def fast_plan(cfg, *, world: int, ranks_per_node: int, host_bytes: int | None) -
         cfg.mop.sco.host_budget, ranks_per_node, available_bytes=host_bytes)
     dispatch = cfg.mop.moe.dispatch
     mine = m.local_params(layout, dispatch)
-    block, root, head = m.block_and_root(layout, dispatch)
+    block, root, head = m.gathered_units(layout, dispatch)
     device_terms, host_terms = memory_plans(
         cfg, m.args, layout_plan=layout, total_params=m.total, largest_block_params=block, root_params=root,
-        first_grad_params=m.local_root(layout), head_params=head, embedding_params=m.embedding,
+        first_grad_params=m.local_head(layout), head_params=head, embedding_params=m.embedding,
         checkpointed_layers=len(checkpointed_layer_ids(cfg.activation_checkpoint, m.args.n_layers)),
         local_params=mine, sco_host_budget=sco_budget, precision=precision)
     return JobPlan(layout, m.total, mine, micro, str(precision.param_dtype).removeprefix("torch."),

@@ -131,13 +131,13 @@ class UnitWindow:
 
     units: [(FSDPParamGroup, [(FSDPParam, optimizer index, slot offset, padded numel)])];
     host: the flat pinned working views with FSDP2's padding, per optimizer index;
-    root: a group (or None), and one_off: groups, that the slots are not sized for (each load of
-    them larger than a slot gets its own buffer)."""
+    one_off: groups gathered once a step (the root's own, the embedding, the head) that the slots are
+    not sized for (each load of them larger than a slot gets its own buffer)."""
 
     def __init__(self, units, host, slots: int, dtype: torch.dtype, device: torch.device, wait_for_params,
-                 root=None, link=None, one_off=()):
+                 link=None, one_off=()):
         sizes = {id(group): sum(n for *_, n in entries) for group, entries in units}
-        apart = {id(root)} | {id(group) for group in one_off}
+        apart = {id(group) for group in one_off}
         capacity = max((n for key, n in sizes.items() if key not in apart), default=0)  # the others: their own
         self._slots = _Slots(slots, capacity, dtype, device, link)
         self._host, self._wait_for_params = host, wait_for_params

@@ -102,8 +102,8 @@ class WorkingWeights:
             wait = opt.wait_for_params
             units = [(g, self._unit_entries(g, padded)) for g in groups]
             root = roots[0]._get_fsdp_state()._fsdp_param_group if hasattr(roots[0], "_get_fsdp_state") else None
-            apart = fsdp_param_groups(one_off_units)
-            self.units = UnitWindow([u for u in units if u[1]], padded, window, dtype, opt.device, wait, root=root,
+            apart = [g for g in [root, *fsdp_param_groups(one_off_units)] if g is not None]
+            self.units = UnitWindow([u for u in units if u[1]], padded, window, dtype, opt.device, wait,
                                     link=opt.link, one_off=apart)
             self.shards = ShardWindow(blocks, self._index, self.views, window, dtype, opt.device, wait,
                                       version=lambda: opt.weights_version, link=opt.link)
