@@ -16,6 +16,8 @@
 #                      LONG_WARMUP=0 (the one step is then the first, warm-up included: say so)
 #   snapshot_repro     which memory-history setting trips the checkpointed loss (benchmarks/snapshot_repro.py)
 #   tiling_core        the attention core's bytes per token and backward workspace against the plan
+#   tiling_steps       real steps of `small`, every operator, tiled against untiled (benchmarks/tiling.py --phase train);
+#                      TILING_SEQ (default 131072), TILING_VARIANTS (default tiled,untiled), TILING_STEPS (default 3)
 #   small_1m           `small` at 1M tokens, every operator + tiling (+ streaming), one step
 #   compile_2x4k       compile gain at 2 x 4K, ours and torchtitan (benchmarks/compile_gain.py)
 set -uo pipefail
@@ -44,6 +46,10 @@ TAIL=30 step variants_long $LONG_S python3 benchmarks/train_variants.py --shape 
   --point-timeout-s ${LONG_POINT_S:-575} --budget-s $((LONG_S - 10)) --out "$OUT/variants_long"
 TAIL=20 step snapshot_repro 150 python3 benchmarks/snapshot_repro.py --out "$OUT/snapshot_repro"
 TAIL=30 step tiling_core 120 python3 benchmarks/tiling.py --phase core
+TILING_S=${TILING_S:-280}
+TAIL=20 step tiling_steps $TILING_S python3 benchmarks/tiling.py --phase train --seq-len-list ${TILING_SEQ:-131072} \
+  --variants ${TILING_VARIANTS:-tiled,untiled} --steps ${TILING_STEPS:-3} --point-timeout $(( (TILING_S - 10) / 2 )) \
+  --root /tmp/tiling
 TAIL=30 step small_1m 590 torchrun --standalone --nproc_per_node=1 -m mop_train.train \
   --job.config_file configs/small_1gpu.toml --job.dump_folder /tmp/run_1m --training.steps 1 \
   --training.seq_len ${SEQ:-1048576} "${ALL_OPS[@]}" ${SMALL_1M_FLAGS:-}
