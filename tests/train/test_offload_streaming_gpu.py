@@ -183,7 +183,9 @@ def _check_prefetch(events, name, step):
         units = [e[1] for e in events if e[0] == "unit-load"]
         shard_loads = [e for e in events if e[0] == "shard-load"]
         if not events[0][-1]:  # forward
-            assert units == ["", *(f"model.layers.{i}" for i in range(N_LAYERS))], f"{where}: {units}"
+            # torchtitan's units: the embedding, each block, then the head [final norm, output projection].
+            assert units == ["model.tok_embeddings", *(f"model.layers.{i}" for i in range(N_LAYERS)),
+                             "model.norm, model.output"], f"{where}: {units}"
             for i in range(N_LAYERS - 1):
                 assert _index(events, "unit-load", f"model.layers.{i + 1}") < _index(events, "block-end", i), where
             for _, b, prefetch, _ in shard_loads:
