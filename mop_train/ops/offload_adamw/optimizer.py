@@ -300,6 +300,9 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
             for grad in grads:                      # before it is done (zero_grad frees them)
                 if grad is not None:
                     grad.record_stream(s.update)
+        if s.cuda and self.grad_scale is not None:  # the clipping coefficient, made on the compute stream
+            self.grad_scale.record_stream(s.update)  # and dropped by zero_grad: with overlap the next forward
+                                                      # would otherwise reuse its memory while buckets read it
         host.download(grads, work, fresh, self._host, start)  # queued first: the CPU starts early
         with s.use(s.update):
             s.wait(start)
