@@ -31,6 +31,11 @@ import torch
 from mop_train.models.args import MoEModelArgs
 from mop_train.models.model import MoETransformer
 
+HOST_INIT_MAX_PARAMS = 2_000_000_000
+"""Models up to this size are initialised whole (on the host, then moved to the device and sharded),
+so every layout starts from the same weights; larger ones are initialised shard by shard on the
+device (mop_train.train.build.build_model; the memory plan's "start-up" line counts either)."""
+
 _MLA_KIMI = dict(attention="mla", n_heads=64, q_lora_rank=1536, kv_lora_rank=512,
                  qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 _PAPER = dict(dim=7168, vocab_size=200_000, n_dense_layers=0, dense_ffn_dim=18432, num_experts=384,

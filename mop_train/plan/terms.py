@@ -38,6 +38,7 @@ import torch
 
 from mop_train.models.args import MoEModelArgs
 from mop_train.models.keep_attention import kept_attention_bytes
+from mop_train.models.zoo import HOST_INIT_MAX_PARAMS
 from mop_train.ops.bound import DeviceBound
 from mop_train.ops.moe_dispatch import memory as dispatch_memory
 from mop_train.ops.moe_dispatch.options import DispatchOptions
@@ -238,7 +239,7 @@ def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
     grads_how = (f"fp32, at the peak ({phase}): {_grads_held(phase, x)}" if not streamed
                  else f"at the peak ({phase}): {grads.how}")
     gathered_how = _gathered_how(phase, x)
-    return [
+    step = [
         ("parameters", weights.device_bytes, weights.how),
         ("gradients", grads.device_bytes, grads_how),
         ("optimizer", optimizer, optimizer_how),
@@ -255,6 +256,22 @@ def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
         ("head", at["head"], "final norm input and output, fp32 grad of the hidden states"),
         ("loss", at["loss"], loss_how),
     ]
+    return step + [_startup_term(x, stream, optimizer_bound, sum(b for _, b, _ in step))]
+
+
+def _startup_term(x: MemoryPlanInputs, stream, optimizer_bound: DeviceBound, step_bytes: int):
+    """The start-up peak's excess over the step's (0 when the step's is larger), so that the plan's
+    total is the process's peak either way."""
+    o = x.ops
+    start = offload_memory.startup_bound(
+        stream, local_params=x.local_params,
+        optimizer_bytes=optimizer_bound.device_bytes if o.offload_optimizer else 0,
+        whole_model_params=x.total_params if x.total_params <= HOST_INIT_MAX_PARAMS else 0)
+    excess = max(0, start.device_bytes - step_bytes)
+    gib = 2 ** 30
+    verdict = (f"exceeds the step's {step_bytes / gib:.2f} GiB by this" if excess
+               else "below the step's peak")
+    return ("start-up", excess, f"before the first step {start.device_bytes / gib:.2f} GiB ({start.how}): {verdict}")
 
 
 def host_memory_plan(local_params: int, *, offload_optimizer: bool, host_fraction: float = 0.0,

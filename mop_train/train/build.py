@@ -32,6 +32,7 @@ import torch.distributed as dist
 from mop_train.hf.run_record import write_run_record
 from mop_train.layout import RankLayout, plan_layout
 from mop_train.models import zoo
+from mop_train.models.zoo import HOST_INIT_MAX_PARAMS
 from mop_train.models.args import MoEModelArgs
 from mop_train.models.model import MoETransformer, model_tiles
 from mop_train.ops.offload_adamw import forward_units
@@ -50,9 +51,6 @@ from mop_train.train.optim import (OFFLOAD_ADAMW, attach_streaming, build_lr_sch
 from mop_train.units import parse_bytes
 
 
-HOST_INIT_MAX_PARAMS = 2_000_000_000
-"""Models up to this size are initialised whole (on the host, then sharded), so every layout
-starts from the same weights; larger ones are initialised shard by shard on the device."""
 
 
 @dataclass(frozen=True)

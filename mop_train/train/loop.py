@@ -209,6 +209,9 @@ def train(cfg, device: torch.device, stop: StopFlag, *, model_args=None) -> None
                                resume_step=run.train_state.step)
         if metrics.note:
             print(metrics.note, flush=True)
+        if logs and device.type == "cuda":  # beside the plan's "start-up" line: the peak before any step
+            print(f"start-up: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB device peak before the "
+                  "first step (torch.cuda.max_memory_allocated; each step's peak_mem includes it)", flush=True)
         flops = flops_per_token(run.spec.args, cfg.training.seq_len, active_params=run.spec.active_params)
         guards = StepGuards(NonFiniteGuard(cfg.mop.reliability, rank=rank, world=world, device=device,
                                            last_checkpoint=lambda: run.checkpointer.last_saved), stop,

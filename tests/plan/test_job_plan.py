@@ -231,3 +231,40 @@ def test_mop_667b_on_64_ranks_at_1m_plans_under_45_gib_with_streaming():
     assert device.device_bytes > 100 * 2**30 and stream.device_bytes <= 45 * 2**30
     assert stream.host_bytes_per_node <= 2 * 2**40
     assert _lines(stream)["parameters"] + _lines(stream)["gradients"] < 4 * 2**30
+
+
+def test_the_start_up_peak_is_planned_where_it_exceeds_the_step():
+    """Before the first step the device holds every local parameter in fp32 (initialised there) and the
+    optimizer's staging; with weights = "stream" at 2 x 4K that is more than the step (measured on one
+    H200, 2026-12-01: 13.19 GiB, the plan's step alone 5.90). The "start-up" line lifts the total to it;
+    with weights = "device" the step holds the same fp32 shards and the line is 0."""
+    from mop_train.ops.offload_adamw.buckets import staging_bytes_bound
+    from mop_train.plan.job import plan_for_config
+    short = ("configs/small_1gpu.toml", "--training.seq_len", "4096", "--training.local_batch_size", "2", *ALL_OPS)
+    plans = {w: plan_for_config(_job(*short, "--mop.offload_adamw.weights", w, "--mop.offload_adamw.gradients",
+                                     "stream" if w == "stream" else "device"), world=1, ranks_per_node=1,
+                                host_bytes=128 * 2**30) for w in ("device", "bf16", "stream")}
+    mine = plans["device"].local_params
+    staging = staging_bytes_bound(25_000_000, 3, False)
+    for w, extra in (("device", 0), ("bf16", 2 * mine), ("stream", 0)):
+        lines = _lines(plans[w])
+        step = sum(b for name, b in lines.items() if name != "start-up")
+        start = 4 * mine + extra + staging
+        assert lines["start-up"] == max(0, start - step) and plans[w].device_bytes == max(start, step), w
+    assert _lines(plans["stream"])["start-up"] > 0 and _lines(plans["device"])["start-up"] == 0
+    # at 524K the step's own peak is the larger: the line is 0 and the total is the step's
+    long = _lines(plan_for_config(_job("configs/small_1gpu.toml", "--training.seq_len", "524288",
+                                       "--training.local_batch_size", "1", *ALL_OPS, "--mop.offload_adamw.weights",
+                                       "stream", "--mop.offload_adamw.gradients", "stream"),
+                                  world=1, ranks_per_node=1, host_bytes=128 * 2**30))
+    assert long["start-up"] == 0
+
+
+def test_a_model_initialised_whole_is_on_the_device_whole_at_start_up():
+    """Models up to HOST_INIT_MAX_PARAMS are initialised on the host and moved to the device whole before
+    FSDP2 shards them: at W ranks the start-up holds 4 B x every parameter, not x the local shard."""
+    from mop_train.ops.offload_adamw.memory import StreamSettings, startup_bound
+    whole = startup_bound(StreamSettings(), local_params=1000, optimizer_bytes=0, whole_model_params=4000)
+    assert whole.device_bytes == 16_000 and "whole" in whole.how
+    local = startup_bound(StreamSettings("bf16"), local_params=1000, optimizer_bytes=500, whole_model_params=0)
+    assert local.device_bytes == 4000 + 2000 + 500

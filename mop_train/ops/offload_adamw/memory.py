@@ -7,6 +7,9 @@ master unless the working weight is itself fp32 (`device_bytes_per_element`), al
 
 With [mop.offload_adamw] weights / gradients != "device" the parameters' and gradients' own device
 bytes follow `weights_bound` and `gradients_bound` (the plan's "parameters" and "gradients" lines).
+Before the first step the device holds more than they say: the model is initialised on the device in
+fp32 and the optimizer is built around it before `WorkingWeights` moves the values to the masters
+(`startup_bound`, the plan's "start-up" line).
 
 Legend: N local elements, d device_fraction, B bucket capacity (elements), s slots, s_w weight-window slots.
 """
@@ -109,3 +112,23 @@ def gradients_bound(settings: StreamSettings, shapes: WeightShapes, *, device_gr
                        f"streamed to the host as each unit's is final: {retained_grads:,} B still here + 2 x "
                        f"{x.unit_shard:,} unit + {x.kept_out_block:,} shard block in flight x 4 B"
                        + (" + one running sum copied back (micro-batches)" if partial else ""))
+
+
+def startup_bound(settings: StreamSettings, *, local_params: int, optimizer_bytes: int,
+                  whole_model_params: int = 0) -> DeviceBound:
+    """The device bytes before the first step (mop_train.train.build.build_model, then the optimizers):
+    every local parameter materialised and initialised on the device in fp32 (4 B x N), the optimizer's
+    device bytes allocated while they are (`optimizer_bytes`: OffloadStreamAdamW's staging and device
+    share; torch's AdamW allocates its moments in the first step), and with weights = "bf16" the bf16
+    working weights (2 B x N) allocated before the fp32 tensors are dropped; with "stream" the windows'
+    slots come after. A model initialised whole (`whole_model_params` > 0: small enough to initialise
+    identically on every rank) is on the device whole before FSDP2 shards it (4 B x all params).
+        start-up = max(4 x whole, 4 x N [+ 2 x N for bf16] + optimizer)"""
+    built = 4 * local_params + (2 * local_params if settings.weights == "bf16" else 0) + optimizer_bytes
+    whole = 4 * whole_model_params
+    if whole > built:
+        return DeviceBound(whole, 0, f"the whole model in fp32 before FSDP2 shards it: 4 B x {whole_model_params:,}")
+    return DeviceBound(built, 0, f"fp32 parameters initialised on the device (4 B x {local_params:,})"
+                       + (" + bf16 working weights (2 B x N)" if settings.weights == "bf16" else "")
+                       + (f" + the optimizer's {optimizer_bytes / 2**30:.2f} GiB" if optimizer_bytes else "")
+                       + " before the masters take the values")
