@@ -9,6 +9,7 @@ Each dataclass is one TOML section; each field's docstring becomes its CLI help.
 """
 
 
+import contextlib
 import dataclasses
 import difflib
 import sys
@@ -334,6 +335,24 @@ def _in_toml(data: dict, dotted: str) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _quiet_embedded_assets():
+    """Drop torchtitan's "HF assets path embedded does not exist!" while it parses: "embedded" is our
+    tokenizer's name, not a folder (mop_train.train.data), and the warning misleads every tool that
+    loads a config. Any other path's warning stays."""
+    from torchtitan.tools.logging import logger
+
+    from mop_train.train.data import EMBEDDED
+
+    def keep(record) -> bool:
+        return f"HF assets path {EMBEDDED} does not exist" not in record.getMessage()
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
 def load_job_config(argv: list[str] | None = None, *, model_flavors: list[str] | None = None,
                     world_size: int | None = None):
     """Parse TOML + CLI overrides into the merged JobConfig, checked and validated.
@@ -362,7 +381,8 @@ def load_job_config(argv: list[str] | None = None, *, model_flavors: list[str] |
     if not _in_toml(data, "model.name") and not _given_on_command_line(argv, "model.name"):
         argv += ["--model.name", MODEL_NAME]   # torchtitan's default ("llama3") is not ours
     try:
-        cfg = ConfigManager().parse_args(argv)
+        with _quiet_embedded_assets():
+            cfg = ConfigManager().parse_args(argv)
     except AssertionError as err:  # torchtitan's own __post_init__ checks (validation.steps, ...)
         raise ValueError(f"{path or 'command line'}: {err}") from None
 

@@ -48,7 +48,7 @@ from mop_train.train.data import build_dataloader, build_tokenizer, default_cach
 from mop_train.train.loss import IGNORE_INDEX, LanguageModelLoss, chunked_cross_entropy_sum
 from mop_train.train.optim import (OFFLOAD_ADAMW, attach_streaming, build_lr_schedulers, build_optimizers,
                                    describe_offload, free_device_bytes, resolve_device_fraction)
-from mop_train.units import parse_bytes
+from mop_train.units import parse_bytes, parse_device_fraction
 
 
 
@@ -246,8 +246,9 @@ def build_run(cfg, device: torch.device, *, model_args: MoEModelArgs | None = No
         write_run_record(cfg.job.dump_folder, flavor=spec.flavor, args=spec.args, tokenizer_folder=tokenizer_dir,
                          checkpoint_folder=cfg.checkpoint.folder)
     if dist.get_rank() == 0 or in_fake_world():
-        print(describe_run(cfg, run, device, host_terms, plan_terms,
-                           free_device_bytes=free_bytes if device.type == "cuda" else None), flush=True)
+        auto = parse_device_fraction(getattr(cfg.mop.offload_adamw, "device_fraction", 0.0)) == "auto"
+        print(describe_run(cfg, run, device, host_terms, plan_terms,  # what "auto" saw, only when it chose
+                           free_device_bytes=free_bytes if device.type == "cuda" and auto else None), flush=True)
     return run
 
 
