@@ -15,6 +15,19 @@
 #               routing profiles, 32K and 65K tokens per rank, 48 experts per rank (an 8-GPU run's)
 #   offload     OffloadStreamAdamW at 1B params: one rank alone, then N ranks at once sharing the host
 #               (one process per GPU), over host fractions 0 / 0.3 / 0.45 / 0.6
+# Issue 38's parts (this wave's features over NCCL; not in the default list: name them):
+#   gputests    every gpu-marked test on the N GPUs (pytest -m gpu tests; the nccl-2 ones use two)
+#   streaming   [mop.offload_adamw] weights / gradients over NCCL: `debug` in bf16 at (W=N, D=2, E_p=N, P=2),
+#               3 steps per setting (device/device, stream/stream, stream/device, bf16/device, device/stream,
+#               stream/stream with overlap), the same seed (~4 min)
+#   stream_long `small` with every operator at 524K and 1M (D=N), one step each, device/device against
+#               stream/stream, tiling and keep on (~15 min: SEQS="524288" or "1048576" splits it in two commands)
+#   tiled       `small` on N GPUs (Ulysses D=N) at 1M and 2M with every operator, tiling, keep and
+#               stream/stream, one step each (a 2M step may not fit one 600 s command: SEQS splits it)
+#   fake        the fake-world rank (--comm.mode fake_backend, WORLD_SIZE=N RANK=0, one GPU) against rank 0
+#               of the real N-GPU run of the same configuration at 131K and 524K (every operator, D=N)
+#   e2e         benchmarks/e2e_vs_torchtitan.py --nproc N: torchtitan's best per point, both reach
+#               bisections, the batch search at 8K
 # Logs, JSON and a summary (summary.txt, summary.json) go to $OUT (default ./multi_gpu_out);
 # every log is also bundled into $OUT/logs.tar.gz.
 set -uo pipefail
@@ -104,6 +117,64 @@ if part offload; then
       python3 "${OPT[@]}" &
   done
   wait
+fi
+
+ALL_OPS=(--mop.moe.dispatch pipelined_llep --mop.ring_dtp.enable --mop.sco.host_budget auto
+         --optimizer.name OffloadStreamAdamW --training.local_batch_size 1)
+TILED=(--mop.tiling.ffn_tokens auto --mop.tiling.block_tokens auto --mop.attention.keep)
+STREAM=(--mop.offload_adamw.weights stream --mop.offload_adamw.gradients stream)
+LONG=(--job.config_file configs/small_1gpu.toml --training.steps 1 --metrics.log_freq 1 --checkpoint.no-enable
+      --metrics.no-enable-tensorboard --debug.seed 3)
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+
+if part gputests; then
+  TAIL=30 step gpu_tests 540 python3 -m pytest -q -m gpu -p no:cacheprovider tests
+fi
+
+if part streaming; then
+  DEBUG=(--job.config_file configs/debug_cpu.toml --training.steps 3 --metrics.log_freq 1 --checkpoint.no-enable
+         --metrics.no-enable-tensorboard --training.mixed_precision_param bfloat16 --debug.seed 11
+         --training.local_batch_size $((8 / N)) --mop.layout.seq_degree 2 --mop.layout.expert_degree "$N"
+         --mop.layout.vocab_degree 2 --mop.moe.dispatch pipelined_llep --optimizer.name OffloadStreamAdamW
+         --mop.offload_adamw.bucket_params 3000)
+  for setting in device:device stream:stream stream:device bf16:device device:stream; do
+    train "stream_${setting/:/_}" 150 "$N" "${DEBUG[@]}" --mop.offload_adamw.weights "${setting%:*}" \
+      --mop.offload_adamw.gradients "${setting#*:}"
+  done
+  train stream_stream_stream_overlap 150 "$N" "${DEBUG[@]}" "${STREAM[@]}" --mop.offload_adamw.overlap
+fi
+
+if part stream_long; then
+  for seq in ${SEQS:-524288 1048576}; do
+    train "small_${seq}_device" 590 "$N" "${LONG[@]}" "${ALL_OPS[@]}" "${TILED[@]}" --training.seq_len "$seq" \
+      --mop.layout.seq_degree "$N"
+    train "small_${seq}_stream" 590 "$N" "${LONG[@]}" "${ALL_OPS[@]}" "${TILED[@]}" "${STREAM[@]}" \
+      --training.seq_len "$seq" --mop.layout.seq_degree "$N"
+  done
+fi
+
+if part tiled; then
+  for seq in ${SEQS:-1048576 2097152}; do
+    train "tiled_${seq}" 590 "$N" "${LONG[@]}" "${ALL_OPS[@]}" "${TILED[@]}" "${STREAM[@]}" \
+      --training.seq_len "$seq" --mop.layout.seq_degree "$N" --mop.moe.max_chunks 40
+  done
+fi
+
+if part fake; then
+  for seq in 131072 524288; do
+    FAKE=("${LONG[@]}" "${ALL_OPS[@]}" "${TILED[@]}" --training.steps 2 --training.seq_len "$seq"
+          --mop.layout.seq_degree "$N")
+    train "real_${seq}" 400 "$N" "${FAKE[@]}"
+    rm -rf "/tmp/runs/fake_${seq}"
+    step "fake_${seq}" 400 env CUDA_VISIBLE_DEVICES=0 WORLD_SIZE="$N" RANK=0 python3 -m mop_train.train \
+      "${FAKE[@]}" --job.dump_folder "/tmp/runs/fake_${seq}" --comm.mode fake_backend
+    cp "/tmp/runs/fake_${seq}/metrics.jsonl" "$OUT/logs/fake_${seq}.metrics.jsonl" 2>/dev/null
+  done
+fi
+
+if part e2e; then
+  TAIL=40 step e2e 590 python3 benchmarks/e2e_vs_torchtitan.py --nproc "$N" --budget-s 570 \
+    --phases tps reach-titan reach-ours batch8k --out "$OUT/logs/e2e"
 fi
 
 python3 scripts/multi_gpu_summary.py "$OUT/logs" "$N" | tee "$OUT/summary.txt"
