@@ -29,7 +29,6 @@ Several nodes: the same command on each, with torchrun's flags passed through to
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 
@@ -365,6 +364,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    gc.freeze()   # the shutdown then skips its full collections (mop_train/train/__main__.py `leave`)
-    sys.exit(code)
+    from mop_train.train.__main__ import leave  # (the shutdown skips its full collections)
+    leave(main())

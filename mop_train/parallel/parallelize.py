@@ -139,6 +139,7 @@ class ParallelizedShards:
     expert_params: list[nn.Parameter]     # DTensors sharded over the expert group
     vocab_params: list[nn.Parameter]      # the projection sharded over the vocab group
     checkpointed: list[int]               # block indices under activation checkpointing
+    once_a_step_units: list[nn.Module]    # FSDP2 units gathered once a step (`apply_fsdp`'s return)
 
 
 def parallelize(module: nn.Module, layout, options: ParallelizeOptions, *, sco=None) -> ParallelizedShards:
@@ -162,9 +163,9 @@ def parallelize(module: nn.Module, layout, options: ParallelizeOptions, *, sco=N
                                    sco=sco)
     if options.compile is not None:
         apply_compile(module, options.compile, device_type=layout.mesh.device_type)
-    apply_fsdp(module, model, layout.mesh, param_dtype=options.precision.param_dtype,
-               reduce_dtype=options.precision.reduce_dtype, ignored_params=set(expert_params + vocab_params))
-    return ParallelizedShards(expert_params, vocab_params, list(options.checkpointed))
+    once = apply_fsdp(module, model, layout.mesh, param_dtype=options.precision.param_dtype,
+                      reduce_dtype=options.precision.reduce_dtype, ignored_params=set(expert_params + vocab_params))
+    return ParallelizedShards(expert_params, vocab_params, list(options.checkpointed), once)
 
 
 def apply_activation_checkpointing(model: nn.Module, layer_ids, *, preserve_rng_state: bool, sco=None) -> None:
@@ -181,7 +182,7 @@ def apply_activation_checkpointing(model: nn.Module, layer_ids, *, preserve_rng_
 
 
 def apply_fsdp(root: nn.Module, model: nn.Module, mesh, *, param_dtype: torch.dtype,
-               reduce_dtype: torch.dtype, ignored_params: set | None = None) -> None:
+               reduce_dtype: torch.dtype, ignored_params: set | None = None) -> list[nn.Module]:
     """FSDP2 over `mesh`, units as torchtitan's llama3/deepseek_v3 `apply_fsdp` makes them: the token
     embedding, one unit per block of `model.layers`, the head [final norm, output projection], then
     `root` (which holds `model`; here it keeps no parameters of its own).
@@ -197,6 +198,8 @@ def apply_fsdp(root: nn.Module, model: nn.Module, mesh, *, param_dtype: torch.dt
       of FSDP2 (vocab-sharded, P > 1) leaves the norm alone in the unit.
     Names and values are FSDP2's sharding of each parameter over `mesh` whatever the unit, so state
     dicts and DCP checkpoints are those of a single root unit.
+    Returns the units gathered once a step, each named by its first module: [embedding, final norm]
+    (weights = "stream" gives them a one-off buffer instead of a block-sized window slot).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     ignored = {id(p) for p in ignored_params or ()}
@@ -219,3 +222,4 @@ def apply_fsdp(root: nn.Module, model: nn.Module, mesh, *, param_dtype: torch.dt
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM/AVG
+    return [model.tok_embeddings, model.norm]

@@ -80,6 +80,7 @@ class ModelParts:
     vocab_params: list                 # the projection sharded over the vocab group (out of FSDP)
     init_mode: str                     # "whole" (layout-invariant) or "per-shard"
     precision: MixedPrecision          # one policy for FSDP2's units and the shards kept out of it
+    once_a_step_units: list            # FSDP2 units gathered once a step (parallel.parallelize.apply_fsdp)
 
 
 def uses_ring_dtp(cfg, layout) -> bool:
@@ -126,7 +127,7 @@ def build_model(cfg, layout, device: torch.device, spec: ModelSpec, options: Par
         module.to_empty(device=device)
         model.init_weights(buffer_device=device)
     return ModelParts(module, model, sco, shards.checkpointed, shards.expert_params, shards.vocab_params,
-                      "whole" if whole else "per-shard", options.precision)
+                      "whole" if whole else "per-shard", options.precision, shards.once_a_step_units)
 
 
 def build_sco(sco_cfg, device: torch.device):

@@ -144,7 +144,7 @@ def attach_streaming(optimizers, parts, layout, offload_adamw) -> None:
             opt.working = WorkingWeights(opt, [parts.module], mode=offload_adamw.weights,
                                          dtype=parts.precision.param_dtype, blocks=experts + vocab,
                                          window=offload_adamw.weight_window,
-                                         one_off_units=[parts.model.tok_embeddings, parts.model.norm])
+                                         one_off_units=parts.once_a_step_units)
             bind_weight_sources(list(parts.module.modules()), opt.working)
             if offload_adamw.weights == "stream":
                 units = list(parts.model.layers.values())

@@ -66,7 +66,7 @@ class RunProfiler:
         self.snapshot_dir = os.path.join(dump_folder, profiling.save_memory_snapshot_folder)
         self.last_step = 0                       # the last step completed
         self.torch_profiler = None
-        self._no_early_stop = None               # the checkpoint setting held while the history records
+        self._held = contextlib.ExitStack()      # the checkpoint setting held while the history records
         if profiling.enable_memory_snapshot and device.type != "cuda":
             raise ValueError(f"profiling.enable_memory_snapshot = true needs CUDA (it records the CUDA caching "
                              f"allocator's history), but this run is on {device.type}; set it to false "
@@ -75,8 +75,7 @@ class RunProfiler:
     def start(self) -> None:
         if self.cfg.enable_memory_snapshot:
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
-            self._no_early_stop = torch.utils.checkpoint.set_checkpoint_early_stop(False)
-            self._no_early_stop.__enter__()
+            self._held.enter_context(torch.utils.checkpoint.set_checkpoint_early_stop(False))
         if self.cfg.enable_profiling:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             p = self.cfg
@@ -104,9 +103,7 @@ class RunProfiler:
             self.torch_profiler = None
         if self.cfg.enable_memory_snapshot:
             torch.cuda.memory._record_memory_history(enabled=None)
-        if self._no_early_stop is not None:
-            self._no_early_stop.__exit__(None, None, None)
-            self._no_early_stop = None
+        self._held.close()
 
     def dump_snapshot(self, folder: str) -> str:
         """Write the allocator's snapshot (with its recorded history) and return the file's path."""
