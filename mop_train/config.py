@@ -127,7 +127,14 @@ class OffloadAdamW:
 
     overlap: bool = False
     """Overlap the streamed step with the next forward: each FSDP2 unit waits only for its own buckets
-    (same values; not yet measured on a GPU)."""
+    (same values: bitwise on one H200 with weights and gradients streamed, 2026-12-01)."""
+
+    host_init: bool = False
+    """With weights = "bf16" or "stream": a model initialised shard by shard (over 2B parameters) is
+    initialised one piece (embedding, block, norm, projection) at a time on the device and its values
+    kept on the host, where the masters take them: the start-up holds one piece, not every local
+    parameter in fp32 (the memory plan's "start-up" line). Same values bit for bit. Tested on CPU; not
+    yet run on a GPU, hence off by default."""
 
     weights: Literal["device", "bf16", "stream"] = "device"
     """Device copy of the weights: "device" keeps each parameter's fp32 tensor (FSDP2 shard, expert and
@@ -490,6 +497,10 @@ def _validate_streaming(cfg, source: str) -> None:
     _require(oa.gradients != "stream" or oa.host_fraction == 0.0,
              f"{source}: mop.offload_adamw.gradients = 'stream' with host_fraction = {oa.host_fraction} is not "
              f"supported yet (the CPU share reads device gradients); set host_fraction = 0 or gradients = 'device'")
+    _require(not oa.host_init or oa.weights != "device",
+             f"{source}: mop.offload_adamw.host_init = true keeps the parameters' values on the host, but "
+             f"weights = 'device' computes with them on the device; set weights = 'bf16' or 'stream', or "
+             f"host_init = false")
     _require(not isinstance(oa.weight_window, bool) and oa.weight_window >= 1,
              f"{source}: mop.offload_adamw.weight_window = {oa.weight_window!r} must be >= 1 (2 copies one block ahead)")
     _require(oa.weights != "stream" or cfg.mop.moe.dispatch == "local" or cfg.activation_checkpoint.mode == "full",

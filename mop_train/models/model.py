@@ -145,14 +145,22 @@ class MoETransformer(KeepFp32Buffers):
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
         """Initialise every parameter and buffer in place (after `to_empty` from meta)."""
+        for _, init in self.init_pieces(buffer_device):
+            init()
+
+    def init_pieces(self, buffer_device: torch.device | str | None = None):
+        """`init_weights` as (module, its initialiser) in the order it runs, the random draws in that
+        order: the token embedding, each block, the final norm, the projection (the RoPE buffer is
+        set first). A caller may materialise each module just before its initialiser runs and move
+        it off the device after (mop_train.train.build: the start-up's device bytes stay one piece's)."""
         buffer_device = buffer_device or self.rope_inv_freq.device
         self.rope_inv_freq = rope_inv_freq(self.args.rope_dim, self.args.rope_theta, device=buffer_device)
-        nn.init.normal_(self.tok_embeddings.weight)
+        yield self.tok_embeddings, lambda: nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
-            layer.init_weights()
-        self.norm.reset_parameters()
+            yield layer, layer.init_weights
+        yield self.norm, self.norm.reset_parameters
         std = self.args.dim ** -0.5
-        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        yield self.output, lambda: nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     @torch.no_grad()
     def update_router_biases(self, rate: float,

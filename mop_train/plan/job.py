@@ -113,6 +113,7 @@ def operator_plan(cfg, args: MoEModelArgs, *, layout_plan, act_bytes: int, sco_h
         offload_weights=cfg.mop.offload_adamw.weights if offload else "device",
         offload_gradients=cfg.mop.offload_adamw.gradients if offload else "device",
         offload_weight_window=cfg.mop.offload_adamw.weight_window, micro_batches=micro_batches,
+        offload_host_init=bool(offload and cfg.mop.offload_adamw.host_init),
         tiling=tiling_options(cfg.mop.tiling, args, tokens=tokens, act_bytes=act_bytes))
 
 

@@ -123,11 +123,66 @@ def build_model(cfg, layout, device: torch.device, spec: ModelSpec, options: Par
     module = LanguageModelLoss(model, loss_fn=build_loss_fn(cfg, layout, spec.args.vocab_size))
     sco = build_sco(cfg.mop.sco, device)
     shards = parallelize(module, layout, options, sco=sco)
-    if not whole:
+    if not whole and host_values(cfg):
+        init_pieces_to_host(module, model, device)
+    elif not whole:
         module.to_empty(device=device)
         model.init_weights(buffer_device=device)
     return ModelParts(module, model, sco, shards.checkpointed, shards.expert_params, shards.vocab_params,
                       "whole" if whole else "per-shard", options.precision, shards.once_a_step_units)
+
+
+def host_values(cfg) -> bool:
+    """[mop.offload_adamw] host_init: the parameters' fp32 values go to the host as they are initialised
+    (the optimizer's masters take them there; weights = "bf16" / "stream" compute from other tensors)."""
+    oa = cfg.mop.offload_adamw
+    return bool(getattr(oa, "host_init", False)) and cfg.optimizer.name == OFFLOAD_ADAMW and oa.weights != "device"
+
+
+@torch.no_grad()
+def init_pieces_to_host(module, model: MoETransformer, device: torch.device) -> None:
+    """Initialise a sharded model (on meta) piece by piece on `device` and keep each piece's parameter
+    values in host memory, so the device holds one piece at a time (the largest: the embedding or a
+    block) instead of every local parameter in fp32.
+
+    The pieces and their initialisers are `model.init_pieces`, in `init_weights`' order, so the random
+    draws and hence the values are the ones `module.to_empty(device)` + `init_weights` give (the
+    bitwise test: tests/train/test_host_init.py). Each piece is materialised on the device
+    (`to_empty`), initialised, and its parameters' local shards are copied to the host; FSDP2's
+    sharded data is re-pointed at the host copy (`FSDPParam.reset_sharded_param`, which FSDP2's own
+    `_apply` ran on the device copy), so no reference keeps the device copy alive. Buffers stay on the
+    device. The DTensors keep their mesh's device: where their gradients form (as after
+    `WorkingWeights` adopts the masters, ops/offload_adamw/working.py).
+    """
+    from torch.distributed.tensor import DTensor
+    for piece, init in model.init_pieces(buffer_device=device):
+        piece.to_empty(device=device)
+        init()
+        for name, param in piece.named_parameters():
+            if not isinstance(param, DTensor):
+                raise ValueError(f"mop.offload_adamw.host_init = true needs DTensor parameters (FSDP2 units or MoP "
+                                 f"shards); {name} is a plain {type(param).__name__}; set host_init = false")
+            param._local_tensor = param._local_tensor.to("cpu")
+        for fsdp_param in _fsdp_params(piece):
+            fsdp_param.reset_sharded_param()
+    left = [name for name, p in module.named_parameters() if p.is_meta]
+    if left:
+        raise RuntimeError(f"init_pieces_to_host: parameters no piece of model.init_pieces holds: {left}")
+    for sub in module.modules():  # buffers outside the pieces: where to_empty(device) would put them
+        for key, buf in sub._buffers.items():
+            if buf is not None and buf.is_meta:
+                sub._buffers[key] = torch.empty_like(buf, device=device)
+
+
+def _fsdp_params(module) -> list:
+    """The FSDPParams of the FSDP2 units `module` belongs to or holds."""
+    out = []
+    for sub in module.modules():
+        get_state = getattr(sub, "_get_fsdp_state", None)
+        group = get_state()._fsdp_param_group if get_state is not None else None
+        if group is not None:
+            out += [fp for fp in group.fsdp_params if fp not in out]
+    return out
 
 
 def build_sco(sco_cfg, device: torch.device):

@@ -268,3 +268,20 @@ def test_a_model_initialised_whole_is_on_the_device_whole_at_start_up():
     assert whole.device_bytes == 16_000 and "whole" in whole.how
     local = startup_bound(StreamSettings("bf16"), local_params=1000, optimizer_bytes=500, whole_model_params=0)
     assert local.device_bytes == 4000 + 2000 + 500
+
+
+def test_host_init_leaves_one_piece_on_the_device_at_start_up():
+    """[mop.offload_adamw] host_init: the start-up holds twice the largest piece's local elements (the
+    embedding or a block, FSDP2 padding a copy), not every local parameter: `small` at 2 x 4K with
+    stream/stream plans the step's peak again (the head unit, projection + final norm, binds the pieces;
+    the plan counts the two together, one norm's elements above the projection piece alone)."""
+    from mop_train.plan.job import plan_for_config
+    args = zoo.get_model_args("small")
+    short = ("configs/small_1gpu.toml", "--training.seq_len", "4096", "--training.local_batch_size", "2", *ALL_OPS,
+             "--mop.offload_adamw.weights", "stream", "--mop.offload_adamw.gradients", "stream")
+    off = _lines(plan_for_config(_job(*short), world=1, ranks_per_node=1, host_bytes=128 * 2**30))
+    on = plan_for_config(_job(*short, "--mop.offload_adamw.host_init"), world=1, ranks_per_node=1,
+                         host_bytes=128 * 2**30)
+    assert off["start-up"] > 0 and _lines(on)["start-up"] == 0
+    start = next(how for name, _, how in on.device_terms if name == "start-up")
+    assert f"2 x 4 B x {args.vocab_size * args.dim + args.dim:,}" in start, start

@@ -115,7 +115,7 @@ def gradients_bound(settings: StreamSettings, shapes: WeightShapes, *, device_gr
 
 
 def startup_bound(settings: StreamSettings, *, local_params: int, optimizer_bytes: int,
-                  whole_model_params: int = 0) -> DeviceBound:
+                  whole_model_params: int = 0, piece_params: int = 0) -> DeviceBound:
     """The device bytes before the first step (mop_train.train.build.build_model, then the optimizers):
     every local parameter materialised and initialised on the device in fp32 (4 B x N), the optimizer's
     device bytes allocated while they are (`optimizer_bytes`: OffloadStreamAdamW's staging and device
@@ -123,12 +123,25 @@ def startup_bound(settings: StreamSettings, *, local_params: int, optimizer_byte
     working weights (2 B x N) allocated before the fp32 tensors are dropped; with "stream" the windows'
     slots come after. A model initialised whole (`whole_model_params` > 0: small enough to initialise
     identically on every rank) is on the device whole before FSDP2 shards it (4 B x all params).
-        start-up = max(4 x whole, 4 x N [+ 2 x N for bf16] + optimizer)"""
-    built = 4 * local_params + (2 * local_params if settings.weights == "bf16" else 0) + optimizer_bytes
+    `piece_params` > 0 ([mop.offload_adamw] host_init with a model initialised by shards): the pieces
+    are initialised one at a time on the device and kept on the host (mop_train.train.build.
+    init_pieces_to_host), so the largest piece's local elements stand in for N, twice (FSDP2 pads a
+    copy while its `_apply` runs), and are gone before the optimizer allocates.
+        start-up = max(4 x whole, 4 x N [+ 2 x N for bf16] + optimizer)
+        host_init: max(2 x 4 x piece, [2 x N for bf16] + optimizer)"""
+    working = 2 * local_params if settings.weights == "bf16" else 0
     whole = 4 * whole_model_params
+    if piece_params and not whole_model_params:
+        pieces = 2 * 4 * piece_params
+        if pieces >= working + optimizer_bytes:
+            return DeviceBound(pieces, 0, f"one piece initialised on the device at a time (host_init): "
+                                          f"2 x 4 B x {piece_params:,}")
+        return DeviceBound(working + optimizer_bytes, 0, "the optimizer's device bytes"
+                           + (" + bf16 working weights (2 B x N)" if working else "") + " (host_init)")
+    built = 4 * local_params + working + optimizer_bytes
     if whole > built:
         return DeviceBound(whole, 0, f"the whole model in fp32 before FSDP2 shards it: 4 B x {whole_model_params:,}")
     return DeviceBound(built, 0, f"fp32 parameters initialised on the device (4 B x {local_params:,})"
-                       + (" + bf16 working weights (2 B x N)" if settings.weights == "bf16" else "")
+                       + (" + bf16 working weights (2 B x N)" if working else "")
                        + (f" + the optimizer's {optimizer_bytes / 2**30:.2f} GiB" if optimizer_bytes else "")
                        + " before the masters take the values")

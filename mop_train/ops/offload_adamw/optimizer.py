@@ -154,7 +154,7 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         shards = [local_shard(p) for p in self._params]
-        self.device = self._check_params(shards)
+        self.device = self._check_params(shards, [p.device for p in self._params], host_values=weights != "device")
         self._numels = [t.numel() for t in shards]
         self._offsets = param_offsets(self._numels)
         self._streams = Streams(self.device)
@@ -204,17 +204,25 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         check_group(self.param_groups[-1])
 
     @staticmethod
-    def _check_params(shards: list[torch.Tensor]) -> torch.device:
-        devices = {t.device for t in shards}
+    def _check_params(shards: list[torch.Tensor], param_devices: list[torch.device], *,
+                      host_values: bool) -> torch.device:
+        """The device the optimizer works on: its parameters'. With weights != "device" a parameter's
+        local shard may already hold its value on the host (a DTensor on a CUDA mesh whose local tensor
+        is in host memory: [mop.offload_adamw] host_init) while its gradients form on the device."""
+        devices = set(param_devices) if host_values else {t.device for t in shards}
         if len(devices) != 1:
             raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}; "
+                             "build one optimizer per device")
+        device = next(iter(devices))
+        stray = {str(t.device) for t in shards if t.device != device and t.device.type != "cpu"}
+        if stray:
+            raise ValueError(f"parameters of a {device} optimizer hold their values on {sorted(stray)}; "
                              "build one optimizer per device")
         for t in shards:
             if not t.is_floating_point() or not t.is_contiguous():
                 raise ValueError(f"parameters must be contiguous floating-point tensors, got "
                                  f"{t.dtype} {tuple(t.shape)} with strides {t.stride()}; "
                                  "make the parameter's data contiguous before building the optimizer")
-        device = devices.pop()
         if device.type not in ("cuda", "cpu"):
             raise ValueError(f"parameters on {device} are not supported; use cuda or cpu")
         return device
