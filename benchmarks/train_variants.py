@@ -68,6 +68,12 @@ VARIANTS = {
     "all-stream": [*ALL_OPS, "--mop.offload_adamw.weights", "stream", "--mop.offload_adamw.gradients", "stream"],
     "all-stream-overlap": [*ALL_OPS, "--mop.offload_adamw.weights", "stream", "--mop.offload_adamw.gradients",
                            "stream", "--mop.offload_adamw.overlap"],
+    # the start-up without the fp32 model on the device ([mop.offload_adamw] host_init)
+    "all-stream-hostinit": [*ALL_OPS, "--mop.offload_adamw.weights", "stream", "--mop.offload_adamw.gradients",
+                            "stream", "--mop.offload_adamw.host_init"],
+    # the 2 x 4K link-floor goal with the state kept on the device where it fits (fewer bytes on the link)
+    "all-stream-auto": [*ALL_OPS, "--mop.offload_adamw.weights", "stream", "--mop.offload_adamw.gradients",
+                        "stream", "--mop.offload_adamw.overlap", "--mop.offload_adamw.device_fraction", "auto"],
     # issues 32 and 36 at long context: every operator with sequence tiling and the attention kept
     "all-tiled": [*ALL_OPS, *TILED],
     "all-tiled-stream": [*ALL_OPS, *TILED, "--mop.offload_adamw.weights", "stream",

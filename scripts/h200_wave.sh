@@ -34,7 +34,8 @@ TAIL=12 step fake_120b_64k 200 python3 benchmarks/fake_world.py run mop-120b-w16
 TAIL=40 step profile_2x4k 150 python3 benchmarks/step_profile.py --config configs/small_1gpu.toml --auto \
   --seq-len 4096 --batch 2 --out "$OUT/prof_2x4k"
 GPU_TEST_FILES=${GPU_TEST_FILES:-tests/train/test_profiling.py tests/train/test_offload_streaming_gpu.py \
-  tests/ops/test_offload_adamw_working.py tests/models/test_core_workspace.py tests/train/test_compile.py}
+  tests/ops/test_offload_adamw_working.py tests/models/test_core_workspace.py tests/train/test_compile.py \
+  tests/train/test_host_init_gpu.py}
 TAIL=30 step gpu_tests ${GPU_TESTS_S:-300} python3 -m pytest -q -m gpu $GPU_TEST_FILES -p no:cacheprovider
 V2_S=${V2_S:-560}
 TAIL=30 step variants_2x4k $V2_S python3 benchmarks/train_variants.py --variants ${V2_VARIANTS:-ops-device all all-stream \
