@@ -113,7 +113,7 @@ def operator_plan(cfg, args: MoEModelArgs, *, layout_plan, act_bytes: int, sco_h
         offload_weights=cfg.mop.offload_adamw.weights if offload else "device",
         offload_gradients=cfg.mop.offload_adamw.gradients if offload else "device",
         offload_weight_window=cfg.mop.offload_adamw.weight_window, micro_batches=micro_batches,
-        offload_host_init=bool(offload and cfg.mop.offload_adamw.host_init),
+        offload_host_init=bool(offload and cfg.mop.offload_adamw.host_init and cfg.mop.offload_adamw.weights != "device"),
         tiling=tiling_options(cfg.mop.tiling, args, tokens=tokens, act_bytes=act_bytes))
 
 
@@ -143,8 +143,17 @@ def memory_plans(cfg, args: MoEModelArgs, *, layout_plan, total_params: int, lar
                                   host_fraction=cfg.mop.offload_adamw.host_fraction,
                                   device_fraction=device_fraction, sco_host_budget=sco_host_budget,
                                   weights=cfg.mop.offload_adamw.weights, gradients=cfg.mop.offload_adamw.gradients,
-                                  act_bytes=act)
+                                  act_bytes=act, host_init=_host_init(cfg, total_params))
     return device_terms, host_terms
+
+
+def _host_init(cfg, total_params: int) -> bool:
+    """[mop.offload_adamw] host_init takes effect: weights off the device and a model initialised by
+    shards (mop_train.train.build.host_values; one initialised whole starts on the host anyway)."""
+    from mop_train.models.zoo import HOST_INIT_MAX_PARAMS
+    oa = cfg.mop.offload_adamw
+    return (cfg.optimizer.name == OFFLOAD_ADAMW and bool(oa.host_init) and oa.weights != "device"
+            and total_params > HOST_INIT_MAX_PARAMS)
 
 
 def plan_from_parts(cfg, layout_plan: LayoutPlan, parts: BuiltModel, args: MoEModelArgs, total_params: int,

@@ -281,11 +281,13 @@ def _startup_term(x: MemoryPlanInputs, stream, optimizer_bound: DeviceBound, ste
 
 def host_memory_plan(local_params: int, *, offload_optimizer: bool, host_fraction: float = 0.0,
                      sco_host_budget: int = 0, device_fraction: float = 0.0, weights: str = "device",
-                     gradients: str = "device", act_bytes: int = 2) -> list[tuple[str, int, str]]:
+                     gradients: str = "device", act_bytes: int = 2,
+                     host_init: bool = False) -> list[tuple[str, int, str]]:
     """Per-rank host bytes the operators pin: OffloadStreamAdamW's fp32 master and moments of this
     rank's parameters not kept on the device (`device_fraction`; 0 is the upper bound while "auto"
     is unresolved) plus its host share's fp32 gradient buffer, and SCO's boundary budget. Terms
-    are 0 for operators that are off."""
+    are 0 for operators that are off. With `host_init` the parameters' initial values wait in
+    (pageable) host memory beside all of that until the masters take them: a start-up term."""
     state = share = 0
     streamed = local_params - round(device_fraction * local_params)
     if offload_optimizer:
@@ -298,7 +300,9 @@ def host_memory_plan(local_params: int, *, offload_optimizer: bool, host_fractio
     ] + ([("working weights", act_bytes * local_params, f"weights = \"stream\": {act_bytes} B x local params, "
            "the copies each block streams in")] if offload_optimizer and weights == "stream" else []) + (
         [("streamed grads", 4 * local_params, "gradients = \"stream\": 4 B x local params, where they leave to")]
-        if offload_optimizer and gradients == "stream" else [])
+        if offload_optimizer and gradients == "stream" else []) + (
+        [("start-up values", 4 * local_params, "host_init: 4 B x local params initialised into host memory, "
+          "held until the masters take them (start-up only)")] if offload_optimizer and host_init else [])
 
 
 _HOST_FIXES = {
@@ -306,6 +310,7 @@ _HOST_FIXES = {
     "host share grads": "lower [mop.offload_adamw] host_fraction",
     "working weights": "keep the working weights on the device ([mop.offload_adamw] weights = \"bf16\")",
     "streamed grads": "keep the gradients on the device ([mop.offload_adamw] gradients = \"device\")",
+    "start-up values": "initialise on the device ([mop.offload_adamw] host_init = false)",
 }
 
 
