@@ -20,6 +20,7 @@
 #                      TILING_SEQ (default 131072), TILING_VARIANTS (default tiled,untiled), TILING_STEPS (default 3)
 #   small_1m           `small` at 1M tokens, every operator + tiling (+ streaming), one step
 #   compile_2x4k       compile gain at 2 x 4K, ours and torchtitan (benchmarks/compile_gain.py)
+#   compile_32k        the same at 1 x 32K (~8 min)
 set -uo pipefail
 want=" $* "
 source "$(dirname "$0")/gpu_steps.sh"
@@ -56,4 +57,5 @@ TAIL=30 step small_1m 590 torchrun --standalone --nproc_per_node=1 -m mop_train.
   --training.seq_len ${SEQ:-1048576} "${ALL_OPS[@]}" ${SMALL_1M_FLAGS:-}
 [[ -f /tmp/run_1m/metrics.jsonl ]] && cp /tmp/run_1m/metrics.jsonl "$OUT/small_1m_metrics.jsonl"
 TAIL=30 step compile_2x4k 420 python3 benchmarks/compile_gain.py --shapes 2x4096 --out "$OUT/compile"
+TAIL=30 step compile_32k 580 python3 benchmarks/compile_gain.py --shapes 1x32768 --out "$OUT/compile_32k"
 exit 0
