@@ -3,7 +3,7 @@ shard is initialised one piece at a time and its values kept on the host, with t
 parameters of the plain path (`module.to_empty(device)` + `init_weights`) bit for bit.
 
 CPU, gloo, the debug model forced to per-shard initialisation (HOST_INIT_MAX_PARAMS = 0, as for a model
-over 2B parameters), weights and gradients streamed, bf16 compute, at W=1 and at (W=4, D=2, E_p=2, P=2):
+over 2B parameters), stream/stream and bf16/device, bf16 compute, at W=1 and at (W=4, D=2, E_p=2, P=2):
 every parameter's local values right after the build, then the losses, gradient norms and final
 parameters of 2 steps, host_init on against off. Where the values live (the host, one piece on the
 device at a time) is a CUDA matter: tests/train/test_host_init_gpu.py.
@@ -25,7 +25,9 @@ COMMON = ["--job.config_file", DEBUG_CONFIG, "--metrics.log_freq", "1", "--metri
           "--training.seq_len", "64", "--training.global_batch_size", "4", "--checkpoint.no-enable",
           "--lr_scheduler.total_steps", "3", "--lr_scheduler.warmup_steps", "1", "--optimizer.name",
           "OffloadStreamAdamW", "--mop.offload_adamw.bucket_params", "3000", "--training.mixed_precision_param",
-          "bfloat16", "--mop.offload_adamw.weights", "stream", "--mop.offload_adamw.gradients", "stream"]
+          "bfloat16"]
+STREAM = ["--mop.offload_adamw.weights", "stream", "--mop.offload_adamw.gradients", "stream"]
+SETTINGS = (("stream", "stream"), ("bf16", "device"))  # (weights, gradients)
 LAYOUTS = {1: ["--training.local_batch_size", "2", "--mop.moe.dispatch", "ep"],
            4: ["--training.local_batch_size", "1", "--mop.layout.seq_degree", "2", "--mop.layout.expert_degree", "2",
                "--mop.layout.vocab_degree", "2", "--mop.moe.dispatch", "pipelined_llep", "--mop.moe.token_budget",
@@ -34,18 +36,26 @@ LAYOUTS = {1: ["--training.local_batch_size", "2", "--mop.moe.dispatch", "ep"],
 
 def _worker(rank, world, root, seed):
     import mop_train.train.build as build
+    from torchtitan.tools.logging import logger
+    logger.setLevel("ERROR")
+    build.HOST_INIT_MAX_PARAMS = 0  # per-shard initialisation, as for a large model
+    device = torch.device("cpu")
+    for weights, gradients in SETTINGS:
+        _compare(rank, world, root, seed, weights, gradients, device)
+
+
+def _compare(rank, world, root, seed, weights, gradients, device):
+    import mop_train.train.build as build
     from mop_train.config import load_job_config
     from mop_train.models import zoo
     from tests.train.offload_steps import drive
     from tests.utils import assert_bitwise_equal
-    from torchtitan.tools.logging import logger
-    logger.setLevel("ERROR")
-    build.HOST_INIT_MAX_PARAMS = 0  # per-shard initialisation, as for a large model
-    device, results = torch.device("cpu"), {}
+    results = {}
     for host_init in (False, True):
         name = "host" if host_init else "device"
         cfg = load_job_config([*COMMON, *LAYOUTS[world], "--debug.seed", str(seed), "--training.steps", str(STEPS),
-                               "--job.dump_folder", os.path.join(root, name),
+                               "--job.dump_folder", os.path.join(root, f"{weights}-{gradients}-{name}"),
+                               "--mop.offload_adamw.weights", weights, "--mop.offload_adamw.gradients", gradients,
                                "--mop.offload_adamw." + ("host_init" if host_init else "no-host_init")],
                               model_flavors=zoo.names())
         run = build.build_run(cfg, device)
@@ -57,12 +67,13 @@ def _worker(rank, world, root, seed):
         final = [p.to_local().detach().clone() for p in run.parts.module.parameters()]
         results[name] = (built, torch.stack([torch.stack(o) for o in out]), final)
     (b0, o0, f0), (b1, o1, f1) = results["device"], results["host"]
+    where = f"rank {rank}, {weights}/{gradients}"
     assert len(b0) == len(b1) and len(f0) == len(f1)
     for i, (a, b) in enumerate(zip(b1, b0)):
-        assert_bitwise_equal(a, b, name=f"rank {rank}: parameter {i} as built")
-    assert_bitwise_equal(o1, o0, name=f"rank {rank}: (loss, grad norm) per step")
+        assert_bitwise_equal(a, b, name=f"{where}: parameter {i} as built")
+    assert_bitwise_equal(o1, o0, name=f"{where}: (loss, grad norm) per step")
     for i, (a, b) in enumerate(zip(f1, f0)):
-        assert_bitwise_equal(a, b, name=f"rank {rank}: parameter {i} after {STEPS} steps")
+        assert_bitwise_equal(a, b, name=f"{where}: parameter {i} after {STEPS} steps")
 
 
 @pytest.mark.parametrize("world", [1, 4])
@@ -98,4 +109,4 @@ def test_host_init_needs_weights_kept_off_the_device():
     from mop_train.config import load_job_config
     from mop_train.models import zoo
     with pytest.raises(ValueError, match="host_init = true keeps the parameters' values on the host"):
-        load_job_config([*COMMON[:-4], "--mop.offload_adamw.host_init"], model_flavors=zoo.names())
+        load_job_config([*COMMON, "--mop.offload_adamw.host_init"], model_flavors=zoo.names())

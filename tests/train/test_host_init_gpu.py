@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.dist_utils import requires_gpus, run_distributed, worker_device
-from tests.train.test_host_init import COMMON, LAYOUTS
+from tests.train.test_host_init import COMMON, LAYOUTS, STREAM
 
 pytestmark = [pytest.mark.gpu, requires_gpus(1)]
 SLACK = 32 * 2**20  # allocator rounding and the few small buffers built meanwhile
@@ -39,7 +39,7 @@ def _worker(rank, world, root):
         return original(parts, *a, **kw)
     build.build_optimizers = watched
     for key in (False, True):
-        cfg = load_job_config([*COMMON, *LAYOUTS[1], "--training.steps", "1", "--job.dump_folder",
+        cfg = load_job_config([*COMMON, *STREAM, *LAYOUTS[1], "--training.steps", "1", "--job.dump_folder",
                                os.path.join(root, str(key)), "--mop.offload_adamw." + ("host_init" if key else
                                                                                         "no-host_init")],
                               model_flavors=zoo.names())
