@@ -147,7 +147,7 @@ def offload(logs, n):
     return lines, out
 
 
-STREAM_SETTINGS = ("stream_stream", "stream_device", "bf16_device", "device_stream", "stream_stream_stream_overlap")
+STREAM_SETTINGS = ("stream_stream", "stream_device", "bf16_device", "device_stream", "stream_stream_overlap")
 
 
 def _run(logs, name):
