@@ -123,14 +123,21 @@ def test_defaults_and_hyperparameters_are_torch_adamw_s():
         ours_p, ref_p, torch_p = _params(seed), _params(seed), _params(seed)
         opts = [OffloadStreamAdamW(ours_p, **kwargs, bucket_params=7), reference_adamw(ref_p, **kwargs),
                 torch.optim.AdamW(torch_p, **kwargs, foreach=False)]
+        moved = [0.0] * len(torch_p)  # per parameter: the sum over steps of its largest update |p_t - p_{t-1}|
         for step in range(3):
+            before = [p.detach().clone() for p in torch_p]
             for opt, params in zip(opts, (ours_p, ref_p, torch_p)):
                 for p, g in zip(params, _grads(step, SHAPES, torch.float32, seed)):
                     p.grad = g
                 opt.step()
+            moved = [m + ((p.detach() - b).abs().max().item() if p.numel() else 0.0)
+                     for m, p, b in zip(moved, torch_p, before)]
         for i, (a, b, c) in enumerate(zip(ours_p, ref_p, torch_p)):
             assert_bitwise_equal(b.detach(), c.detach(), name=f"reference_adamw {kwargs} param {i}")
-            assert_close(a, c, rtol=RTOL, atol=ATOL, name=f"OffloadStreamAdamW {kwargs} param {i}")
+            # fused AdamW forms each update in another order than torch's single-tensor loop: a few fp32
+            # ulps of the update per step (8 here), on top of the rounding of the value itself (RTOL)
+            atol = ATOL + 8 * torch.finfo(torch.float32).eps * moved[i]
+            assert_close(a, c, rtol=RTOL, atol=atol, name=f"OffloadStreamAdamW {kwargs} param {i}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
