@@ -92,7 +92,7 @@ def ring_dtp_plan_schedule(cfg, *, tokens: int, hidden: int, vocab: int, vocab_d
 
 
 def operator_plan(cfg, args: MoEModelArgs, *, layout_plan, act_bytes: int, sco_host_budget: int,
-                  device_fraction: float) -> OperatorPlan:
+                  device_fraction: float, host_init: bool = False) -> OperatorPlan:
     """The operators' settings as the plan needs them, from the job's [mop.*] sections."""
     t, m, rd = cfg.training, cfg.mop.moe, cfg.mop.ring_dtp
     one_step = t.local_batch_size * layout_plan.world_size // layout_plan.seq_degree
@@ -113,7 +113,7 @@ def operator_plan(cfg, args: MoEModelArgs, *, layout_plan, act_bytes: int, sco_h
         offload_weights=cfg.mop.offload_adamw.weights if offload else "device",
         offload_gradients=cfg.mop.offload_adamw.gradients if offload else "device",
         offload_weight_window=cfg.mop.offload_adamw.weight_window, micro_batches=micro_batches,
-        offload_host_init=bool(offload and cfg.mop.offload_adamw.host_init and cfg.mop.offload_adamw.weights != "device"),
+        offload_host_init=host_init,
         tiling=tiling_options(cfg.mop.tiling, args, tokens=tokens, act_bytes=act_bytes))
 
 
@@ -130,6 +130,8 @@ def memory_plans(cfg, args: MoEModelArgs, *, layout_plan, total_params: int, lar
         configured = parse_device_fraction(cfg.mop.offload_adamw.device_fraction)
         device_fraction = 0.0 if configured == "auto" else configured
     act = precision.activation_bytes
+    from mop_train.models.zoo import HOST_INIT_MAX_PARAMS
+    host_init = host_init_applies(cfg, initialised_whole=total_params <= HOST_INIT_MAX_PARAMS)
     device_terms = memory_plan(MemoryPlanInputs(
         model=args, world_size=layout_plan.world_size, local_batch=t.local_batch_size, seq_len=t.seq_len,
         total_params=total_params, largest_block_params=largest_block_params, root_params=root_params,
@@ -138,22 +140,21 @@ def memory_plans(cfg, args: MoEModelArgs, *, layout_plan, total_params: int, lar
         vocab_degree=layout_plan.vocab_degree, act_bytes=act, head_params=head_params,
         embedding_params=embedding_params,
         ops=operator_plan(cfg, args, layout_plan=layout_plan, act_bytes=act, sco_host_budget=sco_host_budget,
-                          device_fraction=device_fraction)))
+                          device_fraction=device_fraction, host_init=host_init)))
     host_terms = host_memory_plan(local_params, offload_optimizer=cfg.optimizer.name == OFFLOAD_ADAMW,
                                   host_fraction=cfg.mop.offload_adamw.host_fraction,
                                   device_fraction=device_fraction, sco_host_budget=sco_host_budget,
                                   weights=cfg.mop.offload_adamw.weights, gradients=cfg.mop.offload_adamw.gradients,
-                                  act_bytes=act, host_init=_host_init(cfg, total_params))
+                                  act_bytes=act, host_init=host_init)
     return device_terms, host_terms
 
 
-def _host_init(cfg, total_params: int) -> bool:
-    """[mop.offload_adamw] host_init takes effect: weights off the device and a model initialised by
-    shards (mop_train.train.build.host_values; one initialised whole starts on the host anyway)."""
-    from mop_train.models.zoo import HOST_INIT_MAX_PARAMS
+def host_init_applies(cfg, *, initialised_whole: bool) -> bool:
+    """[mop.offload_adamw] host_init takes effect (mop_train.train.build.init_pieces_to_host): OffloadStreamAdamW
+    with weights off the device, and a model initialised by shards (one initialised whole starts on the host)."""
     oa = cfg.mop.offload_adamw
     return (cfg.optimizer.name == OFFLOAD_ADAMW and bool(oa.host_init) and oa.weights != "device"
-            and total_params > HOST_INIT_MAX_PARAMS)
+            and not initialised_whole)
 
 
 def plan_from_parts(cfg, layout_plan: LayoutPlan, parts: BuiltModel, args: MoEModelArgs, total_params: int,

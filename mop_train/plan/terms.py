@@ -76,7 +76,7 @@ class OperatorPlan:
     """[mop.offload_adamw] weights: "device" (fp32 shards), "bf16" or "stream" (offload_adamw.memory)."""
     offload_gradients: str = "device"
     offload_weight_window: int = 2
-    offload_host_init: bool = False     # [mop.offload_adamw] host_init (with weights != "device")
+    offload_host_init: bool = False     # [mop.offload_adamw] host_init in effect (plan.job.host_init_applies)
     micro_batches: int = 1
     keep_attention: bool = False
     tiling: TilingOptions = field(default_factory=TilingOptions)
@@ -271,7 +271,7 @@ def _startup_term(x: MemoryPlanInputs, stream, optimizer_bound: DeviceBound, ste
         stream, local_params=x.local_params,
         optimizer_bytes=optimizer_bound.device_bytes if o.offload_optimizer else 0,
         whole_model_params=x.total_params if x.total_params <= HOST_INIT_MAX_PARAMS else 0,
-        piece_params=piece if o.offload_host_init and o.offload_weights != "device" else 0)
+        piece_params=piece if o.offload_host_init else 0)
     excess = max(0, start.device_bytes - step_bytes)
     gib = 2 ** 30
     verdict = (f"exceeds the step's {step_bytes / gib:.2f} GiB by this" if excess

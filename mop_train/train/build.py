@@ -41,7 +41,7 @@ from mop_train.parallel.parallelize import (ParallelizeOptions, check_layout_fit
                                             parallelize)
 from mop_train.parallel.precision import MixedPrecision
 from mop_train.parallel.sharding import local
-from mop_train.plan.job import plan_from_parts
+from mop_train.plan.job import host_init_applies, plan_from_parts
 from mop_train.plan.terms import check_host_memory, format_plan
 from mop_train.train.checkpoint import TrainState, build_checkpointer
 from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir, tokenizer_folder
@@ -123,20 +123,13 @@ def build_model(cfg, layout, device: torch.device, spec: ModelSpec, options: Par
     module = LanguageModelLoss(model, loss_fn=build_loss_fn(cfg, layout, spec.args.vocab_size))
     sco = build_sco(cfg.mop.sco, device)
     shards = parallelize(module, layout, options, sco=sco)
-    if not whole and host_values(cfg):
+    if host_init_applies(cfg, initialised_whole=whole):
         init_pieces_to_host(module, model, device)
     elif not whole:
         module.to_empty(device=device)
         model.init_weights(buffer_device=device)
     return ModelParts(module, model, sco, shards.checkpointed, shards.expert_params, shards.vocab_params,
                       "whole" if whole else "per-shard", options.precision, shards.once_a_step_units)
-
-
-def host_values(cfg) -> bool:
-    """[mop.offload_adamw] host_init: the parameters' fp32 values go to the host as they are initialised
-    (the optimizer's masters take them there; weights = "bf16" / "stream" compute from other tensors)."""
-    oa = cfg.mop.offload_adamw
-    return bool(getattr(oa, "host_init", False)) and cfg.optimizer.name == OFFLOAD_ADAMW and oa.weights != "device"
 
 
 @torch.no_grad()
