@@ -36,6 +36,7 @@ from mop_train.models.zoo import HOST_INIT_MAX_PARAMS
 from mop_train.models.args import MoEModelArgs
 from mop_train.models.model import MoETransformer, model_tiles
 from mop_train.ops.offload_adamw import forward_units
+from mop_train.ops.offload_adamw.working import fsdp_param_groups
 from mop_train.parallel.fake_world import apply_routing_profile, fake_world_note, in_fake_world
 from mop_train.parallel.parallelize import (ParallelizeOptions, check_layout_fits, check_titan_parallelism,
                                             parallelize)
@@ -156,8 +157,9 @@ def init_pieces_to_host(module, model: MoETransformer, device: torch.device) -> 
                 raise ValueError(f"mop.offload_adamw.host_init = true needs DTensor parameters (FSDP2 units or MoP "
                                  f"shards); {name} is a plain {type(param).__name__}; set host_init = false")
             param._local_tensor = param._local_tensor.to("cpu")
-        for fsdp_param in _fsdp_params(piece):
-            fsdp_param.reset_sharded_param()
+        for group in fsdp_param_groups([piece]):
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.reset_sharded_param()
     left = [name for name, p in module.named_parameters() if p.is_meta]
     if left:
         raise RuntimeError(f"init_pieces_to_host: parameters no piece of model.init_pieces holds: {left}")
@@ -165,17 +167,6 @@ def init_pieces_to_host(module, model: MoETransformer, device: torch.device) -> 
         for key, buf in sub._buffers.items():
             if buf is not None and buf.is_meta:
                 sub._buffers[key] = torch.empty_like(buf, device=device)
-
-
-def _fsdp_params(module) -> list:
-    """The FSDPParams of the FSDP2 units `module` belongs to or holds."""
-    out = []
-    for sub in module.modules():
-        get_state = getattr(sub, "_get_fsdp_state", None)
-        group = get_state()._fsdp_param_group if get_state is not None else None
-        if group is not None:
-            out += [fp for fp in group.fsdp_params if fp not in out]
-    return out
 
 
 def build_sco(sco_cfg, device: torch.device):
