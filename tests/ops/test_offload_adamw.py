@@ -468,7 +468,8 @@ def test_staging_bound_and_bytes_moved():
         assert opt._host.nbytes == host_state_bytes(numel - opt._dev_end) and opt.device_state_bytes == 8 * opt._dev_end
     gen = torch.Generator().manual_seed(fresh_seed(13))
     for _ in range(5):  # the planner's pinned gradient bytes of a CPU share are the ones allocated
-        fraction = float(torch.rand(1, generator=gen))
+        # drawn in [1/numel, 1): a share of at least one element, so the buffer is there to be counted
+        fraction = (1 + float(torch.rand(1, generator=gen)) * (numel - 1)) / numel
         opt = OffloadStreamAdamW(params, bucket_params=7, host_fraction=fraction)
         assert host_update.host_share_bytes(numel, fraction) == opt.host_buffer_bytes > 0, fraction
 
