@@ -45,7 +45,7 @@ class CompileOptions:
 
     @classmethod
     def from_config(cls, compile_cfg) -> CompileOptions | None:
-        """From torchtitan's `[compile]` section (checked in mop_train.config); None when off."""
+        """From torchtitan's `[compile]` section (checked in mop_train.config_checks); None when off."""
         if not compile_cfg.enable:
             return None
         return cls(model="model" in compile_cfg.components, loss="loss" in compile_cfg.components,

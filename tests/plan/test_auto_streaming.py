@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from mop_train.cli import main
-from mop_train.config import load_job_config, validate
+from mop_train.config import load_job_config
+from mop_train.config_checks import validate
 from mop_train.models import zoo
 from mop_train.models.model import MoETransformer
 from mop_train.ops.offload_adamw.device_share import device_bytes_per_element

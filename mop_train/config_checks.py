@@ -1,0 +1,285 @@
+"""The checks of a parsed job (torchtitan's JobConfig with our `[mop.*]` sections) before launch.
+
+`mop_train.config.load_job_config` parses a job and calls these; `validate(cfg)` can be called again on a job
+the planner changed (mop_train.plan.settings.configure). Each check raises ValueError with where the value
+came from, the key, the value and what would fix it, so a job that cannot run fails before launch:
+- `check_honoured`: every torchtitan key the loop does not implement keeps torchtitan's default (HONOURED);
+- `check_layout_divides`: each `[mop.layout]` degree divides the world size;
+- `validate`: the values of our sections and of torchtitan's `[validation]`, `[profiling]`, `[compile]`,
+  `[checkpoint]` initial load and `comm.mode` (`validate_run_tools`, `validate_comm_mode`).
+"""
+
+import dataclasses
+
+from torchtitan.config import JobConfig as TitanJobConfig
+
+from mop_train.ops.moe_dispatch.options import dispatch_options
+from mop_train.ops.offload_adamw.memory import GRADIENTS as STREAM_GRADIENTS, WEIGHTS as STREAM_WEIGHTS
+from mop_train.parallel.compile import COMPONENTS as COMPILE_COMPONENTS
+from mop_train.units import parse_bytes, parse_device_fraction
+
+
+def check_layout_divides(layout, world_size: int, origin) -> None:
+    """Each `[mop.layout]` degree must divide W; the error names where it was set, the key, the
+    value and the valid degrees."""
+    for name in ("seq_degree", "expert_degree", "vocab_degree"):
+        v, key = getattr(layout, name), f"mop.layout.{name}"
+        if v >= 1 and world_size % v:
+            valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ValueError(f"{origin(key)}: {key} = {v} must divide the world size ({world_size} ranks); valid: "
+                             f"{valid}; set [mop.layout] {name} or --{key} to one of them (or change the ranks)")
+
+
+MODEL_NAME = "mop"
+"""The one `model.name` mop_train trains (its model family; `model.flavor` picks the size)."""
+
+HONOURED = {
+    "job": ("config_file", "dump_folder", "description", "custom_config_module"),
+    "metrics": ("log_freq", "enable_tensorboard", "save_tb_folder", "save_for_all_ranks", "enable_wandb"),
+    "model": ("name", "flavor", "hf_assets_path"),
+    "optimizer": ("name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation",
+                  "early_step_in_backward"),
+    "lr_scheduler": ("warmup_steps", "total_steps", "decay_ratio", "decay_type", "min_lr_factor"),
+    "training": ("dataset", "dataset_path", "local_batch_size", "global_batch_size", "seq_len", "max_norm",
+                 "steps", "dtype", "mixed_precision_param", "mixed_precision_reduce", "dataloader"),
+    "parallelism": ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
+                    "context_parallel_degree", "expert_parallel_degree"),
+    "checkpoint": ("enable", "folder", "interval", "initial_load_path", "initial_load_model_only",
+                   "initial_load_in_hf", "last_save_model_only", "last_save_in_hf", "export_dtype",
+                   "keep_latest_k", "load_step",
+                   "exclude_from_loading", "enable_first_step_checkpoint", "enable_ft_dataloader_checkpoints"),
+    "activation_checkpoint": ("mode", "selective_ac_option", "preserve_rng_state"),
+    "comm": ("init_timeout_seconds", "train_timeout_seconds", "mode"),
+    "debug": ("seed", "deterministic", "deterministic_warn_only"),
+    "validation": ("enable", "dataset", "dataset_path", "local_batch_size", "seq_len", "freq", "steps",
+                   "dataloader"),
+    "profiling": ("enable_profiling", "save_traces_folder", "profile_freq", "profiler_active", "profiler_warmup",
+                  "enable_memory_snapshot", "save_memory_snapshot_folder"),
+    "compile": ("enable", "components", "backend"),
+}
+"""torchtitan keys the loop reads, per section (the degrees under `parallelism` only as 1, checked
+at launch). Any other torchtitan key, and every key of a section not listed (quantize (float8, mx),
+fault_tolerance, memory_estimation, experimental), must keep torchtitan's default: `check_honoured`
+refuses it rather than ignore it. [validation], [profiling] and [compile] are checked by
+`validate_run_tools`."""
+
+
+def check_honoured(cfg, origin) -> None:
+    """Refuse any torchtitan key set away from its default that the loop does not implement.
+
+    Args:
+        origin: dotted key -> where its value came from ("configs/x.toml", "command line (--k)").
+    """
+    defaults = TitanJobConfig()
+    if cfg.model.name != MODEL_NAME:
+        raise ValueError(f"{origin('model.name')}: model.name = {cfg.model.name!r}; mop_train trains its own "
+                         f"model family only: set model.name = {MODEL_NAME!r} and pick a size with model.flavor")
+    for section in dataclasses.fields(defaults):
+        default_section, ours = getattr(defaults, section.name), getattr(cfg, section.name)
+        honoured = HONOURED.get(section.name, ())
+        for f in dataclasses.fields(default_section):
+            value, default = getattr(ours, f.name), getattr(default_section, f.name)
+            if f.name in honoured or value == default:
+                continue
+            dotted = f"{section.name}.{f.name}"
+            what = (f"honoured keys in [{section.name}]: {', '.join(honoured)}" if honoured else
+                    f"no key of [{section.name}] is implemented")
+            raise ValueError(f"{origin(dotted)}: {dotted} = {value!r} is not implemented by mop_train's loop "
+                             f"(it would be ignored); remove it or set it back to {default!r}. {what}")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _validate_streaming(cfg, source: str) -> None:
+    """[mop.offload_adamw] weights / gradients / weight_window against the optimizer and the run."""
+    oa = cfg.mop.offload_adamw
+    for key, value, valid in (("weights", oa.weights, STREAM_WEIGHTS), ("gradients", oa.gradients, STREAM_GRADIENTS)):
+        _require(value in valid, f"{source}: mop.offload_adamw.{key} = {value!r} must be one of {valid}")
+        _require(value == "device" or cfg.optimizer.name == "OffloadStreamAdamW",
+                 f"{source}: mop.offload_adamw.{key} = {value!r} needs the fp32 masters on the host: set "
+                 f"optimizer.name = 'OffloadStreamAdamW' (now {cfg.optimizer.name!r}) or {key} = 'device'")
+    _require(oa.weights != "bf16" or cfg.training.mixed_precision_param == "bfloat16",
+             f"{source}: mop.offload_adamw.weights = 'bf16' keeps bf16 working weights, but "
+             f"training.mixed_precision_param = {cfg.training.mixed_precision_param!r} computes in fp32; set "
+             f"mixed_precision_param = \"bfloat16\", or weights = 'stream' (streams fp32 working weights)")
+    _require(oa.gradients != "stream" or oa.host_fraction == 0.0,
+             f"{source}: mop.offload_adamw.gradients = 'stream' with host_fraction = {oa.host_fraction} is not "
+             f"supported yet (the CPU share reads device gradients); set host_fraction = 0 or gradients = 'device'")
+    _require(not oa.host_init or oa.weights != "device",
+             f"{source}: mop.offload_adamw.host_init = true keeps the parameters' values on the host, but "
+             f"weights = 'device' computes with them on the device; set weights = 'bf16' or 'stream', or "
+             f"host_init = false")
+    _require(not isinstance(oa.weight_window, bool) and oa.weight_window >= 1,
+             f"{source}: mop.offload_adamw.weight_window = {oa.weight_window!r} must be >= 1 (2 copies one block ahead)")
+    _require(oa.weights != "stream" or cfg.mop.moe.dispatch == "local" or cfg.activation_checkpoint.mode == "full",
+             f"{source}: mop.offload_adamw.weights = 'stream' reuses an expert block's window slot once its "
+             f"forward is done, which needs every block checkpointed, but activation_checkpoint.mode = "
+             f"{cfg.activation_checkpoint.mode!r} with mop.moe.dispatch = {cfg.mop.moe.dispatch!r}; set "
+             f"activation_checkpoint.mode = \"full\" or weights = 'bf16'")
+
+
+def validate(cfg, *, source: str = "config") -> None:
+    """Value checks that need no world size (the layout checks degrees against W)."""
+    lay, moe, mop = cfg.mop.layout, cfg.mop.moe, cfg.mop
+    for name in ("seq_degree", "expert_degree", "vocab_degree"):
+        v = getattr(lay, name)
+        _require(v >= 1, f"{source}: mop.layout.{name} = {v} must be >= 1 (1 turns that split off)")
+    peak = mop.metrics.peak_tflops
+    _require(not isinstance(peak, bool) and peak >= 0,
+             f"{source}: mop.metrics.peak_tflops = {peak!r} must be >= 0 (bf16 dense TFLOP/s per GPU; "
+             f"0 = the device's datasheet value)")
+    try:  # PipelinedLLEP's options hold every dispatch setting: each is checked whichever schedule runs
+        dispatch_options("pipelined_llep", moe)
+    except ValueError as err:
+        raise ValueError(f"{source}: mop.moe.{err}") from None
+    _require(moe.bias_update_rate >= 0, f"{source}: mop.moe.bias_update_rate = {moe.bias_update_rate} must be >= 0")
+    _require(mop.data.loss_chunk_tokens >= 1,
+             f"{source}: mop.data.loss_chunk_tokens = {mop.data.loss_chunk_tokens} must be >= 1")
+    _require(mop.ring_dtp.block_size >= 1, f"{source}: mop.ring_dtp.block_size = {mop.ring_dtp.block_size} must be >= 1")
+    if mop.sco.host_budget.strip().lower() != "auto":
+        parse_bytes(mop.sco.host_budget, key=f"{source}: mop.sco.host_budget")
+    _require(mop.offload_adamw.bucket_params >= 1,
+             f"{source}: mop.offload_adamw.bucket_params = {mop.offload_adamw.bucket_params} must be >= 1")
+    _require(mop.offload_adamw.slots >= 1, f"{source}: mop.offload_adamw.slots = {mop.offload_adamw.slots} must be >= 1")
+    _require(0.0 <= mop.offload_adamw.host_fraction <= 1.0,
+             f"{source}: mop.offload_adamw.host_fraction = {mop.offload_adamw.host_fraction} must be in [0, 1] "
+             "(the share of parameters updated on the CPU; 0 streams everything through the device)")
+    _require(mop.offload_adamw.host_fraction == 0.0 or cfg.optimizer.name == "OffloadStreamAdamW",
+             f"{source}: mop.offload_adamw.host_fraction = {mop.offload_adamw.host_fraction} only applies to "
+             f"optimizer.name = 'OffloadStreamAdamW', but optimizer.name = {cfg.optimizer.name!r}; set one or "
+             "drop the other")
+    try:
+        device_share = parse_device_fraction(mop.offload_adamw.device_fraction)
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
+    _require(device_share == 0.0 or cfg.optimizer.name == "OffloadStreamAdamW",
+             f"{source}: mop.offload_adamw.device_fraction = {mop.offload_adamw.device_fraction!r} only applies to "
+             f"optimizer.name = 'OffloadStreamAdamW', but optimizer.name = {cfg.optimizer.name!r}; set one or "
+             "drop the other")
+    _validate_streaming(cfg, source)
+    _require(not mop.offload_adamw.overlap or cfg.optimizer.name == "OffloadStreamAdamW",
+             f"{source}: mop.offload_adamw.overlap = true only applies to optimizer.name = 'OffloadStreamAdamW', "
+             f"but optimizer.name = {cfg.optimizer.name!r}")
+    if mop.ring_dtp.memory_budget.strip() != "0":
+        parse_bytes(mop.ring_dtp.memory_budget, key=f"{source}: mop.ring_dtp.memory_budget")
+    _require(mop.ring_dtp.token_chunk >= 0,
+             f"{source}: mop.ring_dtp.token_chunk = {mop.ring_dtp.token_chunk} must be >= 0 (0: the default)")
+    _require(lay.expert_degree == 1 or moe.dispatch != "local",
+             f"{source}: mop.moe.dispatch = 'local' keeps all experts on every rank, but "
+             f"mop.layout.expert_degree = {lay.expert_degree}; set dispatch to 'ep', 'llep' or 'pipelined_llep'")
+    if cfg.metrics.enable_wandb:
+        import importlib.util
+        _require(importlib.util.find_spec("wandb") is not None,
+                 f"{source}: metrics.enable_wandb = true but wandb is not installed; "
+                 "pip install 'mop-train[wandb]' (or wandb), or set metrics.enable_wandb = false")
+    for key in ("ffn_tokens", "block_tokens"):
+        tile = getattr(mop.tiling, key)
+        _require(tile == "auto" or (isinstance(tile, int) and tile >= 0),
+                 f"{source}: mop.tiling.{key} = {tile!r} must be 0 (untiled), a token count >= 1 or \"auto\"")
+    _validate_routing_profile(moe.routing_profile, source)
+    validate_comm_mode(cfg, source)
+    rel = mop.reliability
+    _require(rel.max_consecutive_skips >= 1,
+             f"{source}: mop.reliability.max_consecutive_skips = {rel.max_consecutive_skips} must be >= 1")
+    _check_initial_load(cfg.checkpoint, source)
+    t = cfg.training
+    _require(t.seq_len >= 1, f"{source}: training.seq_len = {t.seq_len} must be >= 1")
+    _require(t.local_batch_size >= 1, f"{source}: training.local_batch_size = {t.local_batch_size} must be >= 1")
+    validate_run_tools(cfg, source=source)
+
+
+def _check_initial_load(ck, source: str) -> None:
+    """torchtitan ignores initial_load_path without checkpoint.enable, and asserts on the HF
+    combinations it cannot load: say so before launch instead."""
+    _require(not ck.initial_load_path or ck.enable,
+             f"{source}: checkpoint.initial_load_path = {ck.initial_load_path!r} is read only with "
+             f"checkpoint.enable = true (torchtitan would ignore it); set checkpoint.enable = true")
+    if not ck.initial_load_in_hf:
+        return
+    _require(bool(ck.initial_load_path),
+             f"{source}: checkpoint.initial_load_in_hf = true needs checkpoint.initial_load_path = the Hugging Face "
+             f"folder (config.json + model*.safetensors, e.g. what `mop-train export` wrote)")
+    _require(ck.initial_load_model_only,
+             f"{source}: checkpoint.initial_load_in_hf = true loads weights only; set "
+             f"checkpoint.initial_load_model_only = true (safetensors hold no optimizer or data state)")
+
+
+def _validate_routing_profile(profile: str, source: str) -> None:
+    from mop_train.ops.routing_profiles import PROFILES
+
+    if profile in ("", "balanced"):
+        return
+    parts = profile.split("/")
+    ok = len(parts) == 2 and all(p.isdigit() for p in parts) and int(parts[0]) <= 100 and int(parts[1]) >= 1
+    _require(ok, f"{source}: mop.moe.routing_profile = {profile!r} is not a routing profile; use \"\" (the "
+                 f"router decides), \"balanced\", or \"r/h\" (r% of tokens on h hot experts), e.g. one of {PROFILES}")
+
+
+FAKE_BACKEND_REFUSED = (
+    ("checkpoint.enable", lambda cfg: cfg.checkpoint.enable,
+     "DCP saves gather every rank's plan and shards", "--checkpoint.no-enable"),
+    ("checkpoint.initial_load_path", lambda cfg: bool(cfg.checkpoint.initial_load_path),
+     "a load reads every rank's shards", "remove it"),
+    ("mop.reliability.check_a2a_splits", lambda cfg: cfg.mop.reliability.check_a2a_splits,
+     "it compares the splits of ranks that do not exist", "--mop.reliability.no-check_a2a_splits"),
+    ("metrics.save_for_all_ranks", lambda cfg: cfg.metrics.save_for_all_ranks,
+     "one process is one rank", "remove it"),
+)
+"""What `comm.mode = "fake_backend"` cannot stand in for: (key, is set, why, the fix)."""
+
+
+def validate_comm_mode(cfg, source: str = "config") -> None:
+    """comm.mode: "default", or "fake_backend" (one rank of a W-rank job in one process, collectives
+    standing in for identical ranks: mop_train.parallel.fake_world) without the settings it cannot
+    stand in for. torchtitan's "local_tensor" is not implemented."""
+    mode = cfg.comm.mode
+    _require(mode in ("default", "fake_backend"),
+             f"{source}: comm.mode = {mode!r} is not implemented by mop_train (it would run every rank in one "
+             f"process); use \"default\" or \"fake_backend\" (one rank of the job: WORLD_SIZE=W RANK=r)")
+    if mode != "fake_backend":
+        return
+    for key, is_set, why, fix in FAKE_BACKEND_REFUSED:
+        _require(not is_set(cfg), f"{source}: {key} cannot run under comm.mode = \"fake_backend\" ({why}); "
+                                  f"{fix}")
+
+
+def validate_run_tools(cfg, *, source: str = "config") -> None:
+    """[validation], [profiling] and [compile] (torchtitan's keys) against what the loop can do
+    (the device-dependent checks run at build time: a memory snapshot or inductor on CPU)."""
+    v, p, c = cfg.validation, cfg.profiling, cfg.compile
+    if v.enable:
+        _require(v.dataset not in ("c4_validation", "c4"),
+                 f"{source}: validation.dataset = {v.dataset!r} (torchtitan's default, a hub download) is not "
+                 f"read by mop_train; set validation.dataset = \"embedded\" (the embedded corpus's held-out "
+                 f"split) or \"jsonl\" / \"parquet\" / \"text\" / \"hub\" with validation.dataset_path")
+        for key in ("freq", "local_batch_size", "seq_len"):
+            _require(getattr(v, key) >= 1, f"{source}: validation.{key} = {getattr(v, key)} must be >= 1")
+        _require(v.steps >= 1 or v.steps == -1, f"{source}: validation.steps = {v.steps} must be >= 1 (batches "
+                 f"per validation) or -1 (one pass over the whole validation set)")
+    if p.enable_profiling:
+        _require(p.profiler_active >= 1 and p.profiler_warmup >= 0,
+                 f"{source}: profiling.profiler_active = {p.profiler_active} must be >= 1 and "
+                 f"profiling.profiler_warmup = {p.profiler_warmup} >= 0")
+        _require(p.profile_freq >= p.profiler_active + p.profiler_warmup,
+                 f"{source}: profiling.profile_freq = {p.profile_freq} must be >= profiler_warmup + profiler_active "
+                 f"= {p.profiler_warmup + p.profiler_active} (each cycle of profile_freq steps warms up, then "
+                 f"records its last steps); raise profile_freq")
+    if p.enable_profiling or p.enable_memory_snapshot:
+        _require(p.profile_freq >= 1, f"{source}: profiling.profile_freq = {p.profile_freq} must be >= 1")
+    if c.enable:
+        bad = [x for x in c.components if x not in COMPILE_COMPONENTS]
+        _require(not bad and c.components, f"{source}: compile.components = {c.components!r}: each must be one "
+                 f"of {', '.join(COMPILE_COMPONENTS)} (and at least one, with compile.enable = true)")
+        import torch._dynamo
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        _require(c.backend in backends, f"{source}: compile.backend = {c.backend!r} is not a torch.compile backend "
+                 f"here; valid: {', '.join(backends)}")
+        ring_dtp = cfg.mop.layout.vocab_degree > 1 or cfg.mop.ring_dtp.enable
+        _require(not ("loss" in c.components and ring_dtp),
+                 f"{source}: compile.components = {c.components!r} compiles the loss, but the loss is Ring-DTP "
+                 f"(mop.layout.vocab_degree = {cfg.mop.layout.vocab_degree}, mop.ring_dtp.enable = "
+                 f"{str(cfg.mop.ring_dtp.enable).lower()}): its fused kernels and ring collectives cannot be "
+                 f"compiled; set compile.components = [\"model\"]")
