@@ -49,7 +49,12 @@ def fixed_keys(overrides: list[str]) -> set[str]:
         if arg.startswith("--"):
             section, _, key = arg[2:].split("=", 1)[0].replace("-", "_").rpartition(".")
             given |= {f"{section}.{key}", f"{section}.{key.removeprefix('no_')}"}
-    return given & (set(SEARCHED_KEYS) | {"mop.offload_adamw.host_fraction", "mop.offload_adamw.overlap"})
+    return given & (set(SEARCHED_KEYS) | set(OFFLOAD_ONLY_KEYS))
+
+
+OFFLOAD_ONLY_KEYS = ("mop.offload_adamw.host_fraction", "mop.offload_adamw.overlap", "mop.offload_adamw.host_init")
+"""OffloadStreamAdamW's own options that are not searched: given (and on), they keep the optimizer offloaded;
+host_init also keeps the working weights off the device (bf16 or streamed), where it takes effect."""
 
 
 def search_base_flags(fixed: set[str]) -> list[str]:
@@ -58,10 +63,12 @@ def search_base_flags(fixed: set[str]) -> list[str]:
     (a given expert_degree > 1 beside the config's dispatch = "local"; a given OffloadStreamAdamW option
     beside the config's AdamW). The search replaces every one of them."""
     flags = [] if "mop.moe.dispatch" in fixed else ["--mop.moe.dispatch", "ep"]
-    offload_options = {"mop.offload_adamw.host_fraction", "mop.offload_adamw.overlap", "mop.offload_adamw.device_fraction",
-                       "mop.offload_adamw.weights", "mop.offload_adamw.gradients"}
+    offload_options = {*OFFLOAD_ONLY_KEYS, "mop.offload_adamw.device_fraction", "mop.offload_adamw.weights",
+                       "mop.offload_adamw.gradients"}
     if "optimizer.name" not in fixed and fixed & offload_options:
         flags += ["--optimizer.name", OFFLOAD_ADAMW]
+    if "mop.offload_adamw.host_init" in fixed and "mop.offload_adamw.weights" not in fixed:
+        flags += ["--mop.offload_adamw.weights", "stream"]   # (host_init refuses weights = "device")
     return flags
 
 
@@ -124,6 +131,10 @@ class Settings:
         if not self.offloads_optimizer:   # options that only apply to OffloadStreamAdamW go back to off
             out += [("mop.offload_adamw.host_fraction", 0.0)] if oa.host_fraction else []
             out += [("mop.offload_adamw.overlap", False)] if oa.overlap else []
+        else:                             # and are part of the configuration where they are on
+            out += [("mop.offload_adamw.host_fraction", oa.host_fraction)] if oa.host_fraction else []
+            out += [("mop.offload_adamw.overlap", True)] if oa.overlap else []
+            out += [("mop.offload_adamw.host_init", True)] if oa.host_init and self.weights != "device" else []
         return out + [("activation_checkpoint.mode", self.ac_mode)]
 
     def flags(self, base) -> list[str]:
@@ -162,8 +173,9 @@ def optimizer_levels(base, fixed: set[str]) -> list[tuple[str, str, str, str]]:
     levels = _share_levels(base, fixed)
     if {"mop.offload_adamw.weights", "mop.offload_adamw.gradients"} & fixed:  # given: keep them, offloaded
         return [(n, f, oa.weights, oa.gradients) for n, f in levels if n == OFFLOAD_ADAMW]
-    out = [(n, f, "device", "device") for n, f in levels]
     shares = [f for n, f in levels if n == OFFLOAD_ADAMW]
+    # host_init given: the working weights stay off the device (where host_init takes effect)
+    out = [] if oa.host_init else [(n, f, "device", "device") for n, f in levels]
     if shares:
         if MixedPrecision.from_training(base.training).activation_bytes == 2:   # (free under bf16 compute)
             out.append((OFFLOAD_ADAMW, shares[-1], "bf16", "device"))
@@ -197,15 +209,15 @@ def _share_levels(base, fixed: set[str]) -> list[tuple[str, str]]:
     """(optimizer.name, device_fraction), fastest first; the last leaves the least on the device."""
     on_device = base.optimizer.name if base.optimizer.name != OFFLOAD_ADAMW else "AdamW"
     name_fixed, fraction = "optimizer.name" in fixed, str(base.mop.offload_adamw.device_fraction)
+    oa = base.mop.offload_adamw           # options of OffloadStreamAdamW alone, given: it is the optimizer
+    only_offload = ("mop.offload_adamw.host_fraction" in fixed and oa.host_fraction) or (
+        "mop.offload_adamw.overlap" in fixed and oa.overlap) or ("mop.offload_adamw.host_init" in fixed and oa.host_init)
     if name_fixed and base.optimizer.name != OFFLOAD_ADAMW:
         return [(on_device, "0")]
     if "mop.offload_adamw.device_fraction" in fixed:
-        keep_adamw = not name_fixed and fraction.strip() in ("0", "0.0")
+        keep_adamw = not name_fixed and not only_offload and fraction.strip() in ("0", "0.0")
         return ([(on_device, "0")] if keep_adamw else []) + [(OFFLOAD_ADAMW, fraction)]
     levels = [(OFFLOAD_ADAMW, f) for f in DEVICE_FRACTIONS]
-    oa = base.mop.offload_adamw           # options of OffloadStreamAdamW alone, given: it is the optimizer
-    only_offload = ("mop.offload_adamw.host_fraction" in fixed and oa.host_fraction) or (
-        "mop.offload_adamw.overlap" in fixed and oa.overlap)
     return levels if name_fixed or only_offload else [(on_device, "0")] + levels
 
 

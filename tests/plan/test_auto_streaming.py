@@ -35,7 +35,7 @@ from mop_train.layout import plan_layout
 from mop_train.plan.auto import TIE_SHARE, AutoPlanner
 from mop_train.plan.cost_model import OFFLOAD_S_PER_PARAM
 from mop_train.plan.job import plan_for_config
-from mop_train.plan.settings import DEVICE_FRACTIONS, configure, keeps_no_less
+from mop_train.plan.settings import DEVICE_FRACTIONS, configure, fixed_keys, keeps_no_less, search_base_flags
 from mop_train.plan.terms import GIB, check_host_memory, host_memory_fix, host_memory_plan
 from tests.plan.test_auto_plan import BIG, OSA, SMALL, job, planner, truth
 
@@ -178,6 +178,30 @@ def test_what_the_search_returns_the_launch_accepts(given, S):
         assert s.device_fraction == "0.5" and s.gradients == "stream"
     for e in r.runners_up:                  # (the launch's value checks; the chosen one was loaded above)
         validate(configure(p.base, e.settings))
+
+
+def test_a_given_host_init_keeps_the_weights_off_the_device_and_the_launch_accepts_the_choice():
+    """`--mop.offload_adamw.host_init` given to `plan --auto`: the job loads (the search's base flags give it
+    weights off the device, since host_init refuses weights = "device"), every configuration the search
+    plans is OffloadStreamAdamW with bf16 or streamed weights, and the chosen flags, which name host_init,
+    load as the launch loads them, plan host_init's start-up and host terms, and fit."""
+    given = ("--training.local_batch_size", "1", "--mop.offload_adamw.host_init")
+    fixed = fixed_keys(list(given))
+    base = ("configs/small_1gpu.toml", *search_base_flags(fixed), *given)
+    p = AutoPlanner(job(*base), fixed=fixed, world=1, ranks_per_node=1, gpu_bytes=141 * GIB,
+                    host_bytes=1024 * GIB, headroom=2 * GIB)
+    assert p.optimizers and all(o == OSA and w != "device" for o, _, w, _ in p.optimizers), p.optimizers
+    r = p.fastest_at(SHORT)
+    planned = list(p._memo)
+    assert planned and all(s.offloads_optimizer and s.weights != "device" for s in planned)
+    flags = r.chosen.settings.flags(p.base)
+    assert "--mop.offload_adamw.host_init" in flags
+    cfg = load_job_config(["--job.config_file", "configs/small_1gpu.toml", "--training.local_batch_size", "1", *flags],
+                          model_flavors=zoo.names())   # (the chosen flags and the given keys not searched)
+    assert cfg.mop.offload_adamw.host_init and cfg.mop.offload_adamw.weights == r.chosen.settings.weights
+    plan = plan_for_config(cfg, world=1, ranks_per_node=1, host_bytes=p.host_bytes)
+    assert fits(p, plan) and "start-up values" in lines(plan, "host")
+    assert (plan.device_bytes, plan.host_bytes_per_node) == (r.chosen.device, r.chosen.host)
 
 
 # -- the lines against the bound functions -------------------------------------------------------
