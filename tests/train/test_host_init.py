@@ -3,7 +3,8 @@ shard is initialised one piece at a time and its values kept on the host, with t
 parameters of the plain path (`module.to_empty(device)` + `init_weights`) bit for bit.
 
 CPU, gloo, the debug model forced to per-shard initialisation (HOST_INIT_MAX_PARAMS = 0, as for a model
-over 2B parameters), stream/stream and bf16/device, bf16 compute, at W=1 and at (W=4, D=2, E_p=2, P=2):
+over 2B parameters), stream/stream and bf16/device, bf16 compute, at W=1, at W=3 (uneven, padded FSDP2
+shards) and at (W=4, D=2, E_p=2, P=2):
 every parameter's local values right after the build, then the losses, gradient norms and final
 parameters of 2 steps, host_init on against off. Where the values live (the host, one piece on the
 device at a time) is a CUDA matter: tests/train/test_host_init_gpu.py.
@@ -29,6 +30,7 @@ COMMON = ["--job.config_file", DEBUG_CONFIG, "--metrics.log_freq", "1", "--metri
 STREAM = ["--mop.offload_adamw.weights", "stream", "--mop.offload_adamw.gradients", "stream"]
 SETTINGS = (("stream", "stream"), ("bf16", "device"))  # (weights, gradients)
 LAYOUTS = {1: ["--training.local_batch_size", "2", "--mop.moe.dispatch", "ep"],
+           3: ["--training.local_batch_size", "1", "--training.global_batch_size", "6", "--mop.moe.dispatch", "ep"],
            4: ["--training.local_batch_size", "1", "--mop.layout.seq_degree", "2", "--mop.layout.expert_degree", "2",
                "--mop.layout.vocab_degree", "2", "--mop.moe.dispatch", "pipelined_llep", "--mop.moe.token_budget",
                "12", "--mop.moe.min_tokens_per_gemm", "4", "--mop.moe.imbalance_threshold", "1.0"]}
@@ -76,7 +78,7 @@ def _compare(rank, world, root, seed, weights, gradients, device):
         assert_bitwise_equal(a, b, name=f"{where}: parameter {i} after {STEPS} steps")
 
 
-@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("world", [1, 3, 4])  # 3: uneven FSDP2 shards (padded)
 def test_host_init_gives_the_plain_initialisation_bit_for_bit(tmp_path, world):
     from tests.utils import fresh_seed
     run_distributed(_worker, world, str(tmp_path), fresh_seed() % 10_000, timeout_s=900)

@@ -10,7 +10,9 @@ with weights = "bf16" and "stream" (the setting changed at the resume) repeat it
 step-2 checkpoints are those of a device/device resume (not of the straight run: a resumed run's
 torch CPU RNG state differs at its next checkpoint, device/device too, a behaviour that predates
 these settings). The W=4 checkpoint, resumed at W=2 (E_p=2, the same two sequence groups), gives the
-same bits with device/device and with stream/stream.
+same bits with device/device and with stream/stream. At W=3 FSDP2's shards are uneven (the debug
+model's dims are not multiples of 3: padded shards, the window's slots hold them): stream/stream is
+device/device there too.
 Each world runs all its cases in one spawn (`train` called in process); the checkpoints are read
 back here with DCP's own reader, in memory (no torch.save copy of each).
 """
@@ -150,6 +152,23 @@ def _check_world(root: str, plan) -> None:
 def test_every_setting_is_bitwise_device_device_at_w1(tmp_path):
     run_distributed(_world_worker, 1, str(tmp_path), ONE, AT_W1, None, timeout_s=900)
     _check_world(str(tmp_path), AT_W1)
+
+
+UNEVEN = ["--training.local_batch_size", "1", "--training.global_batch_size", "6", "--mop.moe.dispatch", "ep"]
+
+
+def _uneven_worker(rank, world, root):
+    for w, g in (("device", "device"), ("stream", "stream")):
+        _train(os.path.join(root, f"bf16-{w}-{g}"), [*UNEVEN, *POLICY["bf16"], *_setting(w, g)])
+
+
+def test_stream_stream_is_bitwise_device_device_at_w3_with_uneven_shards(tmp_path):
+    root = str(tmp_path)
+    run_distributed(_uneven_worker, 3, root, timeout_s=600)
+    ref, ours = os.path.join(root, "bf16-device-device"), os.path.join(root, "bf16-stream-stream")
+    assert _metrics(ours) == _metrics(ref) and len(_metrics(ref)) == STEPS
+    for step in (SAVED, STEPS):
+        _assert_same_checkpoint(ours, ref, step, "W=3 stream/stream")
 
 
 def test_every_setting_is_bitwise_device_device_at_w4_and_resharded(tmp_path):
