@@ -31,9 +31,10 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer import build_optimizers as titan_build_optimizers
 from torchtitan.distributed import ParallelDims
 
+from mop_train.ops.offload_adamw import OFFLOAD_ADAMW  # noqa: F401  (re-exported for the loop)
+from mop_train.ops.offload_adamw.buckets import PIECE_ALIGN
 from mop_train.units import parse_device_fraction
 
-from mop_train.ops.offload_adamw import OFFLOAD_ADAMW  # noqa: F401  (re-exported for the loop)
 TITAN_OPTIMIZERS = ("AdamW", "Adam")
 
 __all__ = ["build_optimizers", "build_lr_schedulers", "resolve_device_fraction", "free_device_bytes",
@@ -184,7 +185,8 @@ def wait_for_weights(optimizers) -> None:
 
 
 def build_optimizers(model_parts: list[nn.Module], optimizer, offload_adamw, *,
-                     world_size: int, device_fraction: float | None = None) -> OptimizersContainer:
+                     world_size: int, device_fraction: float | None = None,
+                     piece_align: int = PIECE_ALIGN) -> OptimizersContainer:
     """Args:
         optimizer: the `[optimizer]` section (name, lr, beta1, beta2, eps, weight_decay, implementation).
         offload_adamw: the `[mop.offload_adamw]` section (bucket_params, slots, host_fraction,
@@ -192,6 +194,8 @@ def build_optimizers(model_parts: list[nn.Module], optimizer, offload_adamw, *,
         world_size: W; the model is FSDP-sharded over all W ranks (pure data parallel).
         device_fraction: the resolved share (`resolve_device_fraction`); None takes the section's
             number (ValueError if it is "auto").
+        piece_align: OffloadStreamAdamW's lane alignment of its cuts (its docstring; 1 for tests that
+            place cuts inside tiny tensors).
     """
     if optimizer.name == OFFLOAD_ADAMW:
         if device_fraction is None:
@@ -201,7 +205,7 @@ def build_optimizers(model_parts: list[nn.Module], optimizer, offload_adamw, *,
                       weight_decay=optimizer.weight_decay, bucket_params=offload_adamw.bucket_params,
                       slots=offload_adamw.slots, host_fraction=offload_adamw.host_fraction,
                       device_fraction=device_fraction, weights=getattr(offload_adamw, "weights", "device"),
-                      gradients=getattr(offload_adamw, "gradients", "device"))
+                      gradients=getattr(offload_adamw, "gradients", "device"), piece_align=piece_align)
         return _build_offload_adamw(model_parts, kwargs, overlap=bool(getattr(offload_adamw, "overlap", False)))
     if optimizer.name not in TITAN_OPTIMIZERS:
         raise ValueError(f"optimizer.name = {optimizer.name!r} is not supported; use one of "

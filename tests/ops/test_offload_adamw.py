@@ -82,7 +82,7 @@ def _assert_state_close(ours, ref, rtol=RTOL):
 def test_matches_torch_adamw_fp32(bucket_params, slots):
     seed = fresh_seed(11 + bucket_params + slots)
     ours_p, ref_p = _params(seed), _params(seed)
-    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=bucket_params, slots=slots)
+    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=bucket_params, slots=slots, piece_align=1)
     ref = reference_adamw(_groups(ref_p), **HP)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lambda)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, _lambda)
@@ -121,7 +121,7 @@ def test_defaults_and_hyperparameters_are_torch_adamw_s():
     seed = fresh_seed(17)
     for kwargs in (dict(), dict(lr=3e-2, betas=(0.8, 0.9), eps=1e-3, weight_decay=0.2)):
         ours_p, ref_p, torch_p = _params(seed), _params(seed), _params(seed)
-        opts = [OffloadStreamAdamW(ours_p, **kwargs, bucket_params=7), reference_adamw(ref_p, **kwargs),
+        opts = [OffloadStreamAdamW(ours_p, **kwargs, bucket_params=7, piece_align=1), reference_adamw(ref_p, **kwargs),
                 torch.optim.AdamW(torch_p, **kwargs, foreach=False)]
         moved = [0.0] * len(torch_p)  # per parameter: the sum over steps of its largest update |p_t - p_{t-1}|
         for step in range(3):
@@ -149,7 +149,7 @@ def test_matches_fp32_adamw_given_the_same_gradients(dtype, host_fraction, monke
     seed = fresh_seed(51 + int(10 * host_fraction) + (dtype == torch.bfloat16))
     ours_p = _params(seed, dtype)
     ref_p = [nn.Parameter(p.detach().float().clone()) for p in ours_p]
-    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2, host_fraction=host_fraction)
+    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2, host_fraction=host_fraction, piece_align=1)
     ref = reference_adamw(_groups(ref_p), **HP)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lambda)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, _lambda)
@@ -186,7 +186,7 @@ def test_values_set_after_construction_are_the_start(dtype, split, monkeypatch):
     monkeypatch.setattr(host_update, "CHUNK", 6)
     seed = fresh_seed(71 + (dtype == torch.bfloat16))
     ours_p = _params(seed, dtype)
-    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2, **split)
+    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2, **split, piece_align=1)
     fresh = _params(seed + 1, dtype)
 
     def rewrite(i):
@@ -219,16 +219,16 @@ def test_host_fraction_resume_is_exact(monkeypatch):
     monkeypatch.setattr(host_update, "CHUNK", 5)
     seed, kwargs = 61, dict(**HP, bucket_params=6, slots=2, host_fraction=0.5)
     full_p = _params(seed, torch.bfloat16)
-    full = OffloadStreamAdamW(_groups(full_p), **kwargs)
+    full = OffloadStreamAdamW(_groups(full_p), **kwargs, piece_align=1)
     _run(full, full_p, 5, seed)
     first_p = _params(seed, torch.bfloat16)
-    first = OffloadStreamAdamW(_groups(first_p), **kwargs)
+    first = OffloadStreamAdamW(_groups(first_p), **kwargs, piece_align=1)
     _run(first, first_p, 3, seed)
     saved = first.state_dict()
     resumed_p = _params(seed + 1, torch.bfloat16)
     for p, q in zip(resumed_p, first_p):
         p.data.copy_(q)
-    resumed = OffloadStreamAdamW(_groups(resumed_p), **kwargs)
+    resumed = OffloadStreamAdamW(_groups(resumed_p), **kwargs, piece_align=1)
     resumed.load_state_dict(saved)
     _run(resumed, resumed_p, 5, seed, start=3)
     _assert_same_run(full_p, full, resumed_p, resumed)
@@ -247,7 +247,7 @@ def test_resumes_a_torch_adamw_checkpoint(split, monkeypatch):
     ref = reference_adamw(_groups(ref_p), **HP)
     _run(ref, ref_p, 2, seed)
     ours_p = _params(seed + 1)
-    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2, **split)
+    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2, **split, piece_align=1)
     _run(opt, ours_p, 3, seed + 2)                                   # state of another run everywhere
     with torch.no_grad():
         for p, q in zip(ours_p, ref_p):
@@ -268,7 +268,7 @@ def test_resumes_a_torch_adamw_checkpoint(split, monkeypatch):
 
 def test_host_state_is_outside_autograd():
     params = _params(8)
-    opt = OffloadStreamAdamW(params, bucket_params=4, host_fraction=0.5)
+    opt = OffloadStreamAdamW(params, bucket_params=4, host_fraction=0.5, piece_align=1)
     opt.load_state_dict(opt.state_dict())
     opt.reset_masters_from_params()
     assert not opt._host.requires_grad and opt._host.grad_fn is None
@@ -290,12 +290,12 @@ def _assert_same_run(params_a, opt_a, params_b, opt_b):
 def test_resume_from_state_dict_is_exact(dtype):
     seed = fresh_seed(31)
     full_p = _params(seed, dtype)
-    full = OffloadStreamAdamW(_groups(full_p), **HP, bucket_params=7, slots=2)
+    full = OffloadStreamAdamW(_groups(full_p), **HP, bucket_params=7, slots=2, piece_align=1)
     full_sched = torch.optim.lr_scheduler.LambdaLR(full, _lambda)
     _run(full, full_p, 5, seed, full_sched)
 
     first_p = _params(seed, dtype)
-    first = OffloadStreamAdamW(_groups(first_p), **HP, bucket_params=7, slots=2)
+    first = OffloadStreamAdamW(_groups(first_p), **HP, bucket_params=7, slots=2, piece_align=1)
     first_sched = torch.optim.lr_scheduler.LambdaLR(first, _lambda)
     _run(first, first_p, 3, seed, first_sched)
     buf = io.BytesIO()
@@ -307,7 +307,7 @@ def test_resume_from_state_dict_is_exact(dtype):
     resumed_p = _params(seed + 1, dtype)  # different weights: everything must come from the save
     for p, q in zip(resumed_p, saved["params"]):
         p.data.copy_(q)
-    resumed = OffloadStreamAdamW(_groups(resumed_p), **HP, bucket_params=5, slots=1)
+    resumed = OffloadStreamAdamW(_groups(resumed_p), **HP, bucket_params=5, slots=1, piece_align=1)
     resumed_sched = torch.optim.lr_scheduler.LambdaLR(resumed, _lambda)
     resumed.load_state_dict(saved["opt"])
     resumed_sched.load_state_dict(saved["sched"])
@@ -459,10 +459,10 @@ def test_staging_bound_and_bytes_moved():
     fresh = OffloadStreamAdamW(params, bucket_params=7)
     assert fresh.step_seconds() == 0.0 and fresh.last_step.h2d_bytes == fresh.last_step.buckets == 0  # no step yet
     # nothing streamed: no slots, only the gradient buffer of the largest device-resident bucket (if any)
-    assert OffloadStreamAdamW(params, bucket_params=7, device_fraction=1.0).staging_bytes == 4 * 7
-    assert OffloadStreamAdamW(params, bucket_params=7, host_fraction=1.0).staging_bytes == 0
+    assert OffloadStreamAdamW(params, bucket_params=7, device_fraction=1.0, piece_align=1).staging_bytes == 4 * 7
+    assert OffloadStreamAdamW(params, bucket_params=7, host_fraction=1.0, piece_align=1).staging_bytes == 0
     for kwargs in (dict(), dict(device_fraction=0.4, host_fraction=0.3)):  # reported bytes = allocated bytes
-        opt = OffloadStreamAdamW(params, bucket_params=7, slots=2, **kwargs)
+        opt = OffloadStreamAdamW(params, bucket_params=7, slots=2, **kwargs, piece_align=1)
         staged = [*opt._slot_buffers, opt._grad_buffer]
         assert sum(t.untyped_storage().nbytes() for t in staged) == opt.staging_bytes
         assert opt._host.nbytes == host_state_bytes(numel - opt._dev_end) and opt.device_state_bytes == 8 * opt._dev_end
@@ -470,7 +470,7 @@ def test_staging_bound_and_bytes_moved():
     for _ in range(5):  # the planner's pinned gradient bytes of a CPU share are the ones allocated
         # drawn in [1/numel, 1): a share of at least one element, so the buffer is there to be counted
         fraction = (1 + float(torch.rand(1, generator=gen)) * (numel - 1)) / numel
-        opt = OffloadStreamAdamW(params, bucket_params=7, host_fraction=fraction)
+        opt = OffloadStreamAdamW(params, bucket_params=7, host_fraction=fraction, piece_align=1)
         assert host_update.host_share_bytes(numel, fraction) == opt.host_buffer_bytes > 0, fraction
 
 
@@ -565,7 +565,7 @@ def test_bad_arguments_raise_value_error():
     ]
     for kwargs, match in bad:
         with pytest.raises(ValueError, match=match):
-            OffloadStreamAdamW(params, **kwargs)
+            OffloadStreamAdamW(params, **kwargs, piece_align=1)
     with pytest.raises(ValueError, match="amsgrad"):
         OffloadStreamAdamW([{"params": params, "amsgrad": True}])
     with pytest.raises(ValueError, match="contiguous"):
@@ -615,7 +615,7 @@ def test_cuda_matches_torch_fused_adamw(dtype, host_fraction, monkeypatch):
     seed = fresh_seed(41)
     ours_p = _params(seed, dtype, "cuda")
     ref_p = [nn.Parameter(p.detach().float().clone()) for p in ours_p]  # never alias ours
-    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2, host_fraction=host_fraction)
+    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2, host_fraction=host_fraction, piece_align=1)
     assert opt._host.is_pinned()
     ref = torch.optim.AdamW(_groups(ref_p), **HP, fused=True)
     for step in range(5):
@@ -635,13 +635,13 @@ def test_cuda_matches_torch_fused_adamw(dtype, host_fraction, monkeypatch):
 def test_cuda_resume_is_exact():
     seed = fresh_seed(43)
     full_p = _params(seed, torch.bfloat16, "cuda")
-    full = OffloadStreamAdamW(_groups(full_p), **HP, bucket_params=6, slots=3)
+    full = OffloadStreamAdamW(_groups(full_p), **HP, bucket_params=6, slots=3, piece_align=1)
     _run(full, full_p, 5, seed)
     first_p = _params(seed, torch.bfloat16, "cuda")
-    first = OffloadStreamAdamW(_groups(first_p), **HP, bucket_params=6, slots=3)
+    first = OffloadStreamAdamW(_groups(first_p), **HP, bucket_params=6, slots=3, piece_align=1)
     _run(first, first_p, 3, seed)
     saved = {k: v for k, v in first.state_dict().items()}
-    resumed = OffloadStreamAdamW(_groups(first_p), **HP, bucket_params=6, slots=2)
+    resumed = OffloadStreamAdamW(_groups(first_p), **HP, bucket_params=6, slots=2, piece_align=1)
     resumed.load_state_dict(saved)
     _run(resumed, first_p, 5, seed, start=3)
     _assert_same_run(full_p, full, first_p, resumed)
@@ -655,7 +655,7 @@ def test_cuda_staging_memory_within_bound(host_fraction):
     params[0].grad = torch.randn_like(params[0])
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    opt = OffloadStreamAdamW(params, bucket_params=bucket, slots=slots, host_fraction=host_fraction)
+    opt = OffloadStreamAdamW(params, bucket_params=bucket, slots=slots, host_fraction=host_fraction, piece_align=1)
     assert opt.staging_bytes == staging_bytes_bound(bucket, slots)
     assert torch.cuda.memory_allocated() - before <= opt.staging_bytes + 512 * (slots + 1)  # block rounding
     torch.cuda.reset_peak_memory_stats()
@@ -674,7 +674,7 @@ def _cuda_pair(seed: int, dtype, **kwargs):
     """Our optimizer on CUDA parameters and torch's fused AdamW on fp32 copies of them."""
     ours_p = _params(seed, dtype, "cuda")
     ref_p = [nn.Parameter(p.detach().float().clone()) for p in ours_p]  # never alias ours
-    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2, **kwargs)
+    opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2, **kwargs, piece_align=1)
     return ours_p, opt, ref_p, torch.optim.AdamW(_groups(ref_p), **HP, fused=True)
 
 
@@ -782,7 +782,7 @@ def test_cuda_host_buffers_are_registered_until_released(monkeypatch):
     assert not state.is_pinned()
 
     params = _params(fresh_seed(53), torch.bfloat16, "cuda")
-    opt = OffloadStreamAdamW(params, bucket_params=7, slots=2, host_fraction=0.5)
+    opt = OffloadStreamAdamW(params, bucket_params=7, slots=2, host_fraction=0.5, piece_align=1)
     grads = opt._host_update._grad_views[0]  # keeps the old buffer's memory alive
     assert grads.is_pinned()
     opt.resize_staging(7, 2, host_fraction=0.25)  # drops the previous HostUpdate

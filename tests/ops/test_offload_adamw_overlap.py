@@ -50,7 +50,7 @@ def _train(model, opt, steps, seed, device="cpu"):
 
 
 def _build(model, overlap, **kwargs):
-    opt = OffloadStreamAdamW(forward_order(model, model.units()), **HP, overlap=overlap, **kwargs)
+    opt = OffloadStreamAdamW(forward_order(model, model.units()), **HP, overlap=overlap, **kwargs, piece_align=1)
     opt.wait_in_forward(forward_units(model, model.units()))
     return opt
 
@@ -140,7 +140,7 @@ def test_overlap_without_hooks_waits_in_step():
         model = _Net(4)
         kwargs = {} if overlap is None else dict(overlap=overlap)
         opt = OffloadStreamAdamW(forward_order(model, model.units()), **HP, bucket_params=5, host_fraction=0.3,
-                                 **kwargs)
+                                 **kwargs, piece_align=1)
         if hooks:
             opt.wait_in_forward(forward_units(model, model.units()))
         _train(model, opt, 2, 4)
@@ -186,7 +186,7 @@ def test_cuda_overlap_same_bits_and_forward_runs_early(device_fraction):
     # a big model: the step returns before its buckets are done, the forward waits per unit
     big = nn.ModuleList(nn.Linear(2048, 2048, device="cuda") for _ in range(8))
     opt = OffloadStreamAdamW(list(big.parameters()), **HP, bucket_params=1 << 20, slots=3, overlap=True,
-                             device_fraction=device_fraction)
+                             device_fraction=device_fraction, piece_align=1)
     opt.wait_in_forward([(m, list(m.parameters())) for m in big])
     x = torch.randn(64, 2048, device="cuda")
     for _ in range(3):
@@ -219,7 +219,7 @@ def _fsdp_overlap_worker(rank, world_size, device_fraction):
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         opt = OffloadStreamAdamW(forward_order(model), **HP, bucket_params=300, slots=2,
-                                 device_fraction=device_fraction, overlap=overlap)
+                                 device_fraction=device_fraction, overlap=overlap, piece_align=1)
         opt.wait_in_forward(forward_units(model))
         assert opt.forward_waits.hooked == overlap
         for step in range(4):
@@ -279,7 +279,7 @@ def test_cuda_fsdp2_waits_hold_back_the_all_gather_streams(nccl_group, monkeypat
         fully_shard(model, mesh=mesh, mp_policy=mp)
         assert _fsdp_streams(model) == [] and _fsdp_streams(nn.Linear(2, 2)) == []  # before lazy init
         opt = OffloadStreamAdamW(forward_order(model), **HP, bucket_params=300, slots=2, device_fraction=0.2,
-                                 host_fraction=0.3, overlap=overlap)
+                                 host_fraction=0.3, overlap=overlap, piece_align=1)
         opt.wait_in_forward(forward_units(model))
         waits = opt.forward_waits
         for step in range(4):
@@ -425,7 +425,7 @@ def test_optimizer_wait_runs_before_the_units_other_hooks():
     for block in model.blocks:
         block.register_forward_pre_hook(lambda mod, args: seen.append(list(opt.forward_waits._done)))
     held = [p for p in forward_order(model, model.units()) if p is not model.blocks[1][0].bias]
-    opt = OffloadStreamAdamW(held, **HP, overlap=True, bucket_params=5)
+    opt = OffloadStreamAdamW(held, **HP, overlap=True, bucket_params=5, piece_align=1)
     opt.wait_in_forward(forward_units(model, model.units()))
     model(torch.randn(2, 6)).square().sum().backward()
     opt.step()                                                    # no wait_for_weights: the hooks wait

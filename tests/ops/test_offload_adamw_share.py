@@ -42,7 +42,7 @@ def _straddles(boundary: int) -> bool:
 def _train_with_torch(dtype, seed, **kwargs):
     ours_p = _params(seed, dtype)
     ref_p = [nn.Parameter(p.detach().float().clone()) for p in ours_p]
-    opt = OffloadStreamAdamW(_groups(ours_p), **HP, **kwargs)
+    opt = OffloadStreamAdamW(_groups(ours_p), **HP, **kwargs, piece_align=1)
     ref = reference_adamw(_groups(ref_p), **HP)
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, _lambda) for o in (opt, ref)]
     for step in range(5):
@@ -91,10 +91,10 @@ def test_resume_across_splits_is_exact(monkeypatch, tmp_path):
     seed = fresh_seed(81)
     first_kwargs = dict(**HP, bucket_params=6, slots=2, device_fraction=0.3, host_fraction=0.4)
     full_p = _params(seed, torch.bfloat16)
-    full = OffloadStreamAdamW(_groups(full_p), **first_kwargs)
+    full = OffloadStreamAdamW(_groups(full_p), **first_kwargs, piece_align=1)
     _run(full, full_p, 5, seed)
     first_p = _params(seed, torch.bfloat16)
-    first = OffloadStreamAdamW(_groups(first_p), **first_kwargs)
+    first = OffloadStreamAdamW(_groups(first_p), **first_kwargs, piece_align=1)
     _run(first, first_p, 3, seed)
     buf = io.BytesIO()
     torch.save(first.state_dict(), buf)
@@ -103,7 +103,7 @@ def test_resume_across_splits_is_exact(monkeypatch, tmp_path):
     for p, q in zip(resumed_p, first_p):
         p.data.copy_(q)
     resumed = OffloadStreamAdamW(_groups(resumed_p), **dict(first_kwargs, device_fraction=0.65, host_fraction=0.0,
-                                                            bucket_params=4, slots=3))
+                                                            bucket_params=4, slots=3), piece_align=1)
     resumed.load_state_dict(torch.load(buf))
     _run(resumed, resumed_p, 5, seed, start=3)
     _assert_same_run(full_p, full, resumed_p, resumed)
@@ -119,7 +119,7 @@ def test_state_dict_holds_live_views_except_the_straddler():
     the device or wholly on the host, a copy for the one straddling N_d; editing the returned dict does
     not edit the optimizer's own `state`."""
     params = _params(23)
-    opt = OffloadStreamAdamW(params, **HP, bucket_params=5, device_fraction=0.4)
+    opt = OffloadStreamAdamW(params, **HP, bucket_params=5, device_fraction=0.4, piece_align=1)
     boundary = opt._dev_end
     assert _straddles(boundary) and 0 < boundary < sum(NUMELS)
     gen = torch.Generator().manual_seed(fresh_seed(29))
@@ -157,7 +157,7 @@ def test_state_dict_holds_detached_tensors(dtype, device_fraction, host_fraction
     seed = fresh_seed(97 + int(10 * device_fraction) + int(100 * host_fraction))
     params = _params(seed, dtype)
     opt = OffloadStreamAdamW(_groups(params), **HP, bucket_params=5, slots=2, device_fraction=device_fraction,
-                             host_fraction=host_fraction)
+                             host_fraction=host_fraction, piece_align=1)
     with torch.no_grad():
         for p in params:
             p.mul_(1.5)
@@ -192,7 +192,7 @@ def _fsdp2_share_worker(rank, world_size, path):
             from torchtitan.components.optimizer import OptimizersContainer
             return model, OptimizersContainer([model], torch.optim.AdamW, dict(**HP, foreach=False))
         cfg = SimpleNamespace(**dict(vars(section), device_fraction=share))
-        return model, build_optimizers([model], optimizer, cfg, world_size=world_size)
+        return model, build_optimizers([model], optimizer, cfg, world_size=world_size, piece_align=1)
 
     full, full_opt = build(0, 0.4)  # device-resident, streamed and CPU-updated parts, forward order, overlap
     ref, ref_opt = build(0)
@@ -230,7 +230,7 @@ def _fsdp2_share_worker(rank, world_size, path):
     root = nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 2))  # a root unit with parameters of its own:
     fully_shard(root[0], mesh=mesh)                                      # its wait runs before FSDP2's lazy init
     fully_shard(root, mesh=mesh)
-    root_opt = OffloadStreamAdamW(forward_order(root), **HP, bucket_params=3, overlap=True)
+    root_opt = OffloadStreamAdamW(forward_order(root), **HP, bucket_params=3, overlap=True, piece_align=1)
     root_opt.wait_in_forward(forward_units(root))
     root(torch.randn(4, 5)).square().sum().backward()
     root_opt.step()
@@ -303,7 +303,7 @@ def test_resolve_device_fraction_and_bad_values():
     for bad, match in ((1.5, r"device_fraction \(1.5\)"), ("auto", r"device_fraction \('auto'\)"),
                        (True, r"device_fraction \(True\)")):
         with pytest.raises(ValueError, match=match):
-            OffloadStreamAdamW(params, device_fraction=bad)
+            OffloadStreamAdamW(params, device_fraction=bad, piece_align=1)
     with pytest.raises(ValueError, match="overlap"):
         OffloadStreamAdamW(params, overlap=1)
 
@@ -319,7 +319,7 @@ def test_cuda_device_share_matches_torch_fused_adamw(dtype, device_fraction, hos
         ours_p = _params(seed, dtype, "cuda")
         ref_p = [nn.Parameter(p.detach().float().clone()) for p in ours_p]  # never alias ours
         opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2, host_fraction=host_fraction,
-                                 device_fraction=share)
+                                 device_fraction=share, piece_align=1)
         ref = torch.optim.AdamW(_groups(ref_p), **HP, fused=True)
         for step in range(5):
             for p, q, g in zip(ours_p, ref_p, _grads(step, SHAPES, dtype, seed)):
@@ -345,7 +345,7 @@ def test_cuda_device_share_memory(dtype):
     params[0].grad = torch.randn_like(params[0])
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    opt = OffloadStreamAdamW(params, bucket_params=bucket, slots=slots, device_fraction=0.5)
+    opt = OffloadStreamAdamW(params, bucket_params=bucket, slots=slots, device_fraction=0.5, piece_align=1)
     n_dev = round(0.5 * n)
     assert opt.device_state_bytes == (8 if dtype == torch.float32 else 12) * n_dev
     held = torch.cuda.memory_allocated() - before
@@ -377,7 +377,7 @@ def test_build_optimizers_forward_order_and_plan_line():
     numel = sum(p.numel() for p in model.parameters())
     free = AUTO_MARGIN_BYTES + staging_bytes_bound(4, 3) + 8 * numel // 2
     share = resolve_device_fraction(section, local_numel=numel, fp32_weights=True, free_device_bytes=free)
-    container = build_optimizers([model], optimizer, section, world_size=1, device_fraction=share)
+    container = build_optimizers([model], optimizer, section, world_size=1, device_fraction=share, piece_align=1)
     opt = container.optimizers[0]
     assert opt.device_fraction == 0.5 and opt.device_state_bytes == 8 * round(0.5 * numel)
     assert free_device_bytes([("parameters", 10, ""), ("gradients", 10, "")], "cpu") == 0

@@ -102,8 +102,8 @@ def test_cuda_streamed_step_waits_for_each_stream(stall):
     streams, AdamW and the refresh on the update stream, of the parameters' device."""
     seed = fresh_seed(113)
     ours_p, ref_p = _params(seed, torch.float32, "cuda"), _params(seed, torch.float32, "cuda")
-    ours = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=12, slots=3)
-    ref = OffloadStreamAdamW(_groups(ref_p), **HP, bucket_params=12, device_fraction=1.0)
+    ours = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=12, slots=3, piece_align=1)
+    ref = OffloadStreamAdamW(_groups(ref_p), **HP, bucket_params=12, device_fraction=1.0, piece_align=1)
     assert len(ours._buckets) == 7 and not ours._device_buckets and len(ref._device_buckets) == 7 and not ref._buckets
     assert ours._streams.device == ours_p[0].device
     torch.cuda._sleep(1)  # the spin kernel is loaded before the host's queueing is raced against it
@@ -133,7 +133,7 @@ def test_cuda_host_state_is_unregistered_once_the_optimizer_is_collected(monkeyp
     monkeypatch.setattr(buckets, "unregister_host_state", spy)
     seed = fresh_seed(117)
     params = _params(seed, torch.float32, "cuda")
-    opt = OffloadStreamAdamW(_groups(params), **HP, bucket_params=12, slots=3)
+    opt = OffloadStreamAdamW(_groups(params), **HP, bucket_params=12, slots=3, piece_align=1)
     for p, g in zip(params, _grads(0, SHAPES, torch.float32, seed)):
         p.grad = None if g is None else g.cuda()
     opt.step()

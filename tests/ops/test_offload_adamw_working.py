@@ -185,7 +185,8 @@ def _adopt_worker(rank, world_size):
     for weights in ("bf16", "stream"):
         model = _Model(fresh_seed(6), mesh, expert_mesh, torch.device("cpu"))
         old = [weakref.ref(p._local_tensor) for p in model.parameters()]
-        opt = OffloadStreamAdamW(forward_order(model), bucket_params=50, device_fraction=0.3, weights=weights)
+        opt = OffloadStreamAdamW(forward_order(model), bucket_params=50, device_fraction=0.3, weights=weights,
+                                 piece_align=1)
         values = [p.to_local().clone() for p in opt._params]
         working = WorkingWeights(opt, [model], mode=weights, dtype=torch.bfloat16,
                                  blocks=[((w,), True) for w in model.experts])
@@ -224,7 +225,7 @@ def test_bad_settings_are_refused():
         GradientStream(OffloadStreamAdamW(params), [], grad_norm_term)
     two = [nn.Parameter(torch.randn(10)), nn.Parameter(torch.randn(10))]
     with pytest.raises(ValueError, match="straddles"):  # the share may split a tensor
-        OffloadStreamAdamW(two, device_fraction=0.25).master_view(0)
+        OffloadStreamAdamW(two, device_fraction=0.25, piece_align=1).master_view(0)
 
 
 @pytest.mark.gpu

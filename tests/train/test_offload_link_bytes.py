@@ -72,8 +72,10 @@ def _args(layers: int):
 
 
 def _structure(layers: int):
-    """(N, P, non-expert numel per FSDP2 unit [root, block 0, ...], numel per MoE block's experts),
-    read off the debug model's parameters (at W=1 a shard is the whole parameter)."""
+    """(numel per parameter in the optimizer's flat order, non-expert numel per FSDP2 unit [root, block 0,
+    ...], numel per MoE block's experts), read off the debug model's parameters (at W=1 a shard is the
+    whole parameter; the flat order is the forward's: the embedding, the blocks, then norm and projection,
+    the order the model registers them)."""
     from mop_train.models import zoo
     model = zoo.build_model(_args(layers), device="meta")
     units, experts = [0] * (layers + 1), {}
@@ -83,15 +85,16 @@ def _structure(layers: int):
             experts[int(parts[1])] = experts.get(int(parts[1]), 0) + p.numel()
         else:
             units[int(parts[1]) + 1 if parts[0] == "layers" else 0] += p.numel()
-    total = sum(p.numel() for p in model.parameters())
-    return total, len(list(model.parameters())), units, [experts[k] for k in sorted(experts)]
+    return [p.numel() for p in model.parameters()], units, [experts[k] for k in sorted(experts)]
 
 
 def _expected(weights, gradients, window, extra, skipped, layers, step):
-    total, n_params, units, experts = _structure(layers)
-    shared = bool(extra)
-    n_dev = round(0.25 * total) if shared else 0
-    n_host = round(0.5 * (total - n_dev)) if shared else 0
+    from mop_train.ops.offload_adamw.buckets import device_cut
+    from mop_train.ops.offload_adamw.host_update import host_cut
+    numels, units, experts = _structure(layers)
+    total, n_params, shared = sum(numels), len(numels), bool(extra)
+    n_dev = device_cut(numels, 0.25) if shared else 0           # the shares' cuts (lane-aligned)
+    n_host = total - host_cut(numels, n_dev, 0.5) if shared else 0
     n_streamed = total - n_dev - n_host
     h2d, d2h = {}, {}
     stale = skipped != step - 1  # the last step changed the working weights (a skipped step did not)

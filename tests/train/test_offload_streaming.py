@@ -11,8 +11,9 @@ step-2 checkpoints are those of a device/device resume (not of the straight run:
 torch CPU RNG state differs at its next checkpoint, device/device too, a behaviour that predates
 these settings). The W=4 checkpoint, resumed at W=2 (E_p=2, the same two sequence groups), gives the
 same bits with device/device and with stream/stream. At W=3 FSDP2's shards are uneven (the debug
-model's dims are not multiples of 3: padded shards, the window's slots hold them): stream/stream is
-device/device there too.
+model's dims are not multiples of 3: padded shards, the window's slots hold them): stream/stream, and
+the device and CPU shares beside the streams (cuts at other places than the buckets'), are device/device
+there too.
 Each world runs all its cases in one spawn (`train` called in process); the checkpoints are read
 back here with DCP's own reader, in memory (no torch.save copy of each).
 """
@@ -157,18 +158,30 @@ def test_every_setting_is_bitwise_device_device_at_w1(tmp_path):
 UNEVEN = ["--training.local_batch_size", "1", "--training.global_batch_size", "6", "--mop.moe.dispatch", "ep"]
 
 
+UNEVEN_RUNS = {  # name: overrides beside UNEVEN and the bf16 policy; "dd" is the reference
+    "dd": _setting("device", "device"), "ss": _setting("stream", "stream"),
+    # the shares cut the uneven shards at other places than the buckets do (buckets.PIECE_ALIGN)
+    "ss-share": [*_setting("stream", "stream"), "--mop.offload_adamw.device_fraction", "0.5",
+                 "--mop.offload_adamw.overlap"],
+    "bd-shares": [*_setting("bf16", "device"), "--mop.offload_adamw.device_fraction", "0.3",
+                  "--mop.offload_adamw.host_fraction", "0.3"]}
+
+
 def _uneven_worker(rank, world, root):
-    for w, g in (("device", "device"), ("stream", "stream")):
-        _train(os.path.join(root, f"bf16-{w}-{g}"), [*UNEVEN, *POLICY["bf16"], *_setting(w, g)])
+    for name, setting in UNEVEN_RUNS.items():
+        _train(os.path.join(root, name), [*UNEVEN, *POLICY["bf16"], *setting])
 
 
-def test_stream_stream_is_bitwise_device_device_at_w3_with_uneven_shards(tmp_path):
+def test_settings_and_shares_are_bitwise_device_device_at_w3_with_uneven_shards(tmp_path):
     root = str(tmp_path)
     run_distributed(_uneven_worker, 3, root, timeout_s=600)
-    ref, ours = os.path.join(root, "bf16-device-device"), os.path.join(root, "bf16-stream-stream")
-    assert _metrics(ours) == _metrics(ref) and len(_metrics(ref)) == STEPS
-    for step in (SAVED, STEPS):
-        _assert_same_checkpoint(ours, ref, step, "W=3 stream/stream")
+    ref = os.path.join(root, "dd")
+    assert len(_metrics(ref)) == STEPS
+    for name in UNEVEN_RUNS:
+        ours = os.path.join(root, name)
+        assert _metrics(ours) == _metrics(ref), name
+        for step in (SAVED, STEPS):
+            _assert_same_checkpoint(ours, ref, step, f"W=3 {name}")
 
 
 def test_every_setting_is_bitwise_device_device_at_w4_and_resharded(tmp_path):

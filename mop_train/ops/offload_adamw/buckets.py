@@ -15,6 +15,7 @@ Legend: N local elements over all parameters, N_d of them device-resident, B buc
 
 from __future__ import annotations
 
+import bisect
 import mmap
 from dataclasses import dataclass
 
@@ -52,12 +53,36 @@ def param_offsets(numels: list[int]) -> list[int]:
     return offsets
 
 
-def plan_buckets(numels: list[int], bucket_params: int, start: int = 0, end: int | None = None) -> list[Bucket]:
+PIECE_ALIGN = 64
+"""Cuts inside a parameter fall on a multiple of this many elements from the parameter's start. torch's
+CPU fused AdamW computes a piece in vector lanes from its start and its last (len mod lane) elements in
+scalar code, which rounds differently; a cut at a multiple of the lane width (16 fp32 with AVX-512; 64
+covers any SIMD width torch builds for and its 16-element work units) keeps every element in the lane it
+has in the whole parameter, so the bits do not depend on where buckets, the device share or the host
+share cut (torch's CUDA kernel treats every element alike)."""
+
+
+def aligned_cut(offsets: list[int], numels: list[int], flat: int, align: int = PIECE_ALIGN) -> int:
+    """The cut at or before flat element `flat` that lies on a multiple of `align` from the start of the
+    parameter holding it (`offsets` = param_offsets(numels); a parameter's boundaries are cuts already)."""
+    p = bisect.bisect_right(offsets, flat) - 1          # the last parameter starting at or before `flat`
+    while p > 0 and numels[p] == 0 and offsets[p] == flat:
+        p -= 1                                          # (empty parameters share their neighbour's offset)
+    if p < 0 or not offsets[p] <= flat < offsets[p] + numels[p]:
+        return flat
+    return flat - (flat - offsets[p]) % align
+
+
+def plan_buckets(numels: list[int], bucket_params: int, start: int = 0, end: int | None = None,
+                 align: int = PIECE_ALIGN) -> list[Bucket]:
     """Cut the flat range [start, end) of `numels` (elements per parameter; end defaults to all of
     them) into buckets of <= bucket_params.
 
-    Every bucket but the last holds exactly `bucket_params` elements; empty parameters own no
-    segment. Segments of one bucket are in flat order and tile [0, bucket.numel) without gaps.
+    With bucket_params >= align a cut inside a parameter moves back to the aligned place before it
+    (`aligned_cut`), so every bucket but the last holds bucket_params - align + 1 .. bucket_params
+    elements; smaller buckets hold exactly bucket_params (align = 1: every bucket but the last). Empty
+    parameters own no segment.
+    Segments of one bucket are in flat order and tile [0, bucket.numel) without gaps.
     """
     if bucket_params < 1:
         raise ValueError(f"bucket_params ({bucket_params}) must be >= 1")
@@ -68,8 +93,11 @@ def plan_buckets(numels: list[int], bucket_params: int, start: int = 0, end: int
         raise ValueError(f"range [{start}, {stop}) is not inside the flat space [0, {total})")
     buckets = []
     param = 0
-    for lo_flat in range(start, stop, bucket_params):
+    lo_flat = start
+    while lo_flat < stop:
         hi_flat = min(lo_flat + bucket_params, stop)
+        if hi_flat < stop and bucket_params >= align:
+            hi_flat = aligned_cut(offsets, numels, hi_flat, align)   # (>= lo_flat + 1: it moves back < align)
         segments = []
         while param < len(numels) and offsets[param] + numels[param] <= lo_flat:
             param += 1  # parameters wholly before this bucket (or empty)
@@ -81,12 +109,20 @@ def plan_buckets(numels: list[int], bucket_params: int, start: int = 0, end: int
                 segments.append(Segment(p, lo - offsets[p], lo - lo_flat, hi - lo))
             p += 1
         buckets.append(Bucket(lo_flat, hi_flat - lo_flat, tuple(segments)))
+        lo_flat = hi_flat
     return buckets
 
 
 def device_split(total: int, device_fraction: float) -> int:
-    """End of the device-resident head of the flat space: the first round(d * N) elements."""
+    """End of the device-resident head of the flat space, as planned: the first round(d * N) elements
+    (the optimizer's cut, `device_cut`, is at most PIECE_ALIGN - 1 elements before it)."""
     return round(device_fraction * total)
+
+
+def device_cut(numels: list[int], device_fraction: float, align: int = PIECE_ALIGN) -> int:
+    """Where the optimizer ends the device-resident head: `device_split` moved back to its parameter's
+    lane boundary (`aligned_cut`)."""
+    return aligned_cut(param_offsets(numels), numels, device_split(sum(numels), device_fraction), align)
 
 
 def staging_bytes_bound(bucket_params: int, slots: int, host_share: bool = False) -> int:

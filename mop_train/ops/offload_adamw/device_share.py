@@ -1,7 +1,8 @@
 """The head of the flat state that stays on the device (device_fraction d), and the share that fits.
 
-The first N_d = round(d * N) elements of the flat space (flat order = the order the forward consumes
-the parameters, see forward_waits.forward_order) keep their AdamW state in device memory and update
+The first N_d elements of the flat space (round(d * N), moved back to a lane boundary of the parameter
+holding it: buckets.device_cut; flat order = the order the forward consumes the parameters, see
+forward_waits.forward_order) keep their AdamW state in device memory and update
 there with no transfer: one fused AdamW per bucket-sized piece, nothing streamed. fp32 working
 weights are their own masters (AdamW updates them in place: the master is 4 bytes the device already
 holds), so a device-resident element costs 8 bytes (both moments); bf16 working weights also need an

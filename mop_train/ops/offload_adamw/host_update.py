@@ -27,7 +27,8 @@ import weakref
 
 import torch
 
-from mop_train.ops.offload_adamw.buckets import (FP32_BYTES, HOST_CHUNK, allocate_host_buffer, plan_buckets,
+from mop_train.ops.offload_adamw.buckets import (FP32_BYTES, HOST_CHUNK, PIECE_ALIGN, aligned_cut,
+                                                 allocate_host_buffer, param_offsets, plan_buckets,
                                                  release_when_idle)
 from mop_train.ops.offload_adamw.forward_waits import Ready
 from mop_train.ops.offload_adamw.link import host_bytes
@@ -41,8 +42,16 @@ def host_split(total: int, host_fraction: float) -> int:
     return total - round(host_fraction * total)
 
 
+def host_cut(numels: list[int], start: int, host_fraction: float, align: int = PIECE_ALIGN) -> int:
+    """Where the optimizer starts the CPU-updated tail of the flat range [start, N): `host_split` of the
+    range moved back to its parameter's lane boundary (buckets.aligned_cut)."""
+    total = sum(numels)
+    return aligned_cut(param_offsets(numels), numels, start + host_split(total - start, host_fraction), align)
+
+
 def host_share_bytes(total: int, host_fraction: float) -> int:
-    """Pinned bytes of the host share's fp32 gradient buffer (`HostUpdate.host_bytes`)."""
+    """Pinned bytes of the host share's fp32 gradient buffer as planned (`HostUpdate.host_bytes` is up
+    to PIECE_ALIGN - 1 elements more: `host_cut`)."""
     return (total - host_split(total, host_fraction)) * FP32_BYTES
 
 
@@ -52,9 +61,9 @@ class HostUpdate:
     The host state passed to `download` / `update` is [3, N - base]: column 0 is flat element `base`.
     Holds one pinned fp32 buffer for the range's gradients (`host_bytes`)."""
 
-    def __init__(self, numels: list[int], start: int, streams, base: int = 0, link=None):
+    def __init__(self, numels: list[int], start: int, streams, base: int = 0, link=None, align: int = PIECE_ALIGN):
         self.link = link  # LinkCounter of the step's host-link bytes (link.py), or None
-        self.chunks = plan_buckets(numels, CHUNK, start=start)
+        self.chunks = plan_buckets(numels, CHUNK, start=start, align=align)
         self.base = base
         self.numel = sum(chunk.numel for chunk in self.chunks)
         self._streams = streams

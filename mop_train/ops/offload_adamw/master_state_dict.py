@@ -24,7 +24,6 @@ the sharded parameters on the module, runs before it).
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta

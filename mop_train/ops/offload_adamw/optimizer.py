@@ -33,11 +33,11 @@ from torch.optim import Optimizer
 
 from mop_train.ops.offload_adamw.bucket_step import BucketStep
 from mop_train.ops.offload_adamw.buckets import (
-    FP32_BYTES, allocate_host_buffer, allocate_host_state, device_split, param_offsets,
+    FP32_BYTES, PIECE_ALIGN, allocate_host_buffer, allocate_host_state, device_cut, param_offsets,
     plan_buckets, release_when_idle)
 from mop_train.ops.offload_adamw.device_share import DeviceShare
 from mop_train.ops.offload_adamw.forward_waits import ForwardWaits
-from mop_train.ops.offload_adamw.host_update import HostUpdate, host_split
+from mop_train.ops.offload_adamw.host_update import HostUpdate, host_cut
 from mop_train.ops.offload_adamw.link import FP32_STEP_BYTES, LinkBytes, LinkCounter
 from mop_train.ops.offload_adamw.memory import GRADIENTS, WEIGHTS
 from mop_train.ops.offload_adamw.state import ROW, StateDictMixin, check_group, local_shard
@@ -117,8 +117,15 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
             host_fraction agree to rounding; resuming with the same value is exact.
         device_fraction: share d of the flat state (its head) kept and updated on the device: 8 B
             per element for fp32 working weights (they are their own masters), 12 B for bf16
-            (`device_state_bytes`; `fit_device_fraction` picks the d that fits). The same CUDA
-            kernel as the streamed buckets: any d gives the same bits at host_fraction = 0.
+            (`device_state_bytes`; `fit_device_fraction` picks the d that fits). The same kernel as
+            the streamed buckets: any d gives the same bits at host_fraction = 0 (on CPU too, as the
+            cuts are lane-aligned: `piece_align`).
+        piece_align: every cut inside a parameter (buckets of >= piece_align elements, the device
+            share's end, the CPU share's start) lies on a multiple of this many elements from the
+            parameter's start (buckets.PIECE_ALIGN, default 64), so that torch's CPU fused AdamW, whose
+            vector lanes start at a piece's first element, rounds each element as it does in the whole
+            parameter: bucket_params, device_fraction and host_fraction then do not change the bits of
+            the CPU update. 1 cuts anywhere (the tests' tiny shapes use it to place cuts inside them).
         overlap: leave the weights' readiness to the next forward: after `wait_in_forward(units)`
             each unit waits for its own pieces only (without hooks, or with overlap False, the
             compute stream waits for every piece at the end of step()). Same values either way.
@@ -141,8 +148,12 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, *, bucket_params: int = DEFAULT_BUCKET_PARAMS,
                  slots: int = DEFAULT_SLOTS, host_fraction: float = 0.0, device_fraction: float = 0.0,
-                 overlap: bool = False, weights: str = "device", gradients: str = "device"):
+                 overlap: bool = False, weights: str = "device", gradients: str = "device",
+                 piece_align: int = PIECE_ALIGN):
         _check_staging(bucket_params, slots)
+        if isinstance(piece_align, bool) or not isinstance(piece_align, int) or piece_align < 1:
+            raise ValueError(f"piece_align ({piece_align!r}) must be an int >= 1 (elements; default {PIECE_ALIGN})")
+        self.piece_align = piece_align
         _check_modes(weights, gradients, host_fraction)
         _check_fraction("host_fraction", host_fraction, "the share of the streamed parameters updated on the "
                         "CPU (0 streams everything through the device)")
@@ -161,8 +172,9 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         total = sum(self._numels)
         self.device_fraction, self.overlap = float(device_fraction), overlap
         self.weights, self.gradients = weights, gradients
-        self._dev_end = device_split(total, self.device_fraction)  # the same cut whatever `weights`:
-        # on CPU, torch's fused AdamW rounds by an element's place in its piece, so the cuts must match
+        # the same cut whatever `weights`, on a lane boundary of its parameter (buckets.PIECE_ALIGN): on
+        # CPU, torch's fused AdamW rounds by an element's lane in its piece
+        self._dev_end = device_cut(self._numels, self.device_fraction, piece_align)
         self._device_share = DeviceShare(self._numels, [t.dtype for t in shards], self._dev_end, self.device,
                                          alias_fp32=weights == "device")
         self._host, registered = allocate_host_state(total - self._dev_end, pin=self._streams.cuda)
@@ -237,15 +249,15 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         self.wait_for_writeback()
         self._streams.synchronize()
         self.bucket_params, self.slots = bucket_params, slots
-        total = sum(self._numels)
         if host_fraction is not None:
             self.host_fraction = float(host_fraction)
-            self._split = self._dev_end + host_split(total - self._dev_end, self.host_fraction)
+            self._split = host_cut(self._numels, self._dev_end, self.host_fraction, self.piece_align)
             self._host_update = None  # frees the previous pinned buffers first
             self._host_update = HostUpdate(self._numels, self._split, self._streams, base=self._dev_end,
-                                           link=self.link)
-        self._device_buckets = plan_buckets(self._numels, bucket_params, end=self._dev_end)
-        self._buckets = plan_buckets(self._numels, bucket_params, start=self._dev_end, end=self._split)
+                                           link=self.link, align=self.piece_align)
+        self._device_buckets = plan_buckets(self._numels, bucket_params, end=self._dev_end, align=self.piece_align)
+        self._buckets = plan_buckets(self._numels, bucket_params, start=self._dev_end, end=self._split,
+                                     align=self.piece_align)
         capacity = max((b.numel for b in self._buckets), default=0)
         grad_capacity = max((b.numel for b in self._buckets + self._device_buckets), default=0)
         self._slot_buffers = self._grad_buffer = None  # free the old staging first
