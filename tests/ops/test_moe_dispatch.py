@@ -154,6 +154,29 @@ def test_single_rank_schedules_are_local():
     assert_close_to_scale(want[0], reference_experts_forward(x, idx, wts, *weights_full), name="local vs reference")
 
 
+def test_fp64_takes_the_per_expert_path_and_matches_the_reference():
+    """ATen's CPU grouped GEMM refuses fp64; every schedule at group size 1 then runs the per-expert
+    loop and equals the reference to fp64 rounding (it raised "Expected mat_a to be Float32, BFloat16 or
+    Float16" before)."""
+    gen = torch.Generator().manual_seed(fresh_seed(71))
+    N, H, I, E, k = 13, 8, 16, 4, 2
+    x = torch.randn(N, H, generator=gen, dtype=torch.float64, requires_grad=True)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(N)])
+    wts = torch.rand(N, k, generator=gen, dtype=torch.float64, requires_grad=True)
+    ws = [torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True)
+          for shape in ((E, I, H), (E, H, I), (E, I, H))]
+    g = torch.randn(N, H, generator=gen, dtype=torch.float64)
+    want = reference_experts_forward(x, idx, wts, *ws)
+    want_grads = torch.autograd.grad(want, (x, wts, *ws), g)
+    for opts in (None, EPOptions(), LLEPOptions(), PipelinedLLEPOptions(token_budget=3)):
+        y = moe_experts_forward(x, idx, wts, *ws, opts)
+        assert y.dtype == torch.float64
+        assert_close(y, want, rtol=1e-12, atol=1e-12, name=f"{opts} y")
+        for name, a, b in zip(("x", "weights", "w1", "w2", "w3"), torch.autograd.grad(y, (x, wts, *ws), g),
+                              want_grads):
+            assert_close(a, b, rtol=1e-12, atol=1e-12, name=f"{opts} grad {name}")
+
+
 def test_no_tokens_still_give_every_expert_weight_a_gradient():
     """A rank with no tokens still gives each expert weight a (zero) gradient, as data-parallel
     reductions of the expert weights expect one from every rank."""

@@ -148,6 +148,24 @@ def test_tiled_rows_equal_untiled(dtype):
             assert_weight_grad_within(got_w[name], want_w[name], mags.sums, B * S, f"tile={tile} {dtype} grad {name}")
 
 
+def test_fp64_weight_gradients_sum_in_fp64():
+    """fp64 weights: the tile sums accumulate in fp64 (not fp32), so tiled and untiled agree to fp64
+    rounding on odd shapes and tiles of one token (before: errors of fp32 size, ~1e-6 relative)."""
+    gen = torch.Generator().manual_seed(fresh_seed(61))
+    for H, F_, lead, tile in ((17, 33, (4, 7), 1), (3, 5, (3, 5), 4), (8, 1, (2,), 3)):
+        x = torch.randn(*lead, H, generator=gen, dtype=torch.float64, requires_grad=True)
+        w1, w3 = (torch.randn(F_, H, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+        w2 = torch.randn(H, F_, generator=gen, dtype=torch.float64, requires_grad=True)
+        g = torch.randn(*lead, H, generator=gen, dtype=torch.float64)
+        got, want = (torch.autograd.grad(tiled_swiglu(x, w1, w2, w3, tile, impl=impl), (x, w1, w2, w3), g)
+                     for impl in ("tiled", "reference"))
+        n = x.numel() // H
+        for name, a, b in zip(("x", "w1", "w2", "w3"), got, want):
+            assert a.dtype == torch.float64
+            bound = 4 * n * 2.0 ** -53 * float(b.abs().max()) * max(H, F_)
+            assert float((a - b).abs().max()) <= bound, (name, H, F_, lead, tile, float((a - b).abs().max()), bound)
+
+
 def test_only_what_needs_a_gradient_gets_one():
     """Rows or weights that do not require grad get none; an output without a gradient is skipped."""
     gen = torch.Generator().manual_seed(fresh_seed(3603))

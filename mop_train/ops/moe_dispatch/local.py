@@ -33,7 +33,8 @@ def _grouped_mm_supported(x: torch.Tensor, w1: torch.Tensor) -> bool:
         # The CUDA kernel needs sm90+ and bf16; other cases take the per-expert loop.
         return x.dtype == torch.bfloat16 and _sm90_or_newer(x.device.index if x.device.index is not None
                                                             else torch.cuda.current_device())
-    return x.device.type == "cpu"
+    # (ATen's CPU kernel takes fp32, bf16 and fp16; fp64 takes the per-expert loop)
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
 def group_offsets(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor):

@@ -12,7 +12,7 @@ through `ops.linear(x, w[name])` and `ops.rms_norm(x, w[name], eps)` only.
   backward   for each tile: run fn again with a graph on the tile's rows (weights detached: autograd
              computes no weight gradient), take the rows' gradients and the gradient arriving at each
              linear's and norm's output from one `torch.autograd.grad`, then add that tile's weight
-             gradients into fp32 accumulators: linear dW += dZ^T X (an fp32-output GEMM: cuBLAS's
+             gradients into fp32 accumulators (fp64 for fp64 weights): linear dW += dZ^T X (an fp32-output GEMM: cuBLAS's
              out_dtype on CUDA; exact fp32 products of upcast operands on CPU), norm dw += sum dY * x_hat
              in fp32. The tile's graph and intermediates are freed before the next tile starts.
   result     the rows' gradients, written tile by tile into whole tensors; each weight's fp32 sum,
@@ -100,24 +100,30 @@ class _Recorder(TileOps):
         return y
 
 
-def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b summed and returned in fp32: cuBLAS's fp32-output GEMM for bf16/fp16 on CUDA; on CPU the
-    operands upcast (bf16 x bf16 products are exact in fp32), so both sum exact products in fp32."""
-    if a.dtype == torch.float32:
+def mm_fp32(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """a @ b summed and returned in `dtype` (fp32, or fp64 for fp64 operands: `accumulation_dtype`):
+    cuBLAS's fp32-output GEMM for bf16/fp16 on CUDA; on CPU the operands upcast (bf16 x bf16 products
+    are exact in fp32), so both sum exact products in fp32."""
+    if a.dtype == dtype:
         return torch.mm(a, b)
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+    if dtype == torch.float32 and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
         return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
+    return torch.mm(a.to(dtype), b.to(dtype))
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where a weight's tile sums accumulate: fp32, or the weight's own dtype when it is wider (fp64)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _add_weight_grad(acc: torch.Tensor, kind: str, x: torch.Tensor, dz: torch.Tensor, eps) -> None:
-    """acc (fp32, the weight's shape) += this call's weight gradient."""
+    """acc (`accumulation_dtype`, the weight's shape) += this call's weight gradient."""
     if kind == "linear":                                                   # z = x W^T: dW = dZ^T X
-        acc.add_(mm_fp32(dz.reshape(-1, dz.shape[-1]).t(), x.reshape(-1, x.shape[-1])))
+        acc.add_(mm_fp32(dz.reshape(-1, dz.shape[-1]).t(), x.reshape(-1, x.shape[-1]), acc.dtype))
         return
-    xf = x.float()                                                         # y = x_hat * w: dw = sum dY x_hat
+    xf = x.to(acc.dtype)                                                   # y = x_hat * w: dw = sum dY x_hat
     x_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    acc.add_((dz.float() * x_hat).reshape(-1, x.shape[-1]).sum(0))
+    acc.add_((dz.to(acc.dtype) * x_hat).reshape(-1, x.shape[-1]).sum(0))
 
 
 class _TiledRows(torch.autograd.Function):
@@ -150,8 +156,8 @@ class _TiledRows(torch.autograd.Function):
                   for i, r in enumerate(rows)]
         detached = [w.detach() for w in weights]
         index = {id(w): i for i, w in enumerate(detached)}
-        acc = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need[n_rows + i] else None
-               for i, w in enumerate(weights)]
+        acc = [torch.zeros(w.shape, dtype=accumulation_dtype(w.dtype), device=w.device) if need[n_rows + i]
+               else None for i, w in enumerate(weights)]
         for lo, hi in tile_bounds(rows[0].shape[1], ctx.tile):
             _backward_tile(ctx.fn, slice(lo, hi), rows, dict(zip(names, detached)), grads, d_rows, acc, index)
         weight_grads = [None if a is None else a.to(w.dtype) for a, w in zip(acc, weights)]
