@@ -154,6 +154,11 @@ def _plan(args: argparse.Namespace) -> int:
     gpu_bytes = parse_bytes(args.gpu_memory, key="--gpu-memory") if args.gpu_memory else None
     host_bytes = parse_bytes(args.host_memory, key="--host-memory") if args.host_memory else None
     ranks_per_node = args.ranks_per_node or min(args.world, 8)
+    if args.world >= 1 and (ranks_per_node < 1 or args.world % ranks_per_node):
+        given = "--ranks-per-node" if args.ranks_per_node else "the default --ranks-per-node (min(W, 8))"
+        fits = [r for r in range(1, min(args.world, 8) + 1) if args.world % r == 0]
+        raise ValueError(f"{given} = {ranks_per_node} must divide --world = {args.world} (every node runs the same "
+                         f"number of ranks); pass --ranks-per-node as one of {fits} (or a larger divisor)")
     if args.auto:
         return _plan_auto(args, cfg, job, gpu_bytes=gpu_bytes, host_bytes=host_bytes, ranks_per_node=ranks_per_node)
     text, fits = plan_job(cfg, world=args.world, ranks_per_node=ranks_per_node, gpu_bytes=gpu_bytes,

@@ -36,6 +36,14 @@ def test_plan_rejects_an_impossible_layout(capsys):
     assert "seq_degree" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags", [("--world", "4", "--ranks-per-node", "3"), ("--world", "12"),
+                                   ("--world", "4", "--ranks-per-node", "-2")])
+def test_nodes_of_unequal_ranks_are_refused(capsys, flags):
+    assert main(["plan", *flags, DEBUG_CONFIG]) == 2
+    err = capsys.readouterr().err
+    assert "must divide --world" in err and "--ranks-per-node as one of" in err
+
+
 def test_plan_takes_job_config_file_anywhere_and_world_defaults_to_one(capsys):
     """torchtitan's `--job.config_file X.toml` gives the same plan as the positional path, before or
     after the plan's own options and the overrides; without --world the plan is for one rank."""
