@@ -26,7 +26,7 @@ def parse_bytes(text: str | int, *, key: str = "value") -> int:
         value = float(num)
     except ValueError:
         value = -1.0
-    if unit not in _BYTE_UNITS or value < 0:
+    if unit not in _BYTE_UNITS or not 0 <= value < float("inf"):   # (also refuses "nan" and "inf")
         raise ValueError(f"{key} = {text!r} is not a byte size; write e.g. \"0\", \"512MiB\" or \"24GiB\"")
     return int(value * _BYTE_UNITS[unit])
 
