@@ -130,8 +130,7 @@ def memory_plans(cfg, args: MoEModelArgs, *, layout_plan, total_params: int, lar
         configured = parse_device_fraction(cfg.mop.offload_adamw.device_fraction)
         device_fraction = 0.0 if configured == "auto" else configured
     act = precision.activation_bytes
-    from mop_train.models.zoo import HOST_INIT_MAX_PARAMS
-    host_init = host_init_applies(cfg, initialised_whole=total_params <= HOST_INIT_MAX_PARAMS)
+    host_init = host_init_applies(cfg, initialised_whole=total_params <= zoo.HOST_INIT_MAX_PARAMS)
     device_terms = memory_plan(MemoryPlanInputs(
         model=args, world_size=layout_plan.world_size, local_batch=t.local_batch_size, seq_len=t.seq_len,
         total_params=total_params, largest_block_params=largest_block_params, root_params=root_params,

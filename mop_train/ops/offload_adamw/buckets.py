@@ -66,9 +66,7 @@ def aligned_cut(offsets: list[int], numels: list[int], flat: int, align: int = P
     """The cut at or before flat element `flat` that lies on a multiple of `align` from the start of the
     parameter holding it (`offsets` = param_offsets(numels); a parameter's boundaries are cuts already)."""
     p = bisect.bisect_right(offsets, flat) - 1          # the last parameter starting at or before `flat`
-    while p > 0 and numels[p] == 0 and offsets[p] == flat:
-        p -= 1                                          # (empty parameters share their neighbour's offset)
-    if p < 0 or not offsets[p] <= flat < offsets[p] + numels[p]:
+    if p < 0 or flat >= offsets[p] + numels[p]:         # (on a boundary, or past the end: a cut already)
         return flat
     return flat - (flat - offsets[p]) % align
 

@@ -12,9 +12,10 @@ through `ops.linear(x, w[name])` and `ops.rms_norm(x, w[name], eps)` only.
   backward   for each tile: run fn again with a graph on the tile's rows (weights detached: autograd
              computes no weight gradient), take the rows' gradients and the gradient arriving at each
              linear's and norm's output from one `torch.autograd.grad`, then add that tile's weight
-             gradients into fp32 accumulators (fp64 for fp64 weights): linear dW += dZ^T X (an fp32-output GEMM: cuBLAS's
-             out_dtype on CUDA; exact fp32 products of upcast operands on CPU), norm dw += sum dY * x_hat
-             in fp32. The tile's graph and intermediates are freed before the next tile starts.
+             gradients into fp32 accumulators (fp64 for fp64 weights): linear dW += dZ^T X (an
+             fp32-output GEMM: cuBLAS's out_dtype on CUDA; exact fp32 products of upcast operands on
+             CPU), norm dw += sum dY * x_hat in fp32. The tile's graph and intermediates are freed
+             before the next tile starts.
   result     the rows' gradients, written tile by tile into whole tensors; each weight's fp32 sum,
              rounded once to the weight's dtype.
 
