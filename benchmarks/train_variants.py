@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -87,7 +88,7 @@ def run_variant(name: str, overrides: list[str], *, config: str, nproc: int, ste
     run = train_small(name, overrides, config=config, nproc=nproc, steps=steps, timeout_s=timeout_s, out=out)
     records, rc = run["records"], run["rc"]
     timed = [r for r in records if r["step"] > warmup]
-    row = {"variant": name, "overrides": overrides, "rc": rc, "wall_s": run["wall_s"],
+    row = {"variant": name, "overrides": overrides, "rc": rc, "wall_s": run["wall_s"], "log": run["log"],
            "steps_logged": len(records), "command": run["command"]}
     row["losses"] = [r["loss"] for r in records]
     row["link_bytes"] = _link_bytes(timed)
@@ -135,6 +136,23 @@ def link_floor_s(row: dict, link: dict | None) -> float | None:
     if link is None or moved is None:
         return None
     return max(moved["h2d"] / link["h2d"], moved["d2h"] / link["d2h"])
+
+
+def launch_plan(log_path: str | None) -> dict | None:
+    """The device plan a launch printed ("per-rank memory plan (estimate):", its lines to "total"), in
+    planned_gib's form; None where the log holds none."""
+    try:
+        with open(log_path, errors="replace") as f:
+            text = f.read()
+    except (OSError, TypeError):
+        return None
+    block = re.search(r"per-rank memory plan \(estimate\):\n(.*?\n\s+total\s+[\d.]+ GiB)", text, re.S)
+    if block is None:
+        return None
+    terms = {m.group(1): float(m.group(2))
+             for m in re.finditer(r"^\s+(\S(?:.*?\S)?)\s{2,}([\d.]+) GiB", block.group(1), re.M)}
+    total = terms.pop("total", None)
+    return None if total is None else {"device_gib": total, "terms_gib": terms, "source": "launch"}
 
 
 def table(rows: list[dict], base_name: str = "plain", compute_name: str = "plain", link: dict | None = None) -> str:
@@ -205,7 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         overrides = [*shape, *VARIANTS[name], *a.extra]
         row = run_variant(name, overrides, config=a.config, nproc=a.nproc, steps=a.steps, warmup=a.warmup,
                           timeout_s=min(a.point_timeout_s, left), out=a.out)
-        row["planned"] = planned_gib(overrides, a.nproc, 128 * 2**30, config=a.config)
+        # The launch's own plan where it printed one: it has resolved what only a launch can (a device
+        # share of "auto" from the GPU's free memory); the offline plan of the same flags cannot.
+        offline = planned_gib(overrides, a.nproc, 128 * 2**30, config=a.config)
+        row["planned"] = launch_plan(row.get("log")) or offline
+        row["planned_offline"] = offline
         row["floor_s"] = link_floor_s(row, link)
         rows.append(row)
         print(f"{name}: rc={row['rc']} {row.get('tokens_per_s', 0):,.0f} tok/s in {row['wall_s']:.0f}s", flush=True)

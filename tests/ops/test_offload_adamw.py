@@ -618,15 +618,20 @@ def test_cuda_matches_torch_fused_adamw(dtype, host_fraction, monkeypatch):
     opt = OffloadStreamAdamW(_groups(ours_p), **HP, bucket_params=7, slots=2, host_fraction=host_fraction, piece_align=1)
     assert opt._host.is_pinned()
     ref = torch.optim.AdamW(_groups(ref_p), **HP, fused=True)
-    for step in range(5):
+    steps = 5
+    for step in range(steps):
         for p, q, g in zip(ours_p, ref_p, _grads(step, SHAPES, dtype, seed)):
             p.grad = None if g is None else g.cuda()
             q.grad = None if g is None else g.float().cuda()
         opt.step()
         ref.step()
+    # The host share is updated by torch's CPU fused kernel, the reference by its CUDA one: each step's
+    # update lr * m_hat / (sqrt(v_hat) + eps), at most about lr in size, is rounded differently by a few
+    # ulps of lr (seen: 18 ulps of the master, 4.2e-9, over 5 steps at lr 2e-3), whatever the master's size.
+    atol = ATOL if host_fraction == 0 else steps * 8 * HP["lr"] * torch.finfo(torch.float32).eps
     ours = opt.state_dict()
     for i, (p, q) in enumerate(zip(ours_p, ref_p)):
-        assert_close(ours["state"][i]["master"], q, rtol=RTOL, atol=ATOL, name=f"master {i}")
+        assert_close(ours["state"][i]["master"], q, rtol=RTOL, atol=atol, name=f"master {i}")
         assert_bitwise_equal(p.detach(), ours["state"][i]["master"].cuda().to(dtype), name=f"weight {i}")
     _assert_state_close(ours, ref.state_dict())
 
