@@ -112,7 +112,15 @@ def _describe_streaming(opt) -> str:
         return ""
     working = getattr(opt, "working", None)
     held = f" ({working.device_bytes() / 2**30:.2f} GiB of working weights on the device)" if working else ""
-    return f"; weights {weights}{held}, gradients {gradients}"
+    line = f"; weights {weights}{held}, gradients {gradients}"
+    if opt.device_fraction >= 1:
+        # Measured on one H200 (small, 2 x 4K, RESULTS 2026-12-02): "auto" filled the device with the
+        # state beside stream/stream, and the streamed weights and gradients, 41 GB a step, were then
+        # the step's whole host traffic and 1.95x its link floor.
+        line += (" (every master is on the device, yet the working weights and gradients still cross the host "
+                 "link each step; `mop-train plan --auto` weighs weights/gradients = \"device\" with a smaller "
+                 "device_fraction against this)")
+    return line
 
 
 def _expert_blocks(model, expert_params, checkpointed) -> list[tuple[tuple, bool]]:

@@ -383,3 +383,13 @@ def test_build_optimizers_forward_order_and_plan_line():
     assert free_device_bytes([("parameters", 10, ""), ("gradients", 10, "")], "cpu") == 0
     line = describe_offload(container, free_device_bytes=free)
     assert "device_fraction 0.500 (auto:" in line and "4 x 3 slots" in line and "overlap with the next forward off" in line
+
+
+def test_plan_line_says_when_streaming_moves_what_the_device_already_holds():
+    from mop_train.train.optim import _describe_streaming
+    for share, hinted in ((1.0, True), (0.999, False), (0.0, False)):
+        line = _describe_streaming(SimpleNamespace(weights="stream", gradients="stream", working=None,
+                                                   device_fraction=share))
+        assert line.startswith("; weights stream, gradients stream")
+        assert ("every master is on the device" in line) == hinted, (share, line)
+    assert _describe_streaming(SimpleNamespace(weights="device", gradients="device", device_fraction=1.0)) == ""
