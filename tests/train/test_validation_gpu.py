@@ -11,7 +11,7 @@ embedded held-out split, in three settings of one seed:
 Streaming is bitwise by construction (tests/train/test_offload_streaming_gpu.py), so the third
 setting's validation and training losses equal the second's exactly; the operators change the bf16
 rounding, so the second against the first agrees within bf16 tolerance. Each run's validation
-records sit at steps 2 and 4 with 3 batches of B x S tokens, finite. About a minute on an H200.
+records sit at steps 2 and 4 with 3 batches of B x S tokens, finite. Passed on one H200 on 2026-12-02 (tree 7e5833c).
 """
 
 from __future__ import annotations
