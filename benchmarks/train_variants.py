@@ -79,6 +79,10 @@ VARIANTS = {
     "all-tiled": [*ALL_OPS, *TILED],
     "all-tiled-stream": [*ALL_OPS, *TILED, "--mop.offload_adamw.weights", "stream",
                          "--mop.offload_adamw.gradients", "stream"],
+    # one window slot: no prefetch, one block's weights and its expert gradients at the peak (plan P+G 1.62 GiB
+    # at 524K against 2.11 with two slots); at long context a block's compute hides nothing it needs to
+    "all-tiled-stream-w1": [*ALL_OPS, *TILED, "--mop.offload_adamw.weights", "stream",
+                            "--mop.offload_adamw.gradients", "stream", "--mop.offload_adamw.weight_window", "1"],
 }
 """Name -> overrides of CONFIG (B=2 x 4K unless --shape says otherwise)."""
 

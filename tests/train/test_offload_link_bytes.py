@@ -121,6 +121,7 @@ def _expected(weights, gradients, window, extra, skipped, layers, step):
 
 def test_logged_link_bytes_match_an_account_from_the_config(tmp_path):
     run_distributed(_worker, 1, str(tmp_path), timeout_s=900)
+    losses = {}
     for name, (weights, gradients, window, extra, skipped, layers) in CASES.items():
         with open(tmp_path / name / "metrics.jsonl") as f:
             records = [json.loads(line) for line in f]
@@ -134,3 +135,9 @@ def test_logged_link_bytes_match_an_account_from_the_config(tmp_path):
                                                          f"(h2d, d2h), expected {(h2d[source], d2h[source])}"
             assert r["offload_h2d_gib"] * GIB == sum(h2d.values()), name
             assert r["offload_d2h_gib"] * GIB == sum(d2h.values()), name
+        losses[name] = [r["loss"] for r in records]
+    # The same model and data under every setting (the 4-block one aside; a skipped step is no step):
+    # the settings move bytes, never bits, one window slot included.
+    for name, (*_, skipped, layers) in CASES.items():
+        if layers == 3 and skipped is None:
+            assert losses[name] == losses["dd"], (name, losses[name], losses["dd"])
