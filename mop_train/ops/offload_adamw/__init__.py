@@ -11,6 +11,8 @@ block), and gradients may leave as they become final (`gradients = "stream"`), b
     opt.staging_bytes <= staging_bytes_bound(opt.bucket_params, opt.slots)
 
 - optimizer.py:     the optimizer (torch.optim.Optimizer; DCP-checkpointable state_dict).
+- checks.py:        the checks of its arguments: options, parameters, param groups (ValueError with the fix).
+- state.py:         where each parameter's state lives; state_dict / load_state_dict; master_view, value_tensor.
 - bucket_step.py:   the step's device side: the head's and the streamed buckets, gradients in, weights out.
 - buckets.py:       flat layout, bucket plan, staging_bytes_bound (the device memory bound).
 - device_share.py:  the device-resident head; fit_device_fraction (device_fraction = "auto").
@@ -23,7 +25,8 @@ block), and gradients may leave as they become final (`gradients = "stream"`), b
 - weight_windows.py: weights = "stream": each block copied in one block ahead into weight_window slots.
 - working_weight.py: the autograd seam of a shard kept out of FSDP2 (fp32 gradients, as a cast's).
 - grad_stream.py:   gradients = "stream": each final gradient to the pinned host buffer, norm terms as it leaves.
-- link.py:          each step's host-link bytes per source (optimizer, weight windows, gradients): `link_bytes()`.
+- link.py:          each step's host-link bytes per source (optimizer, weight windows, gradients): `link_bytes()`;
+                    OffloadStepStats (`last_step`).
 - memory.py:        device bounds the plan sums: staging and share, weights_bound, gradients_bound.
 Legend: N local elements, N_d device-resident, B bucket capacity (elements), s slots.
 """
@@ -33,8 +36,8 @@ from mop_train.ops.offload_adamw.buckets import host_state_bytes, plan_buckets, 
 from mop_train.ops.offload_adamw.device_share import (AUTO_MARGIN_BYTES, device_bytes_per_element,
                                                       fit_device_fraction)
 from mop_train.ops.offload_adamw.forward_waits import forward_order, forward_units
-from mop_train.ops.offload_adamw.optimizer import (DEFAULT_BUCKET_PARAMS, DEFAULT_SLOTS, OffloadStepStats,
-                                                   OffloadStreamAdamW)
+from mop_train.ops.offload_adamw.link import OffloadStepStats
+from mop_train.ops.offload_adamw.optimizer import DEFAULT_BUCKET_PARAMS, DEFAULT_SLOTS, OffloadStreamAdamW
 from mop_train.ops.offload_adamw.reference import adamw_reference_step, reference_adamw
 
 OFFLOAD_ADAMW = "OffloadStreamAdamW"

@@ -21,6 +21,7 @@ tokens, SCO's activations (its own `sco_host_bytes`).
 One account is open at a time; `OffloadStreamAdamW.step()` closes it (`LinkBytes`, kept as
 `link_bytes()`), so each account is one optimizer step: its micro-batches' forwards and backwards
 and the step itself. A step the loop skips (non-finite) is closed by `close_link_account()`.
+`OffloadStepStats` keeps the account with the step's other counts (`OffloadStreamAdamW.last_step`).
 Model: none of DeepSpeed's ZeRO-Offload / ZeRO-Infinity, FSDP2's CPUOffloadPolicy or torchtitan counts
 its transfers per step; the per-copy count is ours (tests/train/test_offload_streaming_gpu.py checks it
 against every cross-device copy recorded on CUDA).
@@ -88,3 +89,18 @@ class LinkCounter:
         done = LinkBytes(dict(self._h2d), dict(self._d2h))
         self._h2d, self._d2h = dict.fromkeys(SOURCES, 0), dict.fromkeys(SOURCES, 0)
         return done
+
+
+@dataclass
+class OffloadStepStats:
+    """What the last step moved (its duration: `step_seconds()`; what it held back: `exposed_seconds()`).
+    h2d_bytes / d2h_bytes: the step's own copies over the host link; `link`: the whole account of
+    the step (its forwards' and backwards' weight windows and streamed gradients too; LinkBytes)."""
+
+    buckets: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    params_updated: int = 0
+    host_updated_elements: int = 0    # elements of the flat state updated on the CPU
+    device_updated_elements: int = 0  # elements of the device-resident share (updated in place)
+    link: LinkBytes = field(default_factory=LinkBytes)

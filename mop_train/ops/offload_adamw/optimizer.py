@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from torch.optim import Optimizer
@@ -35,57 +34,17 @@ from mop_train.ops.offload_adamw.bucket_step import BucketStep
 from mop_train.ops.offload_adamw.buckets import (
     FP32_BYTES, PIECE_ALIGN, allocate_host_buffer, allocate_host_state, device_cut, param_offsets,
     plan_buckets, release_when_idle)
+from mop_train.ops.offload_adamw.checks import (check_group, check_host_fraction, check_options, check_params,
+                                                check_staging)
 from mop_train.ops.offload_adamw.device_share import DeviceShare
 from mop_train.ops.offload_adamw.forward_waits import ForwardWaits
 from mop_train.ops.offload_adamw.host_update import HostUpdate, host_cut
-from mop_train.ops.offload_adamw.link import FP32_STEP_BYTES, LinkBytes, LinkCounter
-from mop_train.ops.offload_adamw.memory import GRADIENTS, WEIGHTS
-from mop_train.ops.offload_adamw.state import ROW, StateDictMixin, check_group, local_shard
+from mop_train.ops.offload_adamw.link import FP32_STEP_BYTES, LinkBytes, LinkCounter, OffloadStepStats
+from mop_train.ops.offload_adamw.state import ROW, StateDictMixin, local_shard
 from mop_train.ops.offload_adamw.streams import Streams
 
 DEFAULT_BUCKET_PARAMS = 25_000_000  # benchmarks/RESULTS.md: 25M x 3 slots is 2-4% faster than
 DEFAULT_SLOTS = 3                   # 100M x 2 at 1B and 2.6B params, with 954 MiB of staging (not 2.6 GiB)
-
-
-@dataclass
-class OffloadStepStats:
-    """What the last step moved (its duration: `step_seconds()`; what it held back: `exposed_seconds()`).
-    h2d_bytes / d2h_bytes: the step's own copies over the host link; `link`: the whole account of
-    the step (its forwards' and backwards' weight windows and streamed gradients too; link.py)."""
-
-    buckets: int = 0
-    h2d_bytes: int = 0
-    d2h_bytes: int = 0
-    params_updated: int = 0
-    host_updated_elements: int = 0    # elements of the flat state updated on the CPU
-    device_updated_elements: int = 0  # elements of the device-resident share (updated in place)
-    link: LinkBytes = field(default_factory=LinkBytes)
-
-
-def _check_staging(bucket_params, slots) -> None:
-    if isinstance(bucket_params, bool) or not isinstance(bucket_params, int) or bucket_params < 1:
-        raise ValueError(f"bucket_params ({bucket_params!r}) must be an int >= 1, e.g. 25_000_000; "
-                         "set [mop.offload_adamw] bucket_params")
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-        raise ValueError(f"slots ({slots!r}) must be an int >= 1 (2 overlaps copies with the update); "
-                         "set [mop.offload_adamw] slots")
-
-
-def _check_modes(weights, gradients, host_fraction) -> None:
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights ({weights!r}) must be one of {WEIGHTS}; set [mop.offload_adamw] weights")
-    if gradients not in GRADIENTS:
-        raise ValueError(f"gradients ({gradients!r}) must be one of {GRADIENTS}; set [mop.offload_adamw] gradients")
-    if gradients == "stream" and host_fraction:
-        raise ValueError(f"gradients = 'stream' with host_fraction ({host_fraction}) > 0 is not supported yet (the "
-                         "CPU share would need the clipping coefficient on the host); set [mop.offload_adamw] "
-                         "host_fraction = 0 or gradients = 'device'")
-
-
-def _check_fraction(name: str, value, meaning: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} ({value!r}) must be a number in [0, 1]: {meaning}; "
-                         f"set [mop.offload_adamw] {name}")
 
 
 class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
@@ -150,22 +109,15 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
                  slots: int = DEFAULT_SLOTS, host_fraction: float = 0.0, device_fraction: float = 0.0,
                  overlap: bool = False, weights: str = "device", gradients: str = "device",
                  piece_align: int = PIECE_ALIGN):
-        _check_staging(bucket_params, slots)
-        if isinstance(piece_align, bool) or not isinstance(piece_align, int) or piece_align < 1:
-            raise ValueError(f"piece_align ({piece_align!r}) must be an int >= 1 (elements; default {PIECE_ALIGN})")
+        check_options(bucket_params=bucket_params, slots=slots, piece_align=piece_align, weights=weights,
+                      gradients=gradients, host_fraction=host_fraction, device_fraction=device_fraction,
+                      overlap=overlap)
         self.piece_align = piece_align
-        _check_modes(weights, gradients, host_fraction)
-        _check_fraction("host_fraction", host_fraction, "the share of the streamed parameters updated on the "
-                        "CPU (0 streams everything through the device)")
-        _check_fraction("device_fraction", device_fraction, "the share of the optimizer state kept on the "
-                        "device (0 streams everything; \"auto\" is resolved by fit_device_fraction)")
-        if not isinstance(overlap, bool):
-            raise ValueError(f"overlap ({overlap!r}) must be true or false; set [mop.offload_adamw] overlap")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         shards = [local_shard(p) for p in self._params]
-        self.device = self._check_params(shards, [p.device for p in self._params], host_values=weights != "device")
+        self.device = check_params(shards, [p.device for p in self._params], host_values=weights != "device")
         self._numels = [t.numel() for t in shards]
         self._offsets = param_offsets(self._numels)
         self._streams = Streams(self.device)
@@ -215,37 +167,12 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         super().add_param_group(param_group)
         check_group(self.param_groups[-1])
 
-    @staticmethod
-    def _check_params(shards: list[torch.Tensor], param_devices: list[torch.device], *,
-                      host_values: bool) -> torch.device:
-        """The device the optimizer works on: its parameters'. With weights != "device" a parameter's
-        local shard may already hold its value on the host (a DTensor on a CUDA mesh whose local tensor
-        is in host memory: [mop.offload_adamw] host_init) while its gradients form on the device."""
-        devices = set(param_devices) if host_values else {t.device for t in shards}
-        if len(devices) != 1:
-            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}; "
-                             "build one optimizer per device")
-        device = next(iter(devices))
-        stray = {str(t.device) for t in shards if t.device != device and t.device.type != "cpu"}
-        if stray:
-            raise ValueError(f"parameters of a {device} optimizer hold their values on {sorted(stray)}; "
-                             "build one optimizer per device")
-        for t in shards:
-            if not t.is_floating_point() or not t.is_contiguous():
-                raise ValueError(f"parameters must be contiguous floating-point tensors, got "
-                                 f"{t.dtype} {tuple(t.shape)} with strides {t.stride()}; "
-                                 "make the parameter's data contiguous before building the optimizer")
-        if device.type not in ("cuda", "cpu"):
-            raise ValueError(f"parameters on {device} are not supported; use cuda or cpu")
-        return device
-
     def resize_staging(self, bucket_params: int, slots: int, host_fraction: float | None = None) -> None:
         """Re-cut the buckets, reallocate the device staging (s*B*12 + B*4 bytes) and, when given,
         move the boundary of the CPU-updated tail (host_fraction). The device share stays."""
-        _check_staging(bucket_params, slots)
+        check_staging(bucket_params, slots)
         if host_fraction is not None:
-            _check_fraction("host_fraction", host_fraction, "the share of the streamed parameters updated "
-                            "on the CPU (0 streams everything through the device)")
+            check_host_fraction(host_fraction)
         self.wait_for_writeback()
         self._streams.synchronize()
         self.bucket_params, self.slots = bucket_params, slots
@@ -359,24 +286,6 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         self.last_step = OffloadStepStats(link=self.link.close())
 
     # ---- working weights and streamed gradients (weights / gradients != "device") ---------------
-    def master_view(self, i: int) -> torch.Tensor:
-        """Parameter i's fp32 master, flat: a view of the host state or of the device share."""
-        pieces = self._row_pieces(ROW["master"], i)
-        if len(pieces) != 1:
-            raise ValueError(f"parameter {i} straddles the device share's end: its master is in two pieces; "
-                             "use value_tensor(i)")
-        return pieces[0][1]
-
-    def value_tensor(self, i: int) -> torch.Tensor:
-        """The fp32 tensor that holds parameter i's value with weights != "device" (working.py): its
-        master, or for the one parameter straddling the device share's end a host copy of its two
-        pieces, brought up to date by `wait_for_weights` (checkpoints and evaluations call it first)."""
-        if len(self._row_pieces(ROW["master"], i)) == 1:
-            return self.master_view(i)
-        if i not in self._mirrors:
-            self._mirrors[i] = self._read_row(ROW["master"], i).clone()
-        return self._mirrors[i]
-
     def use_working(self, tensors: list[torch.Tensor], *, on_host: bool) -> None:
         """The flat working tensor of each parameter, which every step refreshes from its master
         (device tensors, or pinned host ones when `on_host`); weights != "device" only."""

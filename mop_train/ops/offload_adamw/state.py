@@ -6,6 +6,8 @@ Parameter i's flat range [o_i, o_i + n_i) may lie in the device-resident head [0
 tail on the host). The state dict holds, per parameter, "step", "exp_avg", "exp_avg_sq" and
 "master" with the parameter's (local) shape, as DTensors for DTensor parameters: live views where
 the state is in one place, a host copy for the straddler. Loading copies into place.
+`master_view(i)` is parameter i's master in place, `value_tensor(i)` the tensor holding its value
+with weights != "device" (the master, or the straddler's host mirror).
 Legend: N local elements, N_d device-resident elements.
 """
 
@@ -15,6 +17,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from mop_train.ops.offload_adamw.checks import check_group
 
 ROW = {"master": 0, "exp_avg": 1, "exp_avg_sq": 2}  # rows of the [3, N - N_d] host state
 
@@ -38,26 +42,12 @@ def as_param_state(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
                    requires_grad=False)
 
 
-def check_group(group: dict) -> None:
-    lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    if not float(lr) >= 0.0:
-        raise ValueError(f"lr ({lr}) must be >= 0")
-    if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
-        raise ValueError(f"betas ({betas}) must be two numbers in [0, 1), e.g. (0.9, 0.95)")
-    if not float(eps) >= 0.0:
-        raise ValueError(f"eps ({eps}) must be >= 0")
-    if not float(wd) >= 0.0:
-        raise ValueError(f"weight_decay ({wd}) must be >= 0")
-    for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
-        if group.get(flag):
-            raise ValueError(f"{flag}=True is not supported by OffloadStreamAdamW; drop it")
-
-
 class StateDictMixin:
-    """OffloadStreamAdamW's state_dict / load_state_dict over its device and host pieces.
+    """OffloadStreamAdamW's state_dict / load_state_dict over its device and host pieces, and its
+    masters' views (master_view, value_tensor).
 
     Uses the optimizer's _params, _offsets, _numels, _dev_end, _device_share, _host, _steps,
-    param_groups, state and wait_for_writeback()."""
+    _mirrors, param_groups, state and wait_for_writeback()."""
 
     def _row_pieces(self, row: int, i: int) -> list[tuple[int, torch.Tensor]]:
         """(first element in the parameter, view) of parameter i's state row: its head in the device
@@ -86,6 +76,24 @@ class StateDictMixin:
         if len(pieces) == 1:
             return pieces[0][1]
         return torch.cat([view.detach().to("cpu") for _, view in pieces])
+
+    def master_view(self, i: int) -> torch.Tensor:
+        """Parameter i's fp32 master, flat: a view of the host state or of the device share."""
+        pieces = self._row_pieces(ROW["master"], i)
+        if len(pieces) != 1:
+            raise ValueError(f"parameter {i} straddles the device share's end: its master is in two pieces; "
+                             "use value_tensor(i)")
+        return pieces[0][1]
+
+    def value_tensor(self, i: int) -> torch.Tensor:
+        """The fp32 tensor that holds parameter i's value with weights != "device" (working.py): its
+        master, or for the one parameter straddling the device share's end a host copy of its two
+        pieces, brought up to date by `wait_for_weights` (checkpoints and evaluations call it first)."""
+        if len(self._row_pieces(ROW["master"], i)) == 1:
+            return self.master_view(i)
+        if i not in self._mirrors:
+            self._mirrors[i] = self._read_row(ROW["master"], i).clone()
+        return self._mirrors[i]
 
     def _refresh_state(self) -> None:
         """self.state[p] as torch's state_dict packs it: views (or the straddler's copies) per key."""
