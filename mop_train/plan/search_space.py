@@ -1,0 +1,269 @@
+"""The configurations one `mop-train plan --auto` job may take, and each one's predicted step and plan.
+
+SearchSpace enumerates them and memoizes what each costs; the searches over them (the objectives, what
+would fit when nothing does) are mop_train.plan.auto's AutoPlanner, which extends it.
+
+A configuration (settings.Settings) is the degrees (D, E_p, P), the dispatch and PipelinedLLEP's
+token budget c, Ring-DTP on or off, activation checkpointing (full or none) -- its *structure* -- and
+two *knobs*: SCO's host budget (0 .. every checkpointed boundary, in quarters) and the optimizer
+(AdamW on the device, or OffloadStreamAdamW keeping 3/4 .. none of its state on the device, with bf16
+working weights at share 0 or weights and gradients streamed beside each share: settings.optimizer_levels). Memory
+comes from the job's own plan (`plan_for_config`'s terms, with the meta model kept per flavor:
+settings.fast_plan); speed from the ranking model of mop_train.plan.cost_model.
+
+  pruning            a family (E_p, P, dispatch, Ring-DTP, checkpointing) is dropped when its frugal
+                     knobs (every boundary on the host, the optimizer state off the device) do not fit
+                     at the fewest tokens per rank the search can give it.
+
+Keys given on the command line (`fixed_keys`) are kept: only their given values are searched.
+
+Legend: W ranks, R ranks per node, D / E_p / P the degrees, B local batch, S context, N = B*S/D tokens
+per rank, c token budget, K chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from mop_train.layout import divisors, plan_layout
+from mop_train.ops.moe_dispatch.pipelined_llep import num_chunks
+from mop_train.ops.sco.budget import resolve_host_budget, retained_boundary_bytes
+from mop_train.parallel.parallelize import check_layout_fits, checkpointed_layer_ids
+from mop_train.parallel.precision import MixedPrecision
+from mop_train.plan.cost_model import StepInputs, StepPrediction, predict_step
+from mop_train.plan.job import plan_for_config
+from mop_train.plan.settings import Evaluation, Settings, configure, fast_plan, flavor_model, optimizer_levels
+from mop_train.plan.terms import GIB
+from mop_train.units import parse_device_fraction
+
+SEQ_GRANULE = 1024
+"""The context objective's resolution: S is a multiple of this (and of every searched D)."""
+
+SCO_QUARTERS = (0, 1, 2, 3, 4)
+"""SCO budgets tried: 0, 1/4 .. 4/4 of the checkpointed boundaries."""
+
+
+class SearchSpace:
+    """The configurations of one job on `world` ranks, with `gpu_bytes` per GPU (of which `headroom`
+    stays unplanned) and `host_bytes` per node. `fixed`: the searched keys the user set, kept."""
+
+    def __init__(self, base, *, fixed: set[str], world: int, ranks_per_node: int, gpu_bytes: int,
+                 host_bytes: int, headroom: int = 0):
+
+        if headroom >= gpu_bytes:
+            raise ValueError(f"--headroom ({headroom / GIB:.1f} GiB) leaves nothing of --gpu-memory ({gpu_bytes / GIB:.1f} "
+                             "GiB) to plan; give a smaller --headroom (0 plans the whole GPU)")
+        self.base, self.fixed, self.world, self.ranks_per_node = base, set(fixed), world, ranks_per_node
+        self.gpu_bytes, self.host_bytes, self.headroom = gpu_bytes, host_bytes, headroom
+        self.model = flavor_model(base.model.flavor)
+        a, lay, t = self.model.args, base.mop.layout, base.training
+        given = [getattr(lay, k) if f"mop.layout.{k}" in self.fixed else 1
+                 for k in ("seq_degree", "expert_degree", "vocab_degree")]
+        check_layout_fits(plan_layout(world, *given), replace(t, seq_len=given[0]), a)   # the user's degrees, or the error
+
+        def options(key: str, current, values) -> list:
+            return [current] if key in self.fixed else list(values)
+
+        def heads_split(D: int) -> bool:                  # the layout check of plan_for_config, at S = D
+            try:
+                check_layout_fits(plan_layout(world, D, 1, 1), replace(t, seq_len=D), a)
+            except ValueError:
+                return False
+            return True
+
+        self.seq_degrees = [d for d in options("mop.layout.seq_degree", lay.seq_degree, divisors(world))
+                            if world % d == 0 and heads_split(d)]
+        self.expert_degrees = [e for e in options("mop.layout.expert_degree", lay.expert_degree,
+                                                  divisors(world) if a.n_moe_layers else [1])
+                               if world % e == 0 and a.num_experts % e == 0]
+        self.vocab_degrees = [p for p in options("mop.layout.vocab_degree", lay.vocab_degree, divisors(world))
+                              if world % p == 0]
+        self.ac_modes = options("activation_checkpoint.mode", base.activation_checkpoint.mode, ("full", "none"))
+        self.optimizers = optimizer_levels(self.base, self.fixed)
+        self.granule = math.lcm(SEQ_GRANULE, *self.seq_degrees)
+        self._memo: dict[Settings, Evaluation] = {}
+        self._grids: dict[tuple, list[list[Settings]]] = {}
+        self._predictions: dict[Settings, StepPrediction] = {}
+        self._family_floor: dict[tuple, list] = {}    # family -> optimizer levels that can fit it
+
+    # -- candidates -------------------------------------------------------------------------------
+
+    def structures(self, seq_len: int, *, frugal_only: bool = False, pruned: bool = True) -> list[Settings]:
+        """Every structure valid at `seq_len` whose family may fit (all of them with `pruned=False`),
+        knobs at placeholders. With `frugal_only`, PipelinedLLEP takes only its smallest token budget
+        (its plan grows with c)."""
+        base, out = self.base, []
+        for D in self.seq_degrees:
+            if seq_len % D:
+                continue
+            tokens = base.training.local_batch_size * seq_len // D
+            for Ep in self.expert_degrees:
+                for dispatch in self._dispatches(Ep):
+                    budgets = self._token_budgets(dispatch, tokens)
+                    for c in budgets[:1] if frugal_only else budgets:
+                        for P in self.vocab_degrees:
+                            for ring in self._rings(P):
+                                for ac in self.ac_modes:
+                                    s = Settings(seq_len, D, Ep, P, dispatch, c, ring, ac)
+                                    if not pruned or self._viable_levels(s):
+                                        out.append(s)
+        return out
+
+    def _dispatches(self, Ep: int) -> list[str]:
+        if "mop.moe.dispatch" in self.fixed:
+            d = self.base.mop.moe.dispatch
+            return [] if d == "local" and Ep > 1 else [d]
+        return ["local", "pipelined_llep"] if Ep == 1 else ["ep", "llep", "pipelined_llep"]
+
+    def _rings(self, P: int) -> list[bool]:
+        if "mop.ring_dtp.enable" in self.fixed:
+            return [self.base.mop.ring_dtp.enable]
+        return [True] if P > 1 else [False, True]       # P > 1 is Ring-DTP whatever the flag says
+
+    def _token_budgets(self, dispatch: str, tokens: int) -> list[int]:
+        """PipelinedLLEP's c, smallest first: powers of two from ceil(N / K_max) up, one per chunk count K."""
+        if dispatch != "pipelined_llep" or "mop.moe.token_budget" in self.fixed:
+            return [self.base.mop.moe.token_budget]
+        k_max, seen, out = self.base.mop.moe.max_chunks, set(), []
+        c = 1 << math.ceil(math.log2(max(1, math.ceil(tokens / k_max))))
+        while True:
+            K = num_chunks(max(tokens, 1), c, k_max)[0]
+            if K not in seen:
+                seen.add(K)
+                out.append(c)
+            if K == 1:
+                return out
+            c *= 2
+
+    def knobs(self, s: Settings, levels: list[tuple[str, str]] | None = None) -> list[list[Settings]]:
+        """grid[j][i]: optimizer level j (fastest first; those that can fit its family), SCO budget i (none
+        first). Along either axis the step gets slower; along i the device plan shrinks and the host plan
+        grows, and so along j among OffloadStreamAdamW's levels."""
+        levels = self._viable_levels(s) if levels is None else levels
+        levels = [level for level in levels if self._level_runs(s, level)]
+        key = (s, tuple(levels))
+        if key not in self._grids:
+            self._grids[key] = self._grid(s, levels)
+        return self._grids[key]
+
+    def _grid(self, s: Settings, levels: list[tuple[str, str]]) -> list[list[Settings]]:
+        if "mop.sco.host_budget" in self.fixed:
+            budgets = [self.base.mop.sco.host_budget]
+        elif s.ac_mode == "none":
+            budgets = ["0"]
+        else:
+            boundary, layers = self._boundary_bytes(s), self._checkpointed(s)
+            budgets = [_byte_text(n * boundary) for n in sorted({math.ceil(q * layers / 4) for q in SCO_QUARTERS})]
+        return [[replace(s, sco_budget=b, optimizer=o, device_fraction=f, weights=w, gradients=g) for b in budgets]
+                for o, f, w, g in levels]
+
+    @staticmethod
+    def _level_runs(s: Settings, level) -> bool:
+        """weights = "stream" reuses an expert block's slot after its forward: every block checkpointed."""
+        return level[2] != "stream" or s.dispatch == "local" or s.ac_mode == "full"
+
+    def frugal(self, s: Settings, levels: list[tuple[str, str]] | None = None) -> Evaluation:
+        """The knobs that leave the least on the device: every boundary SCO may hold and either the
+        whole optimizer state streamed or AdamW on the device (whose moments are smaller than
+        OffloadStreamAdamW's staging for a small model), whichever plans less."""
+        grid = self.knobs(s, levels)
+        e = self.evaluate(grid[-1][-1])
+        if e.fits_device or len(grid) == 1 or grid[0][0].offloads_optimizer:
+            return e
+        other = self.evaluate(grid[0][-1])
+        return other if other.plan is not None and (e.plan is None or other.device < e.device) else e
+
+    def _viable_levels(self, s: Settings) -> list[tuple[str, str]]:
+        """The optimizer levels that can fit s's family (E_p, P, dispatch, Ring-DTP, checkpointing): those
+        that fit the device at the search's fewest tokens per rank (S = lcm of the D, the largest D), the
+        smallest c and every boundary on the host. A plan only grows from there (with S, N and c), so a
+        level that does not fit there never does; a family with no level left is not searched."""
+        key = (s.expert_degree, s.vocab_degree, s.dispatch, s.ring_dtp, s.ac_mode)
+        if key not in self._family_floor:
+            D, S = max(self.seq_degrees), math.lcm(*self.seq_degrees)
+            c = self._token_budgets(s.dispatch, self.base.training.local_batch_size * S // D)[0]
+            floor = replace(s, seq_len=S, seq_degree=D, token_budget=c)
+            frugal = self.frugal(floor, self.optimizers)
+            if frugal.plan is None:                    # the job refuses the floor (its batch, say): no pruning
+                self._family_floor[key] = self.optimizers
+            elif not frugal.fits_device:
+                self._family_floor[key] = []
+            else:
+                grid = self.knobs(floor, self.optimizers)
+                runs = [level for level in self.optimizers if self._level_runs(floor, level)]
+                self._family_floor[key] = [level for level, row in zip(runs, grid)
+                                           if self.evaluate(row[-1]).fits_device]
+        return self._family_floor[key]
+
+    def _boundary_bytes(self, s: Settings) -> int:
+        act = MixedPrecision.from_training(self.base.training).activation_bytes
+        return self.base.training.local_batch_size * s.seq_len // s.seq_degree * self.model.args.dim * act
+
+    def _checkpointed(self, s: Settings) -> int:
+        ac = replace(self.base.activation_checkpoint, mode=s.ac_mode)
+        return len(checkpointed_layer_ids(ac, self.model.args.n_layers))
+
+    # -- one configuration ------------------------------------------------------------------------
+
+    def predict(self, s: Settings) -> StepPrediction:
+        if s not in self._predictions:
+            self._predictions[s] = predict_step(self._step_inputs(s))
+        return self._predictions[s]
+
+    def _step_inputs(self, s: Settings) -> StepInputs:
+        m, t, W = self.model, self.base.training, self.world
+        layout = plan_layout(W, s.seq_degree, s.expert_degree, s.vocab_degree)
+        boundary, layers = self._boundary_bytes(s), self._checkpointed(s)
+        budget = 0 if s.sco_budget.strip() == "0" else resolve_host_budget(
+            s.sco_budget, self.ranks_per_node, available_bytes=self.host_bytes)
+        one_step = t.local_batch_size * W // s.seq_degree
+        share = parse_device_fraction(s.device_fraction)
+        experts, vocab = m.shard_params(layout, s.dispatch)
+        return StepInputs(
+            model=m.args, active_params=m.active, embedding_params=m.embedding,
+            fsdp_params=m.fsdp_params(layout, s.dispatch), local_params=m.local_params(layout, s.dispatch),
+            expert_shard_params=experts, vocab_shard_params=vocab, world=W, ranks_per_node=self.ranks_per_node,
+            seq_len=s.seq_len, local_batch=t.local_batch_size,
+            micro_batches=max(1, t.global_batch_size // one_step) if t.global_batch_size != -1 else 1,
+            seq_degree=s.seq_degree, expert_degree=s.expert_degree, vocab_degree=s.vocab_degree,
+            dispatch=s.dispatch, token_budget=s.token_budget, max_chunks=self.base.mop.moe.max_chunks,
+            ring_dtp=s.ring_dtp, checkpointed_layers=layers,
+            sco_offloaded_bytes=layers * boundary - retained_boundary_bytes([boundary] * layers, budget),
+            offload_optimizer=s.offloads_optimizer, device_fraction=0.0 if share == "auto" else share,
+            stream_weights=s.offloads_optimizer and s.weights == "stream",
+            stream_gradients=s.offloads_optimizer and s.gradients == "stream",
+            act_bytes=MixedPrecision.from_training(t).activation_bytes)
+
+    def evaluate(self, s: Settings) -> Evaluation:
+        if s not in self._memo:
+            e = Evaluation(s, self.predict(s), device_limit=self.gpu_bytes - self.headroom,
+                           host_limit=self.host_bytes)
+            try:
+                e.plan = fast_plan(configure(self.base, s), world=self.world, ranks_per_node=self.ranks_per_node,
+                                   host_bytes=self.host_bytes)
+            except ValueError as err:
+                e.error = str(err)
+            self._memo[s] = e
+        return self._memo[s]
+
+    def verify(self, e: Evaluation) -> list[str]:
+        """Re-plan `e` with `plan_for_config` itself; the differences from `fast_plan`, if any."""
+        if e.verified or e.plan is None:
+            return []
+        fast, e.verified = e.plan, True
+        e.plan = plan_for_config(configure(self.base, e.settings), world=self.world,
+                                 ranks_per_node=self.ranks_per_node, host_bytes=self.host_bytes)
+        if (fast.device_bytes, fast.host_bytes_per_node) == (e.device, e.host):
+            return []
+        return [f"{e.settings.label()} at S={e.settings.seq_len:,}: cached plan {fast.device_bytes / GIB:.3f} / "
+                f"{fast.host_bytes_per_node / GIB:.3f} GiB, plan_for_config {e.device / GIB:.3f} / {e.host / GIB:.3f}"]
+
+
+def _byte_text(n: int) -> str:
+    """A byte count as [mop.sco] host_budget takes it: whole GiB or MiB where exact, else bytes."""
+    if n == 0:
+        return "0"
+    if n % GIB == 0:
+        return f"{n // GIB}GiB"
+    return f"{n >> 20}MiB" if n % (1 << 20) == 0 else str(n)
