@@ -12,8 +12,12 @@ term, from the model, the layout and the operators' own bounds -- before anythin
                  the parts the launch built (mop_train.train.build prints and checks it at launch).
 - report.py      `mop-train plan`: the printed plan and whether it fits the GPU and the node's host.
 - settings.py    one configuration the --auto search tries (the searched keys, its overrides, its plan).
-- auto.py        `mop-train plan --auto`: the search over degrees, dispatch, Ring-DTP, SCO, the optimizer's
-                 device share and checkpointing, for the longest context or the most tokens/s.
+- search_space.py what the --auto search may try (degrees, dispatch, Ring-DTP, SCO, the optimizer's device
+                 share and streaming, checkpointing, from the keys the user fixed) and each try's predicted
+                 step and plan, memoised.
+- auto.py        `mop-train plan --auto`: the search over that space for the longest context or the most
+                 tokens/s, and the explanation when nothing fits.
+- auto_report.py the search's result and its printed table of runners-up.
 - cost_model.py  the step-time model that ranks configurations (calibrated on `small`, one and two H200s).
 
 Imports models, ops, parallel and layout; imported by train and cli, never the reverse.
