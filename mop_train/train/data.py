@@ -306,20 +306,39 @@ def build_dataloader(training, tokenizer, dp_rank: int, dp_world_size: int, *,
                                    batch_size=training.local_batch_size, **asdict(training.dataloader))
 
 
+class _ValidationTextDataset(PackedTextDataset):
+    """The validation stream, split over the DataLoader's workers (validation.dataloader.num_workers
+    > 0): worker w keeps this rank's batches k with k % workers == w. The loader takes one batch from
+    each worker in turn, so it yields this rank's batches in the order of num_workers = 0; without
+    the split every worker yielded the whole stream and each batch came once per worker."""
+
+    def __iter__(self):
+        from torch.utils.data import get_worker_info
+
+        worker = get_worker_info()
+        if worker is None or worker.num_workers == 1:
+            yield from super().__iter__()
+            return
+        for i, sample in enumerate(super().__iter__()):
+            if (i // self._rows) % worker.num_workers == worker.id:
+                yield sample
+
+
 def build_validation_dataloader(validation, docs, tokenizer, dp_rank: int, dp_world_size: int, *,
                                 text_column: str = "text") -> ParallelAwareDataloader:
     """A fresh dataloader over the held-out `docs` from their first document, yielding ({"input":
     tokens [B, S]}, labels [B, S]) for this rank; packed like training's (the same global batches
     whatever the layout). It loops over the documents when validation.steps > 0 (torchtitan's
-    rule) and makes one pass for -1.
+    rule) and makes one pass for -1. With validation.dataloader.num_workers > 0 the workers share
+    the stream (`_ValidationTextDataset`): the same batches, in the same order, as with none.
 
     Args:
         validation: the `[validation]` section (local_batch_size, seq_len, steps, dataloader).
         docs: `load_documents(..., section="validation")`, loaded once per run.
     """
-    dataset = PackedTextDataset(docs, tokenizer, seq_len=validation.seq_len, dp_rank=dp_rank,
-                                dp_world_size=dp_world_size, rows_per_rank=validation.local_batch_size,
-                                text_column=text_column, name=validation.dataset_path or validation.dataset,
-                                infinite=validation.steps != -1)
+    dataset = _ValidationTextDataset(docs, tokenizer, seq_len=validation.seq_len, dp_rank=dp_rank,
+                                     dp_world_size=dp_world_size, rows_per_rank=validation.local_batch_size,
+                                     text_column=text_column, name=validation.dataset_path or validation.dataset,
+                                     infinite=validation.steps != -1)
     return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,
                                    batch_size=validation.local_batch_size, **asdict(validation.dataloader))

@@ -1,0 +1,50 @@
+"""Regressions found by an adversarial check of validation ([validation]); each test names the input.
+
+- validation.dataloader.num_workers > 0 (a `[validation] dataloader` key mop_train honours): every
+  DataLoader worker iterated the whole packed stream, so each batch came once per worker (batches
+  0, 0, 1, 1, ... with 2 workers) and validation.steps = 3 scored batches 0, 0, 1 instead of 0, 1, 2;
+  steps = -1 scored each batch twice. The batches must be those of num_workers = 0, in order, at
+  every data rank of the layout.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import torch
+
+from mop_train.train import data
+from tests.utils import fresh_seed
+
+
+def _batches(v, docs, tokenizer, dp_rank, dp_size, cap):
+    out = []
+    for batch in data.build_validation_dataloader(v, docs, tokenizer, dp_rank, dp_size):
+        out.append(batch)
+        if len(out) == cap:
+            break
+    return out
+
+
+def test_validation_dataloader_workers_yield_the_batches_of_no_workers(tmp_path):
+    from torchtitan.config.job_config import DataLoader, Validation
+
+    rng = random.Random(fresh_seed(9601))
+    tokenizer = data.build_tokenizer(data.EMBEDDED, cache_dir=data.default_cache_dir())
+    words = ["alpha", "beta", "gamma", "def", "return", "(", ")", "\n"]
+    path = tmp_path / "held_out.jsonl"
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(3, 60)))}) + "\n"
+                            for _ in range(rng.randint(40, 70))))
+    docs = data.load_documents("jsonl", str(path), cache_dir=str(tmp_path), section="validation")
+    S, B, dp_size, workers = rng.choice([8, 12, 16]), rng.randint(1, 3), rng.choice([1, 2, 3]), rng.choice([2, 3])
+    for steps in (3, -1):
+        cap = 3 if steps > 0 else 100_000
+        for dp_rank in range(dp_size):
+            want, got = (_batches(Validation(enable=True, dataset="jsonl", dataset_path=str(path), seq_len=S,
+                                             local_batch_size=B, steps=steps, dataloader=DataLoader(num_workers=n)),
+                                  docs, tokenizer, dp_rank, dp_size, cap) for n in (0, workers))
+            where = f"steps={steps}, S={S}, B={B}, data rank {dp_rank} of {dp_size}, {workers} workers"
+            assert len(got) == len(want), f"{len(got)} batches, not {len(want)} ({where})"
+            for k, ((x, y), (wx, wy)) in enumerate(zip(got, want)):
+                assert torch.equal(x["input"], wx["input"]) and torch.equal(y, wy), f"batch {k} differs ({where})"
