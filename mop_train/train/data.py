@@ -324,18 +324,34 @@ class _ValidationTextDataset(PackedTextDataset):
                 yield sample
 
 
+def check_validation_workers(validation, docs) -> None:
+    """validation.dataloader.num_workers > 0 needs documents every worker reads whole (a local source's
+    Dataset). A streamed "hub" dataset hands each DataLoader worker only its shards (or all to one
+    worker when it has one shard), so the workers would pack other windows than one reader: refused."""
+    from datasets import Dataset
+
+    n = validation.dataloader.num_workers
+    if n > 0 and not isinstance(docs, Dataset):
+        raise ValueError(f"validation.dataloader.num_workers = {n} cannot read validation.dataset = "
+                         f"{validation.dataset!r} (a streamed dataset: each DataLoader worker would get only its "
+                         f"shards and pack other windows than one reader); set validation.dataloader.num_workers "
+                         f"= 0, or use a local source (\"jsonl\", \"parquet\" or \"text\")")
+
+
 def build_validation_dataloader(validation, docs, tokenizer, dp_rank: int, dp_world_size: int, *,
                                 text_column: str = "text") -> ParallelAwareDataloader:
     """A fresh dataloader over the held-out `docs` from their first document, yielding ({"input":
     tokens [B, S]}, labels [B, S]) for this rank; packed like training's (the same global batches
     whatever the layout). It loops over the documents when validation.steps > 0 (torchtitan's
     rule) and makes one pass for -1. With validation.dataloader.num_workers > 0 the workers share
-    the stream (`_ValidationTextDataset`): the same batches, in the same order, as with none.
+    the stream (`_ValidationTextDataset`): the same batches, in the same order, as with none (a
+    streamed "hub" dataset with workers is refused, `check_validation_workers`).
 
     Args:
         validation: the `[validation]` section (local_batch_size, seq_len, steps, dataloader).
         docs: `load_documents(..., section="validation")`, loaded once per run.
     """
+    check_validation_workers(validation, docs)
     dataset = _ValidationTextDataset(docs, tokenizer, seq_len=validation.seq_len, dp_rank=dp_rank,
                                      dp_world_size=dp_world_size, rows_per_rank=validation.local_batch_size,
                                      text_column=text_column, name=validation.dataset_path or validation.dataset,

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from mop_train.train.data import build_tokenizer, build_validation_dataloader, default_cache_dir, load_documents
+from mop_train.train.data import (build_tokenizer, build_validation_dataloader, check_validation_workers,
+                                  default_cache_dir, load_documents)
 from mop_train.train.loss import IGNORE_INDEX
 from mop_train.train.optim import wait_for_weights
 
@@ -151,4 +152,5 @@ def build_validator(cfg, run, *, prepare) -> Validator | None:
     tokenizer = build_tokenizer(cfg.model.hf_assets_path, cache_dir=cache_dir)
     docs = load_documents(v.dataset, v.dataset_path, cache_dir=cache_dir, text_column=cfg.mop.data.text_column,
                           section="validation")
+    check_validation_workers(v, docs)          # at start-up, not at the first validation
     return Validator(v, docs, tokenizer, run, prepare=prepare, text_column=cfg.mop.data.text_column)

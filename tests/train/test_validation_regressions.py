@@ -5,6 +5,9 @@
   0, 0, 1, 1, ... with 2 workers) and validation.steps = 3 scored batches 0, 0, 1 instead of 0, 1, 2;
   steps = -1 scored each batch twice. The batches must be those of num_workers = 0, in order, at
   every data rank of the layout.
+- The same with a streamed validation.dataset = "hub": the dataset hands each worker only its shards,
+  so that split would score half the batches (one shard) or other windows (several): refused, with how
+  to fix it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 import torch
 
 from mop_train.train import data
@@ -48,3 +52,21 @@ def test_validation_dataloader_workers_yield_the_batches_of_no_workers(tmp_path)
             assert len(got) == len(want), f"{len(got)} batches, not {len(want)} ({where})"
             for k, ((x, y), (wx, wy)) in enumerate(zip(got, want)):
                 assert torch.equal(x["input"], wx["input"]) and torch.equal(y, wy), f"batch {k} differs ({where})"
+
+
+def test_validation_dataloader_workers_over_a_streamed_dataset_are_refused(tmp_path):
+    """A streamed ("hub") dataset gives each DataLoader worker only its shards (one shard: all to worker 0),
+    so with the split above the workers scored half the batches (and with several shards, other windows)."""
+    from torchtitan.config.job_config import DataLoader, Validation
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "train.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 20}) + "\n" for i in range(30)))
+    docs = data.load_documents("hub", str(repo), cache_dir=str(tmp_path), section="validation")
+    tokenizer = data.build_tokenizer(data.EMBEDDED, cache_dir=data.default_cache_dir())
+    v = Validation(enable=True, dataset="hub", dataset_path=str(repo), seq_len=16, local_batch_size=2, steps=-1,
+                   dataloader=DataLoader(num_workers=2))
+    with pytest.raises(ValueError, match=r"validation.dataloader.num_workers = 2 .*'hub'.*set validation.dataloader"):
+        data.build_validation_dataloader(v, docs, tokenizer, 0, 1)
+    v = Validation(enable=True, dataset="hub", dataset_path=str(repo), seq_len=16, local_batch_size=2, steps=-1)
+    assert len(list(data.build_validation_dataloader(v, docs, tokenizer, 0, 1))) > 0   # no workers: read
