@@ -96,6 +96,7 @@ def _train(args: argparse.Namespace) -> int:
 
     from mop_train.config import load_job_config
     from mop_train.models import zoo
+    from mop_train.parallel.fake_world import COMM_MODE as FAKE_MODE
 
     from torchtitan.tools.logging import logger
 
@@ -108,6 +109,10 @@ def _train(args: argparse.Namespace) -> int:
     job = _job_argv(args)
     low, high = _node_range(args.nnodes)
     world = args.nproc_per_node * low if low == high else None   # elastic: W known only at the rendezvous
+    if load_job_config(job, model_flavors=zoo.names()).comm.mode == FAKE_MODE:   # before its layout meets W
+        raise ValueError(f"comm.mode = {FAKE_MODE!r} runs one rank of a W-rank job in one process, not under "
+                         f"`mop-train train` (torchrun's launcher); start it with plain python: "
+                         f"WORLD_SIZE=W RANK=r python -m mop_train.train --job.config_file {args.config} ...")
     load_job_config(job, model_flavors=zoo.names(), world_size=world)   # ValueError -> one line, exit 2
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException

@@ -271,8 +271,11 @@ def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards:
         verdict: StepVerdict = out["verdict"]
         train_state.skipped_steps += verdict.skip
         n_tokens = int(out["n_tokens"].item())
-        train_state.tokens_seen += n_tokens
-        window_tokens += n_tokens
+        # A fake world's count all-reduce leaves this rank's own count; its world of identical ranks
+        # trains W times as many, which tokens/s (and so TFLOP/s and MFU) and tokens_seen count.
+        world_tokens = n_tokens * (dist.get_world_size() if in_fake_world() else 1)
+        train_state.tokens_seen += world_tokens
+        window_tokens += world_tokens
         last = step == steps
         validation = validator.run(step) if validator and validator.due(step) and not verdict.stop_requested else {}
         window_start += validation.get("validation/s", 0.0)               # tokens/s: training time only
@@ -340,7 +343,11 @@ def stop_cleanly(cfg, checkpointer, step: int) -> None:
 def main(argv: list[str] | None = None, *, model_args=None) -> None:
     init_logger()
     logger.setLevel("ERROR")  # torchtitan warns that hf_assets_path = "embedded" is not a folder
-    cfg = load_job_config(argv, model_flavors=zoo.names(), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    cfg = load_job_config(argv, model_flavors=zoo.names())
+    # The layout against W: a fake world's W is its WORLD_SIZE, checked first (a missing or bad one is
+    # named, not met as "must divide the world size (1 ranks)").
+    world = fake_world_from_env()[0] if cfg.comm.mode == FAKE_MODE else int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = load_job_config(argv, model_flavors=zoo.names(), world_size=world)
     logger.setLevel("INFO")
     warnings.filterwarnings("ignore", message=".*set_vital.*")
     exit_with_parent()

@@ -22,7 +22,8 @@ from typing import Callable, Sequence
 import torch
 
 from mop_train.ops.moe_dispatch.combine import combine_rows
-from mop_train.ops.moe_dispatch.comm import all_to_all, exchange_counts, group_size, host_to_device
+from mop_train.ops.moe_dispatch.comm import (all_to_all, exchange_counts, group_size, host_to_device,
+                                             stands_for_identical_ranks)
 from mop_train.ops.moe_dispatch.local import grouped_swiglu, local_experts_forward
 from mop_train.ops.moe_dispatch.stats import DispatchStats, record_stats
 
@@ -110,7 +111,10 @@ def ep_experts_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
     send_splits = counts.view(P, E_l).sum(1).tolist()
     token = order // k                                             # [R]
     if stats is not None:
-        record_stats(stats, [int(recv_counts.sum())], group, x.device, chunk_sent=[sum(send_splits)])
+        # A world of identical ranks: destination d receives send_splits[d] from each of the P sources.
+        peak = [P * max(send_splits)] if stands_for_identical_ranks(group) else None
+        record_stats(stats, [int(recv_counts.sum())], group, x.device, chunk_sent=[sum(send_splits)],
+                     identical_world_peak=peak)
     expert_fn = functools.partial(weighted_experts, w1=w1, w2=w2, w3=w3)
     out = exchange_and_compute(x[token], weights.reshape(-1)[order], send_splits, recv_counts,
                                expert_fn, group)                   # [R, H]

@@ -151,6 +151,7 @@ class _Chunk:
     perm: torch.Tensor           # [R'_i] arrival order -> slot order
     inv_perm: torch.Tensor       # [R'_i] slot order -> arrival order
     slot_counts: torch.Tensor    # [S] rows per slot (CPU)
+    identical_world_peak: int | None = None  # a fake world: the most routes any destination receives
 
 
 def _route_keys(flat, order, plan, C, chunk, source: int, P: int) -> torch.Tensor:
@@ -165,17 +166,19 @@ def _route_keys(flat, order, plan, C, chunk, source: int, P: int) -> torch.Tenso
     return (chunk * P + dest) * E + flat
 
 
-def _identical_ranks_recv_counts(flat, order, plan, C, chunk, num_chunks, P, rank) -> torch.Tensor:
-    """[P(src), K, E] what every source's plan sends `rank` when every source holds these routes (a
-    fake world, `stands_for_identical_ranks`): the count exchange there returns only our own row."""
+def _identical_ranks_recv_counts(flat, order, plan, C, chunk, num_chunks, P, rank):
+    """([P(src), K, E] what every source's plan sends `rank`, [K, P(dst)] routes every destination
+    receives) when every source holds these routes (a fake world, `stands_for_identical_ranks`): the
+    count exchange there returns only our own row, and the stats' max all-reduce our own receipts."""
     E = C.shape[1]
-    rows = []
+    rows, totals = [], torch.zeros(num_chunks * P, dtype=torch.int64, device=flat.device)
     for source in range(P):
         key = _route_keys(flat, order, plan, C, chunk, source, P)               # (chunk, dest, expert)
-        to_me = ((key // E) % P == rank).to(torch.int64)                         # no host sync
-        rows.append(torch.zeros(num_chunks * P * E, dtype=torch.int64, device=flat.device)
-                    .index_add_(0, key, to_me).view(num_chunks, P, E)[:, rank])  # [K, E]
-    return torch.stack(rows)
+        counts = torch.zeros(num_chunks * P * E, dtype=torch.int64, device=flat.device).index_add_(
+            0, key, torch.ones_like(key)).view(num_chunks, P, E)                # no host sync
+        rows.append(counts[:, rank])                                             # [K, E]
+        totals += counts.sum(2).view(-1)
+    return torch.stack(rows), totals.view(num_chunks, P)
 
 
 def _plan_chunks(indices, plan, C, chunk_of_token, num_chunks, group) -> list[_Chunk]:
@@ -191,11 +194,15 @@ def _plan_chunks(indices, plan, C, chunk_of_token, num_chunks, group) -> list[_C
     send_counts = torch.zeros(num_chunks * P * E, dtype=torch.int64, device=device)
     send_counts = send_counts.index_add_(0, key, torch.ones_like(key)).view(num_chunks, P, E)
     send_counts = send_counts.permute(1, 0, 2).contiguous()                 # [P(dst), K, E]
+    peaks = None
     if stands_for_identical_ranks(group):
-        recv_counts = _identical_ranks_recv_counts(flat, order, plan, C, chunk, num_chunks, P, rank)
+        recv_counts, received = _identical_ranks_recv_counts(flat, order, plan, C, chunk, num_chunks, P, rank)
+        peaks = received.max(1).values                                       # [K]
     else:
         recv_counts = exchange_counts(send_counts, group)                    # [P(src), K, E]
     both = torch.stack([send_counts, recv_counts]).cpu()                     # the layer's second sync
+    if peaks is not None:
+        peaks = peaks.tolist()                                               # (computed by now)
     send_counts, recv_counts = both[0].permute(1, 0, 2), both[1]             # [K, P, E], [P, K, E]
     slots = slot_of_expert(plan, rank)
     chunks, start = [], 0
@@ -204,7 +211,7 @@ def _plan_chunks(indices, plan, C, chunk_of_token, num_chunks, group) -> list[_C
         perm, slot_counts = receive_order(recv_counts[:, i, :], device, slots)
         chunks.append(_Chunk(send_order[start:start + n], send_counts[i].sum(1).tolist(),
                              recv_counts[:, i, :].sum(1).tolist(), perm, inverse_permutation(perm),
-                             slot_counts))
+                             slot_counts, None if peaks is None else peaks[i]))
         start += n
     return chunks
 
@@ -275,7 +282,9 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
         record_stats(stats, [sum(c.recv_splits) for c in chunks], group, x.device,
                      relocated_routes=plan.relocated_routes, migrated_experts=len(plan.transfers),
                      weight_transfer_bytes=len(plan.transfers) * copy_bytes,
-                     received_bound=received_bound, chunk_sent=[sum(c.send_splits) for c in chunks])
+                     received_bound=received_bound, chunk_sent=[sum(c.send_splits) for c in chunks],
+                     identical_world_peak=None if chunks[0].identical_world_peak is None
+                     else [c.identical_world_peak for c in chunks])
     if token_anchor is not None:
         y = y + token_anchor.to(y.dtype)
     return y + anchor.to(y.dtype)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mop_train.ops.moe_dispatch.comm import group_size, host_to_device
+from mop_train.ops.moe_dispatch.comm import group_size, host_to_device, stands_for_identical_ranks
 
 
 @dataclass
@@ -50,15 +50,23 @@ class DispatchStats:
 
 def record_stats(stats: DispatchStats, chunk_received: list[int], group, device, *,
                  relocated_routes: int = 0, migrated_experts: int = 0, weight_transfer_bytes: int = 0,
-                 received_bound: int = 0, chunk_sent: list[int] | None = None) -> None:
+                 received_bound: int = 0, chunk_sent: list[int] | None = None,
+                 identical_world_peak: list[int] | None = None) -> None:
     """Fill `stats`; the max over destinations costs one small all-reduce, read lazily.
-    `chunk_sent`: routes this rank sent per chunk (None: as many as it received, no exchange)."""
+    `chunk_sent`: routes this rank sent per chunk (None: as many as it received, no exchange).
+    `identical_world_peak`: in a fake world (`stands_for_identical_ranks`), where that all-reduce
+    returns only this rank's receipts, the max over destinations per chunk that the schedule
+    computed for a world of identical ranks (None elsewhere)."""
     stats.num_chunks = len(chunk_received)
     stats.chunk_sent = list(chunk_received if chunk_sent is None else chunk_sent)
     stats.relocated_routes = relocated_routes
     stats.migrated_experts = migrated_experts
     stats.weight_transfer_bytes = weight_transfer_bytes
     stats.chunk_received = list(chunk_received)
+    if identical_world_peak is not None and stands_for_identical_ranks(group):
+        stats._chunk_peak = list(identical_world_peak)
+        stats.received_bound = received_bound
+        return
     peak = host_to_device(torch.tensor(chunk_received, dtype=torch.int64), device)
     if group_size(group) > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
