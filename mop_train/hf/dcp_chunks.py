@@ -17,6 +17,7 @@ Legend: offsets/sizes are per dimension of the global tensor.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass
 
@@ -68,15 +69,36 @@ class DCPChunks:
 
     def __init__(self, folder: str):
         self.folder = folder
+        if not os.path.isdir(folder):
+            raise ValueError(f"checkpoint folder {folder} does not exist; pass a checkpoint step folder "
+                             f"(DUMP/checkpoint/step-N)")
         self.reader = FileSystemReader(folder)
         try:
             self.metadata = self.reader.read_metadata()
         except FileNotFoundError:
-            raise ValueError(f"{folder} holds no DCP .metadata; pass a checkpoint step folder "
+            steps = sorted(n for n in os.listdir(folder) if n.startswith("step-"))
+            inside = f" (it holds {', '.join(steps[:5])}{', ...' if len(steps) > 5 else ''}: pass one of them)" \
+                if steps else ""
+            raise ValueError(f"{folder} holds no DCP .metadata{inside}; pass a checkpoint step folder "
                              f"(DUMP/checkpoint/step-N)") from None
         self.reader.set_up_storage_reader(self.metadata, is_coordinator=True)
         self.reads: Counter = Counter()       # Chunk -> times read
         self.bytes_read = 0
+
+    def missing_bytes(self) -> list[str]:
+        """The data files .metadata names that are absent or shorter than the items it places in them
+        (empty when every stored byte is there), without reading them."""
+        need: dict[str, int] = {}
+        for info in self.metadata.storage_data.values():
+            need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+        problems = []
+        for name, size in sorted(need.items()):
+            path = os.path.join(self.folder, name)
+            if not os.path.isfile(path):
+                problems.append(f"{name} is missing")
+            elif os.path.getsize(path) < size:
+                problems.append(f"{name} has {os.path.getsize(path)} bytes, .metadata places {size}")
+        return problems
 
     def _meta(self, key: str) -> TensorStorageMetadata:
         meta = self.metadata.state_dict_metadata.get(key)

@@ -124,9 +124,17 @@ def export_checkpoint(checkpoint: str, out: str, args: MoEModelArgs, *, dtype: t
                       max_shard_bytes: int = 2 << 30, tokenizer_folder: str | None = None) -> ExportReport:
     """Write the HF folder `out` (new or empty) from the DCP checkpoint folder `checkpoint`."""
     check_exportable(args)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out} is a file, not a folder; export into a new folder")
     if os.path.isdir(out) and os.listdir(out):
         raise ValueError(f"--out {out} exists and is not empty; export into a new folder")
+    if tokenizer_folder:                    # refused before anything is written, so a rerun may use `out`
+        _tokenizer_json(tokenizer_folder)
     chunks, tensors = DCPChunks(checkpoint), hf_tensors(args)
+    problems = chunks.missing_bytes()
+    if problems:
+        raise ValueError(f"checkpoint {checkpoint} is incomplete: {'; '.join(problems[:3])}; export a complete "
+                         f"checkpoint (a save that finished, copied whole)")
     check_mapping(args, tensors)
     shapes = our_shapes(args)
     for key in sorted(shapes):
@@ -182,12 +190,17 @@ def _token_id(tokenizer_json: str, config: dict, name: str) -> int | None:
     return Tokenizer.from_file(tokenizer_json).token_to_id(token)
 
 
-def copy_tokenizer(folder: str, out: str) -> tuple[list[str], int | None, int | None]:
-    """Copy the HF tokenizer files of `folder` into `out`; returns (files, bos id, eos id)."""
+def _tokenizer_json(folder: str) -> str:
     tokenizer_json = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(tokenizer_json):
         raise ValueError(f"tokenizer folder {folder} has no tokenizer.json (gone from the cache?); pass "
                          f"--tokenizer DIR, or --tokenizer none to export without one")
+    return tokenizer_json
+
+
+def copy_tokenizer(folder: str, out: str) -> tuple[list[str], int | None, int | None]:
+    """Copy the HF tokenizer files of `folder` into `out`; returns (files, bos id, eos id)."""
+    tokenizer_json = _tokenizer_json(folder)
     copied = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
     for name in copied:
         shutil.copyfile(os.path.join(folder, name), os.path.join(out, name))

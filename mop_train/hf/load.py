@@ -73,8 +73,18 @@ class HFFiles:
         if missing:
             raise ValueError(f"{folder}: {len(missing)} tensors the run's model needs are missing, e.g. "
                              f"{missing[:3]}; is this checkpoint of the model.flavor being trained?")
-        self.handles = {name: safe_open(os.path.join(folder, name), framework="pt", device="cpu")
-                        for name in sorted({self.weight_map[t.name] for t in tensors})}
+        self.handles = {}
+        for name in sorted({self.weight_map[t.name] for t in tensors}):
+            path = os.path.join(folder, name)
+            if not os.path.isfile(path):
+                raise ValueError(f"{folder}: {name}, which {INDEX} names for "
+                                 f"{sum(f == name for f in self.weight_map.values())} tensors, is missing; "
+                                 f"copy the whole Hugging Face folder")
+            try:
+                self.handles[name] = safe_open(path, framework="pt", device="cpu")
+            except Exception as err:      # safetensors' SafetensorError: a truncated or damaged file
+                raise ValueError(f"{folder}: {name} is not a readable safetensors file ({err}); copy it "
+                                 f"again or export again") from None
         for t in tensors:
             piece = self.handles[self.weight_map[t.name]].get_slice(t.name)
             shape, dtype = tuple(piece.get_shape()), piece.get_dtype()

@@ -172,8 +172,8 @@ def check_hf_config(config: dict, args: MoEModelArgs, *, source: str) -> None:
                          f"DeepseekV3 checkpoints only (model_type 'deepseek_v3')")
     scaling = config.get("rope_scaling") or (config.get("rope_parameters") or {})
     if scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        raise ValueError(f"{source}: rope scaling {scaling.get('rope_type', scaling.get('type'))!r} (YaRN) is "
-                         f"not modelled by mop_train's attention; only plain RoPE imports")
+        raise ValueError(f"{source}: rope scaling {scaling.get('rope_type', scaling.get('type'))!r} is not "
+                         f"modelled by mop_train's attention (no YaRN or other scaling); only plain RoPE imports")
     unsupported = {"rope_interleave": (True, "the rotate-half RoPE layout would need q/k rows permuted"),
                    "tie_word_embeddings": (False, "our embeddings and output projection are separate"),
                    "hidden_act": ("silu", "our FFNs are SwiGLU"),
@@ -198,6 +198,8 @@ def check_hf_config(config: dict, args: MoEModelArgs, *, source: str) -> None:
                    "norm_topk_prob", "routed_scaling_factor"]
     for name in fields:
         have, want = config.get(name), expected[name]
+        if name == "num_key_value_heads" and have is None:    # HF DeepseekV3: None means one per head
+            have = config.get("num_attention_heads")
         same = math.isclose(have, want, rel_tol=1e-9) if isinstance(want, float) and have is not None else have == want
         if not same:
             raise ValueError(f"{source}: {name} = {have!r} but the run's model needs {want!r}; pick the "
