@@ -188,7 +188,20 @@ def validate(cfg, *, source: str = "config") -> None:
     t = cfg.training
     _require(t.seq_len >= 1, f"{source}: training.seq_len = {t.seq_len} must be >= 1")
     _require(t.local_batch_size >= 1, f"{source}: training.local_batch_size = {t.local_batch_size} must be >= 1")
+    # Every DataLoader worker would iterate the whole packed stream (its Dataset is not split over
+    # workers), so each batch would come once per worker: seen as tokens 0, 0, 81, 81, ... at 2 workers.
+    _require(t.dataloader.num_workers == 0,
+             f"{source}: training.dataloader.num_workers = {t.dataloader.num_workers}: each DataLoader worker "
+             f"would read the whole packed stream, so every batch would come {t.dataloader.num_workers} times; "
+             f"set training.dataloader.num_workers = 0 (packing runs in the training process, a small share of a step)")
     validate_run_tools(cfg, source=source)
+
+
+def _check_data_source(section: str, dataset: str, source: str) -> None:
+    from mop_train.train.data import SOURCES  # (here: the data module imports torchtitan's datasets)
+    _require(dataset in SOURCES, f"{source}: {section}.dataset = {dataset!r} is not a source mop_train reads; "
+                                 f"use one of {', '.join(SOURCES)} (\"embedded\": the built-in corpus, no "
+                                 f"{section}.dataset_path; the others read {section}.dataset_path)")
 
 
 def _check_initial_load(ck, source: str) -> None:
@@ -259,6 +272,16 @@ def validate_run_tools(cfg, *, source: str = "config") -> None:
             _require(getattr(v, key) >= 1, f"{source}: validation.{key} = {getattr(v, key)} must be >= 1")
         _require(v.steps >= 1 or v.steps == -1, f"{source}: validation.steps = {v.steps} must be >= 1 (batches "
                  f"per validation) or -1 (one pass over the whole validation set)")
+        _check_data_source("validation", v.dataset, source)
+        D = cfg.mop.layout.seq_degree
+        _require(D < 1 or v.seq_len % D == 0,
+                 f"{source}: validation.seq_len = {v.seq_len} must be divisible by mop.layout.seq_degree = {D} "
+                 f"(each rank of a sequence group holds seq_len / D positions); e.g. "
+                 f"validation.seq_len = {max(D, v.seq_len // D * D)}")
+        _require(v.freq <= cfg.training.steps,
+                 f"{source}: validation.freq = {v.freq} exceeds training.steps = {cfg.training.steps}, so no "
+                 f"validation would run (it runs at multiples of freq); lower validation.freq or set "
+                 f"validation.enable = false")
     if p.enable_profiling:
         _require(p.profiler_active >= 1 and p.profiler_warmup >= 0,
                  f"{source}: profiling.profiler_active = {p.profiler_active} must be >= 1 and "

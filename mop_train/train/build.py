@@ -49,6 +49,7 @@ from mop_train.train.data import build_dataloader, build_tokenizer, default_cach
 from mop_train.train.loss import IGNORE_INDEX, LanguageModelLoss, chunked_cross_entropy_sum
 from mop_train.train.optim import (OFFLOAD_ADAMW, attach_streaming, build_lr_schedulers, build_optimizers,
                                    describe_offload, free_device_bytes, resolve_device_fraction)
+from mop_train.train.validate import check_validation_fits
 from mop_train.units import parse_bytes, parse_device_fraction
 
 
@@ -233,6 +234,8 @@ def build_run(cfg, device: torch.device, *, model_args: MoEModelArgs | None = No
                                           lay.vocab_degree), device_type=device.type)
     spec = ModelSpec.resolve(cfg.model.flavor, model_args)
     check_layout_fits(layout.plan, cfg.training, spec.args)
+    if cfg.validation.enable:            # before the model: a bad validation batch fails at launch
+        check_validation_fits(cfg.validation, layout, spec.args)
     micro_batches = check_titan_parallelism(cfg.parallelism, cfg.training, data_size=layout.data_size)
     parallel = ParallelizeOptions.from_config(cfg, spec.args)
     if cfg.debug.deterministic:

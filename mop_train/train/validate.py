@@ -1,7 +1,7 @@
 """Validation ([validation], torchtitan 0.2.2's keys): every `freq` steps, the mean loss over
 `steps` held-out batches, logged beside the step's training record as `validation/loss`.
 
-    validator = build_validator(cfg, run, device, prepare=...)   # None unless validation.enable
+    validator = build_validator(cfg, run, prepare=...)   # None unless validation.enable
     if validator is not None and validator.due(step):
         values.update(validator.run(step))        # {"validation/loss", "validation/batches", ...}
 
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from mop_train.parallel.fake_world import fake_world_note, in_fake_world
 from mop_train.train.data import (build_tokenizer, build_validation_dataloader, check_validation_workers,
                                   default_cache_dir, load_documents)
 from mop_train.train.loss import IGNORE_INDEX
@@ -89,11 +90,13 @@ class Validator:
         dist.all_reduce(totals)
         loss = float((totals[:, 0] / totals[:, 1]).mean())
         seconds = time.perf_counter() - start
-        if dist.get_rank() == 0:
+        fake = in_fake_world()                      # the reduce left this rank's sums: W identical ranks
+        tokens = int(totals[:, 1].sum()) * (dist.get_world_size() if fake else 1)
+        if dist.get_rank() == 0 or fake:            # a fake world's one process is its own log
             print(f"validation at step {step}: loss {loss:.4f} over {len(sums)} batches "
-                  f"({int(totals[:, 1].sum()):,} tokens, {seconds:.2f} s)", flush=True)
+                  f"({tokens:,} tokens, {seconds:.2f} s)" + (f" [{fake_world_note()}]" if fake else ""), flush=True)
         return {"validation/loss": loss, "validation/batches": len(sums),
-                "validation/tokens": int(totals[:, 1].sum()), "validation/s": seconds}
+                "validation/tokens": tokens, "validation/s": seconds}
 
     def _loss_sums(self, module) -> list[torch.Tensor]:
         v = self.validation
@@ -147,7 +150,6 @@ def build_validator(cfg, run, *, prepare) -> Validator | None:
     v = cfg.validation
     if not v.enable:
         return None
-    check_validation_fits(v, run.layout, run.spec.args)
     cache_dir = cfg.mop.data.cache_dir or default_cache_dir()
     tokenizer = build_tokenizer(cfg.model.hf_assets_path, cache_dir=cache_dir)
     docs = load_documents(v.dataset, v.dataset_path, cache_dir=cache_dir, text_column=cfg.mop.data.text_column,

@@ -4,8 +4,9 @@
   identical world's, not this rank's own: the stats' MAX all-reduce stands in with the local value,
   so a fake rank of LLEP / pipelined LLEP (balanced: 42 for the real 43 at W=4) and of EP under a
   skewed profile hot on another rank's experts reported its own receipts;
-- tokens/s, TFLOP/s, MFU and tokens_seen count the world's tokens (W x this rank's), not this rank's
-  alone (the count all-reduce stands in with the local value: W times too few);
+- tokens/s, TFLOP/s, MFU, tokens_seen and validation/tokens count the world's tokens (W x this rank's),
+  not this rank's alone (the count all-reduce stands in with the local value: W times too few), and the
+  fake rank prints its validation line (it is its own log) with the mode's note;
 - a missing WORLD_SIZE is named before the layout meets a world of 1 rank; `mop-train train` (torchrun's
   launcher) refuses the mode before it launches anything.
 """
@@ -94,13 +95,20 @@ def test_fake_rank_counts_the_worlds_tokens(tmp_path):
     folder = str(tmp_path / "tokens")
     W, D, S, steps = 4, 2, 64, 2
     args = _argv(folder, W, D, W, 1, "ep", S, ["--comm.mode", "fake_backend", "--training.steps", str(steps),
-                                              "--metrics.log_freq", "1"])
-    check_ok(_fake_cli(args, {"WORLD_SIZE": str(W), "RANK": "3"}))
+                                              "--metrics.log_freq", "1", "--validation.enable", "--validation.dataset",
+                                              "embedded", "--validation.freq", "2", "--validation.steps", "2",
+                                              "--validation.seq_len", str(S), "--validation.local_batch_size", "1"])
+    out = _fake_cli(args, {"WORLD_SIZE": str(W), "RANK": "3"})
+    check_ok(out)
     records = read_metrics(folder)
     per_step = 1 * S * (W // D)                  # local_batch_size x seq_len x sequence groups: every target
     assert [r["tokens_seen"] for r in records] == [per_step * (i + 1) for i in range(steps)]
     for r in records:
         assert r["tokens_per_s_per_rank"] == pytest.approx(r["tokens_per_s"] / W)
+    # validation counts the world's tokens too, and the fake rank (not rank 0) prints its line with the note
+    assert records[-1]["validation/tokens"] == 2 * per_step
+    line = next(x for x in out.stdout.splitlines() if x.startswith("validation at step 2"))
+    assert "fake world W=4 rank 3" in line and "meaningless" in line
 
 
 def test_fake_launch_names_a_missing_world_size_before_the_layout(tmp_path):
