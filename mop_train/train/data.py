@@ -231,6 +231,9 @@ def load_documents(source: str, path: str | None, *, cache_dir: str, text_column
         files = [os.path.join(embedded_assets(cache_dir), "corpus.jsonl")]
     else:
         files = _local_files(path, source, section)
+    if files is not None and all(os.path.getsize(f) == 0 for f in files):
+        raise ValueError(f"{section}.dataset_path = {path!r} holds no documents: its {len(files)} file(s) are empty "
+                         f"({files[0]!r}{', ...' if len(files) > 1 else ''})")
     try:
         if files is None:
             ds = load_dataset(path, split="train", streaming=True)
@@ -242,7 +245,8 @@ def load_documents(source: str, path: str | None, *, cache_dir: str, text_column
                          f"{type(err).__name__}: {err}") from None
     columns = ds.column_names
     if columns is not None and text_column not in columns:
-        raise ValueError(f"dataset {path or source!r} has no {text_column!r} column (columns: {columns})")
+        raise ValueError(f"{section}.dataset = {source!r} ({path or 'built in'}) has no {text_column!r} column "
+                         f"(columns: {columns}); set [mop.data] text_column to the column holding the text")
     if columns is not None and hasattr(ds, "__len__") and len(ds) == 0:
         raise ValueError(f"dataset {path or source!r} holds no documents")
     return ds

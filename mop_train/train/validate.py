@@ -82,10 +82,7 @@ class Validator:
                 if isinstance(unit, FSDPModule):
                     unit.reshard()
         if not sums:
-            v = self.validation
-            raise ValueError(f"validation.dataset = {v.dataset!r} holds less than one global batch of "
-                             f"{v.local_batch_size} x {self.layout.data_size} sequences of {v.seq_len} tokens; "
-                             f"lower validation.local_batch_size or validation.seq_len, or use more documents")
+            raise ValueError(self._too_small())
         totals = torch.stack(sums)                  # [batches, 2]: summed token loss, target tokens
         dist.all_reduce(totals)
         loss = float((totals[:, 0] / totals[:, 1]).mean())
@@ -111,6 +108,22 @@ class Validator:
             count = (labels != IGNORE_INDEX).sum()
             sums.append(torch.stack([loss_sum.double(), count.double()]))
         return sums
+
+    def check_one_batch(self) -> None:
+        """At start-up, for steps = -1: every rank's pass holds a whole batch (else the first validation,
+        `freq` steps of training later, would find none). Reads one batch per rank: one collective."""
+        if self.validation.steps != -1:
+            return                                   # (steps > 0: the loader loops over the documents)
+        loader = iter(build_validation_dataloader(self.validation, self.docs, self.tokenizer, self.layout.data_rank,
+                                                  self.layout.data_size, text_column=self.text_column))
+        if not self._every_rank_has(next(loader, None)):
+            raise ValueError(self._too_small())
+
+    def _too_small(self) -> str:
+        v = self.validation
+        return (f"validation.dataset = {v.dataset!r} holds less than one global batch of {v.local_batch_size} x "
+                f"{self.layout.data_size} sequences of {v.seq_len} tokens; lower validation.local_batch_size or "
+                f"validation.seq_len, or use more documents")
 
     def _batches(self):
         """This rank's validation batches: kept after the first pass (steps > 0), or a fresh pass (-1)."""
@@ -155,4 +168,6 @@ def build_validator(cfg, run, *, prepare) -> Validator | None:
     docs = load_documents(v.dataset, v.dataset_path, cache_dir=cache_dir, text_column=cfg.mop.data.text_column,
                           section="validation")
     check_validation_workers(v, docs)          # at start-up, not at the first validation
-    return Validator(v, docs, tokenizer, run, prepare=prepare, text_column=cfg.mop.data.text_column)
+    validator = Validator(v, docs, tokenizer, run, prepare=prepare, text_column=cfg.mop.data.text_column)
+    validator.check_one_batch()
+    return validator

@@ -8,6 +8,9 @@
 - The same with a streamed validation.dataset = "hub": the dataset hands each worker only its shards,
   so that split would score half the batches (one shard) or other windows (several): refused, with how
   to fix it.
+- validation.steps = -1 over a held-out set shorter than one global batch was refused at the first
+  validation, after `freq` steps of training: now when the validator is built. An empty held-out file
+  said "StopIteration"; now it is named as holding no documents.
 """
 
 from __future__ import annotations
@@ -70,3 +73,45 @@ def test_validation_dataloader_workers_over_a_streamed_dataset_are_refused(tmp_p
         data.build_validation_dataloader(v, docs, tokenizer, 0, 1)
     v = Validation(enable=True, dataset="hub", dataset_path=str(repo), seq_len=16, local_batch_size=2, steps=-1)
     assert len(list(data.build_validation_dataloader(v, docs, tokenizer, 0, 1))) > 0   # no workers: read
+
+
+def _too_small_worker(rank, world, folder, path):
+    from functools import partial
+
+    from mop_train.config import load_job_config
+    from mop_train.models import zoo
+    from mop_train.train.build import build_run
+    from mop_train.train.loop import _micro_batch
+    from mop_train.train.validate import build_validator
+    from tests.train.cli import DEBUG_CONFIG
+
+    cfg = load_job_config(["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", folder, "--checkpoint.no-enable",
+                           "--validation.enable", "--validation.dataset", "jsonl", "--validation.dataset_path", path,
+                           "--validation.steps", "-1", "--validation.seq_len", "64", "--validation.local_batch_size",
+                           "2", "--validation.freq", "100"], model_flavors=zoo.names(), world_size=world)
+    run = build_run(cfg, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"holds less than one global batch of 2 x 2 sequences of 64 tokens"):
+        build_validator(cfg, run, prepare=partial(_micro_batch, layout=run.layout, device="cpu", eos_id=None))
+
+
+def test_a_held_out_pass_shorter_than_one_global_batch_fails_at_start_up(tmp_path):
+    """steps = -1 over a set with one batch for one data rank but none for the other: refused when the
+    validator is built (on every rank), not at the first validation, `freq` training steps later."""
+    from tests.dist_utils import run_distributed
+
+    rng = random.Random(fresh_seed(9603))
+    tokenizer = data.build_tokenizer(data.EMBEDDED, cache_dir=data.default_cache_dir())
+    words = ["alpha", "beta", "gamma", "def", "return"]
+    text = ""
+    while len(tokenizer.encode(text, add_bos=True, add_eos=True)) < 3 * 65:  # 3 windows of S + 1 = 65 tokens:
+        text += " " + rng.choice(words)                                     # 2 rows on one rank, 1 on the other
+    path = tmp_path / "tiny.jsonl"
+    path.write_text(json.dumps({"text": text}) + "\n")
+    run_distributed(_too_small_worker, 2, str(tmp_path / "run"), str(path), timeout_s=300)
+
+
+def test_an_empty_held_out_file_is_named(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    with pytest.raises(ValueError, match=r"validation.dataset_path = .*empty.jsonl.* holds no documents"):
+        data.load_documents("jsonl", str(path), cache_dir=str(tmp_path), section="validation")
