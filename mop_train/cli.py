@@ -210,11 +210,16 @@ def config_flag_as_path(argv: list[str]) -> list[str]:
 
 
 def _export(args: argparse.Namespace) -> int:
+    """Every argument check that reads no tensor data, then the manifest check (a read of every file),
+    then the export."""
+    from mop_train.hf.dcp_chunks import check_step_folder
     from mop_train.hf.export import DTYPES, export_checkpoint
     from mop_train.hf.run_record import find_run_record
     from mop_train.models import zoo
     from mop_train.units import parse_bytes
 
+    check_step_folder(args.checkpoint)          # before the run record: a wrong folder has none above it
+    max_shard_bytes = parse_bytes(args.max_shard_size, key="--max-shard-size")
     record = find_run_record(args.checkpoint)
     if args.flavor is not None:
         model_args = zoo.get_model_args(args.flavor)
@@ -224,16 +229,10 @@ def _export(args: argparse.Namespace) -> int:
         raise ValueError(f"no mop_model.json of the run above {args.checkpoint} (written at launch into the run's "
                          f"job.dump_folder); pass --flavor, the run's model.flavor")
     tokenizer = args.tokenizer or (record.tokenizer_folder if record is not None else None)
-    if not args.no_verify:
-        from mop_train.train import integrity
-
-        problems = integrity.verify(args.checkpoint, rank=0, world=1)
-        if problems:
-            raise ValueError(f"checkpoint {args.checkpoint} failed verification: " + "; ".join(problems[:3])
-                             + "; export a complete checkpoint (or pass --no-verify to export it anyway)")
     report = export_checkpoint(args.checkpoint, args.out, model_args, dtype=DTYPES.get(args.dtype),
-                               max_shard_bytes=parse_bytes(args.max_shard_size, key="--max-shard-size"),
-                               tokenizer_folder=None if tokenizer == "none" else tokenizer)
+                               max_shard_bytes=max_shard_bytes,
+                               tokenizer_folder=None if tokenizer == "none" else tokenizer,
+                               verify=not args.no_verify)
     print(f"wrote {args.out}: config.json, {len(report.files)} safetensors file(s) with "
           f"model.safetensors.index.json ({report.total_bytes / 2**20:.1f} MiB of tensors; at most "
           f"{report.peak_bytes / 2**20:.1f} MiB held at once)"

@@ -18,6 +18,7 @@ Legend: offsets/sizes are per dimension of the global tensor.
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass
 
@@ -64,23 +65,52 @@ class _IntoBuffers(LoadPlanner):
     create_local_plan = create_global_plan = finish_plan = set_up_planner
 
 
+STEP = re.compile(r"step-(\d+)")
+METADATA = ".metadata"
+
+
+def _steps_in(folder: str) -> list[str]:
+    """The `step-N` folders in `folder`, by N."""
+    names = [n for n in os.listdir(folder) if STEP.fullmatch(n) and os.path.isdir(os.path.join(folder, n))]
+    return sorted(names, key=lambda n: int(STEP.fullmatch(n).group(1)))
+
+
+def _listed(steps: list[str]) -> str:
+    return ", ".join(steps[:5]) + (f", ... ({len(steps)} in all)" if len(steps) > 5 else "")
+
+
+def check_step_folder(folder: str) -> None:
+    """Raise ValueError unless `folder` is a DCP checkpoint folder (one holding .metadata), naming what
+    it is instead: missing (with the step folders beside it), a file, or the parent of step-N folders.
+    Reads no tensor data (a directory listing or two)."""
+    pass_one = "pass a checkpoint step folder (--checkpoint DUMP/checkpoint/step-N)"
+    if not os.path.exists(folder):
+        parent = os.path.dirname(os.path.abspath(folder))
+        beside = _steps_in(parent) if os.path.isdir(parent) else []
+        where = (f"; {parent} holds {_listed(beside)}" if beside else
+                 f" (nor does {parent})" if not os.path.isdir(parent) else "")
+        raise ValueError(f"checkpoint folder {folder} does not exist{where}; {pass_one}")
+    if not os.path.isdir(folder):
+        raise ValueError(f"--checkpoint {folder} is a file, not a checkpoint folder; {pass_one}")
+    if os.path.isfile(os.path.join(folder, METADATA)):
+        return
+    steps = _steps_in(folder)
+    if steps:
+        raise ValueError(f"{folder} is the checkpoints' parent folder, not a checkpoint: it holds "
+                         f"{_listed(steps)}; pass one of them, e.g. --checkpoint "
+                         f"{os.path.join(folder, steps[-1])} (the newest)")
+    raise ValueError(f"{folder} holds no DCP {METADATA}, so it is not a checkpoint (or is a save "
+                     f"that died before its commit); {pass_one}")
+
+
 class DCPChunks:
     """The tensors of the DCP checkpoint in `folder`, readable piece by piece (module docstring)."""
 
     def __init__(self, folder: str):
         self.folder = folder
-        if not os.path.isdir(folder):
-            raise ValueError(f"checkpoint folder {folder} does not exist; pass a checkpoint step folder "
-                             f"(DUMP/checkpoint/step-N)")
+        check_step_folder(folder)
         self.reader = FileSystemReader(folder)
-        try:
-            self.metadata = self.reader.read_metadata()
-        except FileNotFoundError:
-            steps = sorted(n for n in os.listdir(folder) if n.startswith("step-"))
-            inside = f" (it holds {', '.join(steps[:5])}{', ...' if len(steps) > 5 else ''}: pass one of them)" \
-                if steps else ""
-            raise ValueError(f"{folder} holds no DCP .metadata{inside}; pass a checkpoint step folder "
-                             f"(DUMP/checkpoint/step-N)") from None
+        self.metadata = self.reader.read_metadata()
         self.reader.set_up_storage_reader(self.metadata, is_coordinator=True)
         self.reads: Counter = Counter()       # Chunk -> times read
         self.bytes_read = 0

@@ -16,8 +16,13 @@ Every stored piece is read exactly once (`report.chunk_reads`). Host memory held
 bound, measured as `report.peak_bytes`): the tensors of one output file (<= max_shard_bytes, or the
 one larger tensor) + the stored pieces those tensors touch (in the checkpoint's dtype) that are not
 used up yet; a stored piece is at most one rank's shard of one tensor, which that rank held.
-`mop-train export` first checks the checkpoint against its manifest (train/integrity.py: one
-streamed pass over each file; --no-verify skips it). The router's gate and correction bias stay
+`mop-train export` first makes every check that reads no tensor data (`plan_export`: the model,
+--out, the dtype, the tokenizer folder, .metadata against the model, the data files' lengths), then
+checks the checkpoint against its manifest (train/integrity.py: one streamed pass over each file;
+--no-verify skips it), then writes (`write_export`) into a new folder beside OUT that is renamed to
+OUT once complete, so a failure partway (a tensor outside --dtype's range, a full disk) leaves OUT as
+it was. A cast that would turn a finite value into inf (float16 above 65504) is refused, naming the
+tensor, as its file is assembled (checking first would take a second read of the checkpoint). The router's gate and correction bias stay
 fp32 whatever `dtype` (names.FP32_KEPT). torchtitan 0.2.2's `DeepSeekV3StateDictAdapter.to_hf` is the model for the
 names; its whole-state-dict conversion is what the grouped reads replace.
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 
 import torch
@@ -86,22 +92,48 @@ def _overlap(box, chunk: Chunk):
     return (lo, hi) if all(a < b for a, b in zip(lo, hi)) else None
 
 
-def _assemble(t: HFTensor, box, pieces: dict[Chunk, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """HF tensor `t` copied out of the stored pieces of its key that overlap its box."""
-    out = torch.empty(tuple(b - a for a, b in zip(*box)), dtype=dtype)
-    covered = 0
+def _pieces_of(t: HFTensor, box, pieces: dict[Chunk, torch.Tensor]):
+    """(stored piece, its part inside `box` as a slice of the HF tensor, the same part as a slice of the piece)."""
     for chunk, data in pieces.items():
         if chunk.key != t.key or (ov := _overlap(box, chunk)) is None:
             continue
         lo, hi = ov
-        dst = tuple(slice(a - b, c - b) for a, c, b in zip(lo, hi, box[0]))
-        src = tuple(slice(a - o, c - o) for a, c, o in zip(lo, hi, chunk.offsets))
+        yield (data, tuple(slice(a - b, c - b) for a, c, b in zip(lo, hi, box[0])),
+               tuple(slice(a - o, c - o) for a, c, o in zip(lo, hi, chunk.offsets)))
+
+
+def _assemble(t: HFTensor, box, pieces: dict[Chunk, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """HF tensor `t` copied out of the stored pieces of its key that overlap its box, cast to `dtype`
+    (refused when a finite value would become inf: outside `dtype`'s range)."""
+    out = torch.empty(tuple(b - a for a, b in zip(*box)), dtype=dtype)
+    covered, cast = 0, False
+    for data, dst, src in _pieces_of(t, box, pieces):
         out[dst] = data[src]
         covered += out[dst].numel()
+        cast |= data.dtype != dtype
     if covered != out.numel():
         raise ValueError(f"{t.key}: the checkpoint's stored pieces cover {covered} of the {out.numel()} "
                          f"elements of {t.name} (an incomplete checkpoint?)")
+    if cast and out.is_floating_point() and torch.isinf(out).any():
+        _check_range(t, box, pieces, out)
     return out.reshape(t.shape)
+
+
+def _check_range(t: HFTensor, box, pieces: dict[Chunk, torch.Tensor], out: torch.Tensor) -> None:
+    """Raise when an inf of `out` was a finite stored value (an inf stored as inf is left to the import)."""
+    overflow, biggest = False, 0.0
+    for data, dst, src in _pieces_of(t, box, pieces):
+        stored = data[src]
+        finite = torch.isfinite(stored)
+        overflow |= bool((torch.isinf(out[dst]) & finite).any())
+        if finite.any():
+            biggest = max(biggest, stored[finite].abs().max().item())
+    if overflow:
+        name = _dtype_name(out.dtype)
+        instead = "bfloat16 or float32" if out.dtype == torch.float16 else "float32"
+        raise ValueError(f"--dtype {name}: {t.name} ({t.key} in the checkpoint) holds |values| up to {biggest:.6g}, "
+                         f"above {name}'s largest {torch.finfo(out.dtype).max:.6g}, so it would be written as inf "
+                         f"(which the import refuses); nothing was written; export with --dtype {instead}")
 
 
 def _out_dtype(t: HFTensor, dtype: torch.dtype | None, stored: torch.dtype) -> torch.dtype:
@@ -120,15 +152,39 @@ def plan_files(tensors: list[HFTensor], nbytes: dict[str, int], max_shard_bytes:
     return files + ([current] if current else [])
 
 
-def export_checkpoint(checkpoint: str, out: str, args: MoEModelArgs, *, dtype: torch.dtype | None = None,
-                      max_shard_bytes: int = 2 << 30, tokenizer_folder: str | None = None) -> ExportReport:
-    """Write the HF folder `out` (new or empty) from the DCP checkpoint folder `checkpoint`."""
-    check_exportable(args)
+@dataclass
+class ExportPlan:
+    """What `plan_export` checked and decided, for `write_export`: no tensor data read yet."""
+
+    checkpoint: str
+    out: str
+    args: MoEModelArgs
+    dtype: torch.dtype | None
+    tokenizer_folder: str | None
+    chunks: DCPChunks
+    dtypes: dict[str, torch.dtype]        # HF name -> dtype written
+    groups: list[list[HFTensor]]          # the tensors of each file, in order
+    needs: list[set[Chunk]]               # the stored pieces each file's tensors touch
+
+
+def check_out(out: str) -> None:
+    """`out` must be a new or empty folder (an export never writes over another)."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out} is a file, not a folder; export into a new folder")
     if os.path.isdir(out) and os.listdir(out):
         raise ValueError(f"--out {out} exists and is not empty; export into a new folder")
-    if tokenizer_folder:                    # refused before anything is written, so a rerun may use `out`
+
+
+def plan_export(checkpoint: str, out: str, args: MoEModelArgs, *, dtype: torch.dtype | None = None,
+                max_shard_bytes: int = 2 << 30, tokenizer_folder: str | None = None) -> ExportPlan:
+    """Every check of an export that reads no tensor data (the model, --out, the dtype, the tokenizer
+    folder, the checkpoint's .metadata against the model, every data file's presence and length), and
+    its plan of files. Raises ValueError before anything is read or written."""
+    check_exportable(args)
+    check_out(out)
+    if dtype is not None and dtype not in DTYPES.values():
+        raise ValueError(f"--dtype {dtype}: export writes {', '.join(DTYPES)} only")
+    if tokenizer_folder:
         _tokenizer_json(tokenizer_folder)
     chunks, tensors = DCPChunks(checkpoint), hf_tensors(args)
     problems = chunks.missing_bytes()
@@ -146,14 +202,76 @@ def export_checkpoint(checkpoint: str, out: str, args: MoEModelArgs, *, dtype: t
     groups = plan_files(tensors, nbytes, max_shard_bytes)
     needs = [{c for t in g for c in chunks.stored(t.key) if _overlap(_box(t, chunks.size(t.key)), c)}
              for g in groups]
+    return ExportPlan(checkpoint, out, args, dtype, tokenizer_folder, chunks, dtypes, groups, needs)
+
+
+def verify_checkpoint(checkpoint: str) -> None:
+    """The checkpoint's files against its manifest (train/integrity.py): one streamed read of each."""
+    from mop_train.train import integrity
+
+    problems = integrity.verify(checkpoint, rank=0, world=1)
+    if problems:
+        raise ValueError(f"checkpoint {checkpoint} failed verification: " + "; ".join(problems[:3])
+                         + "; export a complete checkpoint (or pass --no-verify to export it anyway)")
+
+
+def export_checkpoint(checkpoint: str, out: str, args: MoEModelArgs, *, dtype: torch.dtype | None = None,
+                      max_shard_bytes: int = 2 << 30, tokenizer_folder: str | None = None,
+                      verify: bool = False) -> ExportReport:
+    """Write the HF folder `out` (new or empty) from the DCP checkpoint folder `checkpoint`; with `verify`,
+    the checkpoint is first checked against its manifest (after every check that reads no data)."""
+    plan = plan_export(checkpoint, out, args, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                       tokenizer_folder=tokenizer_folder)
+    if verify:
+        verify_checkpoint(checkpoint)
+    return write_export(plan)
+
+
+def write_export(plan: ExportPlan) -> ExportReport:
+    """Write the planned export into a new folder beside `plan.out`, renamed to it when complete: a
+    failure (a refused tensor, a full disk, an interrupt) leaves `plan.out` as it was and removes what
+    it wrote (a process killed outright leaves a `.NAME.partial-*` folder beside it)."""
+    final = os.path.realpath(plan.out)
+    parent = os.path.dirname(final)
+    created, tmp = _first_missing(parent), None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.partial-", dir=parent)
+        os.chmod(tmp, 0o777 & ~_umask())                  # a folder's usual mode, not mkdtemp's 0700
+        report = _write(plan, tmp)
+        check_out(plan.out)                              # still empty (nothing else wrote into it meanwhile)
+        os.replace(tmp, final)                           # onto an empty folder: POSIX rename replaces it
+    except BaseException:
+        if created or tmp:
+            shutil.rmtree(created or tmp, ignore_errors=True)
+        raise
+    return report
+
+
+def _first_missing(path: str) -> str | None:
+    """The outermost folder of `path` that does not exist yet (os.makedirs would create it), or None."""
+    missing = None
+    while not os.path.exists(path):
+        missing, path = path, os.path.dirname(path)
+    return missing
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _write(plan: ExportPlan, out: str) -> ExportReport:
+    """The files of `plan` into the folder `out` (module docstring: each stored piece read once)."""
+    chunks, groups, needs = plan.chunks, plan.groups, plan.needs
     last_use = {c: i for i, need in enumerate(needs) for c in need}
-    os.makedirs(out, exist_ok=True)
     report, held, weight_map = ExportReport([], 0, 0), {}, {}
     from safetensors.torch import save_file
 
     for i, group in enumerate(groups):
         held.update(chunks.read(sorted(needs[i] - set(held), key=lambda c: (c.key, c.offsets))))
-        data = {t.name: _assemble(t, _box(t, chunks.size(t.key)), held, dtypes[t.name]) for t in group}
+        data = {t.name: _assemble(t, _box(t, chunks.size(t.key)), held, plan.dtypes[t.name]) for t in group}
         report.peak_bytes = max(report.peak_bytes, sum(v.nbytes for v in held.values())
                                 + sum(v.nbytes for v in data.values()))
         name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
@@ -167,9 +285,9 @@ def export_checkpoint(checkpoint: str, out: str, args: MoEModelArgs, *, dtype: t
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": report.total_bytes}, "weight_map": weight_map}, f, indent=2)
     bos = eos = None
-    if tokenizer_folder:
-        report.tokenizer_files, bos, eos = copy_tokenizer(tokenizer_folder, out)
-    config = hf_config(args, dtype=_dtype_name(dtype or chunks.dtype("tok_embeddings.weight")),
+    if plan.tokenizer_folder:
+        report.tokenizer_files, bos, eos = copy_tokenizer(plan.tokenizer_folder, out)
+    config = hf_config(plan.args, dtype=_dtype_name(plan.dtype or chunks.dtype("tok_embeddings.weight")),
                        bos_token_id=bos, eos_token_id=eos)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

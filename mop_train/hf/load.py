@@ -16,7 +16,9 @@ read over the box's other dimensions), casts it into the local shard in place, c
 then the wrapper's `load_state_dict` applies the state dict (torchtitan's own flow: to_hf -> read ->
 from_hf -> load_state_dict, as in its DeepSeekV3StateDictAdapter, our model here).
 config.json is checked against the run's model first (names.check_hf_config), and every HF tensor's
-shape; float8 checkpoints are refused (dequantize first).
+shape; float8 checkpoints are refused (dequantize first). Tensors of the folder the model does not
+take are named in one line on rank 0: the multi-token-prediction layers (num_nextn_predict_layers;
+DeepSeek-V3's published checkpoints carry one), which our model does not have, are not loaded.
 
 Legend: W ranks, E_p expert degree, P vocab degree, E experts.
 """
@@ -35,6 +37,7 @@ from torchtitan.tools.logging import logger
 
 from mop_train.hf.names import HFTensor, check_hf_config, hf_tensors
 from mop_train.models.args import MoEModelArgs
+from mop_train.parallel.fake_world import in_fake_world
 
 INDEX = "model.safetensors.index.json"
 
@@ -44,6 +47,7 @@ class HFLoadReport:
     elements_read: int = 0     # elements this rank read from the HF files
     slices: int = 0            # get_slice reads
     elements_total: int = 0    # elements of the whole HF checkpoint
+    note: str | None = None    # what the folder holds that the model does not take (MTP layers), or None
 
 
 def _weight_map(folder: str) -> dict[str, str]:
@@ -124,6 +128,30 @@ def _fill(local: torch.Tensor, offset: tuple[int, ...], size: tuple[int, ...], p
         report.slices += 1
 
 
+def unused_note(config: dict, weight_map: dict[str, str], tensors: list[HFTensor], folder: str,
+                n_layers: int) -> str | None:
+    """One line naming the folder's tensors the model takes no value from: the multi-token-prediction
+    layers (`num_nextn_predict_layers`, model.layers.{L}... after the L blocks: DeepSeek-V3's published
+    checkpoints carry one), which our model does not have, and any other name; None when there are none."""
+    mtp = config.get("num_nextn_predict_layers") or 0
+    if not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0:
+        raise ValueError(f"{folder}/config.json: num_nextn_predict_layers = {mtp!r} is not a count of layers; "
+                         f"need an integer >= 0")
+    unused = sorted(set(weight_map) - {t.name for t in tensors})
+    layers = [f"model.layers.{n_layers + i}" for i in range(mtp)]
+    in_mtp = [n for n in unused if any(n.startswith(p + ".") for p in layers)]
+    other = [n for n in unused if n not in set(in_mtp)]
+    parts = []
+    if mtp:
+        parts.append(f"config.json has num_nextn_predict_layers = {mtp}: its multi-token-prediction "
+                     f"layer{'s' if mtp > 1 else ''} {', '.join(layers)} ({len(in_mtp)} tensors) "
+                     f"{'are' if mtp > 1 else 'is'} not loaded, as mop_train's model has no MTP module "
+                     f"(training uses and saves the other tensors only)")
+    if other:
+        parts.append(f"{len(other)} tensors the model has no place for are not loaded, e.g. {other[:3]}")
+    return f"HF import from {folder}: " + "; ".join(parts) if parts else None
+
+
 @torch.no_grad()
 def load_hf_state_dict(state_dict: dict, folder: str, args: MoEModelArgs) -> HFLoadReport:
     """Fill every tensor of `state_dict` (our keys) in place with this rank's part of the HF folder."""
@@ -143,7 +171,8 @@ def load_hf_state_dict(state_dict: dict, folder: str, args: MoEModelArgs) -> HFL
     if unknown:
         raise ValueError(f"the model's state dict holds entries no HF tensor maps to: {unknown[:3]}")
     files = HFFiles(folder, tensors)
-    report = HFLoadReport(elements_total=sum(torch.Size(t.shape).numel() for t in tensors))
+    report = HFLoadReport(elements_total=sum(torch.Size(t.shape).numel() for t in tensors),
+                          note=unused_note(config, files.weight_map, tensors, folder, args.n_layers))
     for key, value in state_dict.items():
         local, offset = _local_box(value)
         _fill(local, offset, tuple(value.shape), by_key[key], files, report)
@@ -163,4 +192,6 @@ def load_hf_weights(model_wrapper, state_dict: dict, folder: str) -> None:
         dist.all_gather_object(counts, report.elements_read)
     logger.info(f"HF import from {folder}: ranks read {counts} of the checkpoint's {report.elements_total} "
                 f"elements (each its own slices)")
+    if report.note and (not dist.is_initialized() or dist.get_rank() == 0 or in_fake_world()):
+        logger.warning(report.note)
     model_wrapper.load_state_dict(state_dict)
