@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.checkpoint import CheckpointManager
@@ -227,7 +228,15 @@ class Checkpointer:
         if chosen == -1:
             return False
         self._match_saved_world(os.path.join(self.folder, f"step-{chosen}"))
-        loaded = self.manager.load(step=chosen)
+        try:
+            loaded = self.manager.load(step=chosen)
+        except CheckpointException as err:   # a BaseException, with every rank's traceback in its text
+            missing = re.search(r"Missing key in checkpoint state_dict: (\S+?)\.?$", str(err), re.M)
+            if missing is None:
+                raise
+            raise ValueError(f"checkpoint {self.folder}/step-{chosen} does not fit this run: it has no "
+                             f"{missing.group(1)!r}, which this run's state has; resume with the model "
+                             f"flavor and optimizer it was written with") from None
         if not state_is_finite(self._state_tensors(), self.device):
             raise CheckpointError(f"checkpoint {self.folder}/step-{chosen} passed its checksums but holds "
                                   f"NaN/inf in the model or optimizer state (saved before manifests "
@@ -240,6 +249,7 @@ class Checkpointer:
         """A checkpoint saved at another world size: rank r takes the RNG state of saved rank
         r mod W_saved; the number of sequence groups (W/D, the dataloader's ranks) must match."""
         keys = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+        self._match_saved_optimizer(folder, keys)
         saved = sorted({int(m.group(1)) for k in keys if (m := re.match(r"train_state\.rng_rank(\d+)\.", k))})
         state = self.manager.states.get("train_state")
         if saved and state is not None and self.rank not in saved:
@@ -251,6 +261,30 @@ class Checkpointer:
             raise ValueError(f"checkpoint {folder} was written by {len(readers)} sequence groups (W/D) and this "
                              f"run has {now}; the data position cannot be split differently: resume with "
                              f"W / mop.layout.seq_degree = {len(readers)}")
+
+    def _match_saved_optimizer(self, folder: str, keys) -> None:
+        """OffloadStreamAdamW's state holds an fp32 "master" per parameter beside the moments and its
+        param groups lack torch's flags (amsgrad, foreach, ...): DCP cannot load one optimizer's state
+        into the other (it raised "Missing key in checkpoint state_dict: optimizer....", a
+        BaseException with every rank's traceback). Refuse by name, on every rank alike (the keys
+        are the checkpoint's .metadata)."""
+        state = [k for k in keys if k.startswith("optimizer.state.")]
+        if not state:
+            return   # a model-only checkpoint: no optimizer state to carry over
+        saved_offload = any(k.endswith(".master") for k in state)
+        offload = [hasattr(opt, "reset_masters_from_params") for opt in self.optimizers]
+        if not offload or all(offload) == saved_offload:
+            return
+        from mop_train.ops.offload_adamw import OFFLOAD_ADAMW
+        saved = OFFLOAD_ADAMW if saved_offload else "AdamW or Adam (torchtitan's)"
+        now = OFFLOAD_ADAMW if all(offload) else "AdamW or Adam (torchtitan's)"
+        back = OFFLOAD_ADAMW if saved_offload else "AdamW or Adam, as it had"
+        raise ValueError(f"checkpoint {folder} holds the optimizer state of optimizer.name = {saved} and this run "
+                         f"uses {now}: that state cannot be loaded into this optimizer ({OFFLOAD_ADAMW} keeps an "
+                         f"fp32 master beside each parameter's moments, the others do not); resume with the "
+                         f"optimizer that wrote it (--optimizer.name {back}), or start a run in another --job.dump_folder from its "
+                         f"weights alone (fresh moments) with --checkpoint.initial_load_path {folder} "
+                         f"--checkpoint.initial_load_model_only")
 
     def save(self, step: int, *, last_step: bool = False, resumable: bool = False) -> bool:
         """Save when the interval, the last step or `resumable` (a full checkpoint now, whatever
