@@ -19,6 +19,7 @@ Legend: B batch, S sequence, H hidden, V vocab, E experts, L blocks.
 
 from __future__ import annotations
 
+import numbers
 from typing import Callable
 
 import torch
@@ -67,7 +68,13 @@ class TransformerBlock(nn.Module):
 def tile_blocks(model: nn.Module, ffn_tokens: int, block_tokens: int) -> tuple[int, int]:
     """Set the token tiles of every block's stages ([mop.tiling], mop_train.ops.tiling): `ffn_tokens`
     on each dense FFN and shared expert, `block_tokens` on each block's attention stages (0: untiled).
-    Call between steps. Returns (FFNs, blocks) set."""
+    Call between steps. Returns (FFNs, blocks) set. "auto" must be resolved first (TilingOptions.resolve,
+    models.memory.tiling_options): only token counts are taken."""
+    for key, value in (("ffn_tokens", ffn_tokens), ("block_tokens", block_tokens)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"tile_blocks: {key} = {value!r} must be 0 (untiled) or a token count >= 1; "
+                             f"resolve \"auto\" to a count first (TilingOptions.resolve or "
+                             f"models.memory.tiling_options)")
     ffns = [m for m in model.modules() if isinstance(m, FeedForward)]
     blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
     for module in ffns:

@@ -44,6 +44,7 @@ Legend: B batch, S positions, N = B*S tokens, T tiles, n tokens per tile.
 
 from __future__ import annotations
 
+import numbers
 from typing import Callable
 
 import torch
@@ -137,6 +138,8 @@ class _TiledRows(torch.autograd.Function):
         ctx.fn, ctx.names, ctx.tile, ctx.n_rows = fn, names, tile, n_rows
         ctx.save_for_backward(*tensors)
         S = rows[0].shape[1]
+        if S == 0:   # no tile: fn's own (empty) outputs; the backward then sums no tile (zero weight grads)
+            return tuple(g.clone() for g in fn(PLAIN, slice(0, 0), rows, weights))
         outs = None
         for lo, hi in tile_bounds(S, tile):
             got = fn(PLAIN, slice(lo, hi), tuple(r[:, lo:hi] for r in rows), weights)
@@ -212,6 +215,8 @@ def tiled_rows(fn: TileFn, rows: tuple[torch.Tensor, ...], weights: dict[str, to
         if r.shape[:2] != (B, S):
             raise ValueError(f"tiled_rows: every row tensor must be [B, S, ...] = [{B}, {S}, ...], got "
                              f"{tuple(r.shape)}")
+    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, numbers.Integral):
+        raise ValueError(f"tile_tokens = {tile_tokens!r} must be an int >= 1 (tokens per tile)")
     if tile_tokens < 1:
         raise ValueError(f"tile_tokens = {tile_tokens} must be >= 1; 0 means untiled: call fn directly")
     names = tuple(weights)
