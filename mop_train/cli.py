@@ -232,7 +232,7 @@ def _export(args: argparse.Namespace) -> int:
     report = export_checkpoint(args.checkpoint, args.out, model_args, dtype=DTYPES.get(args.dtype),
                                max_shard_bytes=max_shard_bytes,
                                tokenizer_folder=None if tokenizer == "none" else tokenizer,
-                               verify=not args.no_verify)
+                               verify=None if args.no_verify else _verify_checkpoint)
     print(f"wrote {args.out}: config.json, {len(report.files)} safetensors file(s) with "
           f"model.safetensors.index.json ({report.total_bytes / 2**20:.1f} MiB of tensors; at most "
           f"{report.peak_bytes / 2**20:.1f} MiB held at once)"
@@ -375,3 +375,13 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from mop_train.train.__main__ import leave  # (the shutdown skips its full collections)
     leave(main())
+
+
+def _verify_checkpoint(checkpoint: str) -> None:
+    """The checkpoint's files against its manifest (train/integrity.py): one streamed read of each."""
+    from mop_train.train import integrity
+
+    problems = integrity.verify(checkpoint, rank=0, world=1)
+    if problems:
+        raise ValueError(f"checkpoint {checkpoint} failed verification: " + "; ".join(problems[:3])
+                         + "; export a complete checkpoint (or pass --no-verify to export it anyway)")

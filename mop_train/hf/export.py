@@ -205,25 +205,15 @@ def plan_export(checkpoint: str, out: str, args: MoEModelArgs, *, dtype: torch.d
     return ExportPlan(checkpoint, out, args, dtype, tokenizer_folder, chunks, dtypes, groups, needs)
 
 
-def verify_checkpoint(checkpoint: str) -> None:
-    """The checkpoint's files against its manifest (train/integrity.py): one streamed read of each."""
-    from mop_train.train import integrity
-
-    problems = integrity.verify(checkpoint, rank=0, world=1)
-    if problems:
-        raise ValueError(f"checkpoint {checkpoint} failed verification: " + "; ".join(problems[:3])
-                         + "; export a complete checkpoint (or pass --no-verify to export it anyway)")
-
-
 def export_checkpoint(checkpoint: str, out: str, args: MoEModelArgs, *, dtype: torch.dtype | None = None,
                       max_shard_bytes: int = 2 << 30, tokenizer_folder: str | None = None,
-                      verify: bool = False) -> ExportReport:
+                      verify=None) -> ExportReport:
     """Write the HF folder `out` (new or empty) from the DCP checkpoint folder `checkpoint`; with `verify`,
     the checkpoint is first checked against its manifest (after every check that reads no data)."""
     plan = plan_export(checkpoint, out, args, dtype=dtype, max_shard_bytes=max_shard_bytes,
                        tokenizer_folder=tokenizer_folder)
-    if verify:
-        verify_checkpoint(checkpoint)
+    if verify is not None:              # checkpoint -> None or raise: the caller's manifest check
+        verify(checkpoint)              # (train/integrity.py, above this floor: passed in by the CLI)
     return write_export(plan)
 
 

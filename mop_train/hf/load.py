@@ -37,7 +37,6 @@ from torchtitan.tools.logging import logger
 
 from mop_train.hf.names import HFTensor, check_hf_config, hf_tensors
 from mop_train.models.args import MoEModelArgs
-from mop_train.parallel.fake_world import in_fake_world
 
 INDEX = "model.safetensors.index.json"
 
@@ -192,6 +191,12 @@ def load_hf_weights(model_wrapper, state_dict: dict, folder: str) -> None:
         dist.all_gather_object(counts, report.elements_read)
     logger.info(f"HF import from {folder}: ranks read {counts} of the checkpoint's {report.elements_total} "
                 f"elements (each its own slices)")
-    if report.note and (not dist.is_initialized() or dist.get_rank() == 0 or in_fake_world()):
+    if report.note and (not dist.is_initialized() or dist.get_rank() == 0 or _alone()):
         logger.warning(report.note)
     model_wrapper.load_state_dict(state_dict)
+
+
+def _alone() -> bool:
+    """A fake world's one process (its default group stands for identical ranks) is its own log."""
+    from mop_train.ops.moe_dispatch.comm import stands_for_identical_ranks
+    return stands_for_identical_ranks(dist.group.WORLD)
