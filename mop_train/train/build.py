@@ -235,7 +235,7 @@ def build_run(cfg, device: torch.device, *, model_args: MoEModelArgs | None = No
     spec = ModelSpec.resolve(cfg.model.flavor, model_args)
     check_layout_fits(layout.plan, cfg.training, spec.args)
     if cfg.validation.enable:            # before the model: a bad validation batch fails at launch
-        check_validation_fits(cfg.validation, layout, spec.args)
+        check_validation_fits(cfg.validation, spec.args)
     micro_batches = check_titan_parallelism(cfg.parallelism, cfg.training, data_size=layout.data_size)
     parallel = ParallelizeOptions.from_config(cfg, spec.args)
     if cfg.debug.deterministic:

@@ -146,12 +146,9 @@ class Validator:
         return bool(flag.item())
 
 
-def check_validation_fits(validation, layout, model_args) -> None:
-    """The validation batch against the layout and the model, before the run starts."""
-    D = layout.seq_size
-    if validation.seq_len % D:
-        raise ValueError(f"validation.seq_len ({validation.seq_len}) must be divisible by mop.layout.seq_degree "
-                         f"({D}): each rank of a sequence group holds seq_len / D positions")
+def check_validation_fits(validation, model_args) -> None:
+    """The validation batch against the model, before the model is built (its divisibility by the
+    sequence degree is a config check: config_checks.validate_run_tools)."""
     if validation.seq_len > model_args.max_seq_len:
         raise ValueError(f"validation.seq_len ({validation.seq_len}) exceeds the model's max_seq_len "
                          f"({model_args.max_seq_len}); lower it")

@@ -36,23 +36,22 @@ def test_a_tokenizer_folder_without_tokenizer_json_is_refused_before_writing(tmp
     export_checkpoint(step, out, args)                       # the corrected command, into the same --out
 
 
-def test_a_missing_distcp_file_is_named_before_writing(tmp_path):
-    args, step = _step(tmp_path, 101)
-    shard = next(n for n in os.listdir(step) if n.endswith(".distcp"))
-    os.remove(os.path.join(step, shard))
-    out = str(tmp_path / "hf")
-    with pytest.raises(ValueError, match=f"{shard}.*missing"):
-        export_checkpoint(step, out, args)
-    assert not os.path.exists(out) or not os.listdir(out)
+def _remove(path):
+    os.remove(path)
 
 
-def test_a_truncated_distcp_file_is_named_before_writing(tmp_path):
-    args, step = _step(tmp_path, 102)
-    shard = next(n for n in os.listdir(step) if n.endswith(".distcp"))
-    path = os.path.join(step, shard)
+def _truncate(path):
     os.truncate(path, os.path.getsize(path) // 2)
+
+
+@pytest.mark.parametrize("seed, damage, needle", [(101, _remove, "missing"), (102, _truncate, "bytes")],
+                         ids=["missing", "truncated"])
+def test_a_damaged_distcp_file_is_named_before_writing(tmp_path, seed, damage, needle):
+    args, step = _step(tmp_path, seed)
+    shard = next(n for n in os.listdir(step) if n.endswith(".distcp"))
+    damage(os.path.join(step, shard))
     out = str(tmp_path / "hf")
-    with pytest.raises(ValueError, match=f"{shard}.*bytes"):
+    with pytest.raises(ValueError, match=f"{shard}.*{needle}"):
         export_checkpoint(step, out, args)
     assert not os.path.exists(out) or not os.listdir(out)
 
