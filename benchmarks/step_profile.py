@@ -25,7 +25,8 @@ stands in for kernels. `classify` names its kind from those names and the GEMM's
   idle            the device window (first to last activity) not covered by any activity
 Kernels on several streams overlap: each kind's time is its own kernels' sum; `exposed_*` is the part
 of communication and copies that no compute kernel overlaps. Prints a table (ms per step, % of the
-window) and the largest kernels; writes <out>/step_profile.json (and trace.json).
+window), the largest kernels, and the host link's busy share by phase (forward, backward, optimizer:
+link_phases); writes <out>/step_profile.json (and trace.json.gz; --analyse reads either form).
 Taken as a model: Holistic Trace Analysis (HTA, Meta) kernel and temporal breakdowns over kineto traces.
 
 Legend: V vocab, P vocab degree, S context, B local batch.
@@ -34,10 +35,12 @@ Legend: V vocab, P vocab degree, S context, B local batch.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
 import re
+import shutil
 import sys
 import time
 
@@ -201,6 +204,92 @@ def breakdown(acts: list[dict], *, vocab_dims: frozenset = frozenset(), steps: i
     return out
 
 
+PHASES = ("forward", "backward", "optimizer")
+
+
+def phase_of(name: str, ancestors: list[str]) -> str:
+    """The part of the step that launched an activity: under Optimizer.step (or an adam kernel),
+    under autograd's engine (a *Backward op), else the forward."""
+    names = [name, *ancestors]
+    if any(_RE["optimizer"].search(n) for n in names):
+        return "optimizer"
+    if any(n.startswith("autograd::engine") or "Backward" in n for n in names):
+        return "backward"
+    return "forward"
+
+
+def link_direction(name: str) -> str | None:
+    """"h2d", "d2h" or "d2d" for a memcpy (its CUDA trace name: "Memcpy HtoD (Pinned -> Device)"), else None."""
+    m = re.match(r"Memcpy (HtoD|DtoH|DtoD)", name)
+    return {"HtoD": "h2d", "DtoH": "d2h", "DtoD": "d2d"}[m.group(1)] if m else None
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _per_bin(intervals: list[tuple[float, float]], start: float, width: float, n: int) -> list[float]:
+    """Each of `n` bins' microseconds under `intervals` (an overlap counts twice: merge them first for coverage)."""
+    out = [0.0] * n
+    for s, e in intervals:
+        first, last = int((s - start) // width), min(n - 1, int((e - start) // width))
+        for b in range(max(first, 0), last + 1):
+            lo, hi = start + b * width, start + (b + 1) * width
+            out[b] += max(0.0, min(e, hi) - max(s, lo))
+    return out
+
+
+def link_phases(acts: list[dict], *, steps: int = 1, bin_us: float = 1000.0) -> dict:
+    """Where the host link is busy and where it waits, by part of the step. The window is cut into bins
+    of `bin_us`; each bin belongs to the phase (phase_of) whose activities cover most of it. Per phase:
+    its time (ms per step) and the share of it each copy direction (h2d, d2h) and compute (every
+    activity that is no copy or collective) is busy. A link-bound step shows h2d or d2h near 100% in
+    every phase; the phases where both stay low while compute does too are the waits to remove."""
+    if not acts:
+        raise ValueError("the trace holds no activity: profile at least one active step (--active >= 1)")
+    start = min(a["ts"] for a in acts)
+    end = max(a["ts"] + a["dur"] for a in acts)
+    n = max(1, math.ceil((end - start) / bin_us))
+    lanes = {"h2d": [], "d2h": [], "compute": []}
+    by_phase = {p: [] for p in PHASES}
+    for a in acts:
+        iv = (a["ts"], a["ts"] + a["dur"])
+        by_phase[phase_of(a["name"], a["ancestors"])].append(iv)
+        direction = link_direction(a["name"])
+        if direction in lanes:
+            lanes[direction].append(iv)
+        elif direction is None and classify(a["name"], a["ancestors"], a.get("shapes")) not in ("copies", "communication"):
+            lanes["compute"].append(iv)
+    cover = {p: _per_bin(ivs, start, bin_us, n) for p, ivs in by_phase.items()}   # overlaps counted: a weight
+    busy = {k: _per_bin(_merged(ivs), start, bin_us, n) for k, ivs in lanes.items()}
+    owner = [max(PHASES, key=lambda p: cover[p][b]) for b in range(n)]
+    ms = lambda us: round(us / 1e3 / steps, 3)  # noqa: E731
+    out = {"bin_ms": bin_us / 1e3, "phases": {}}
+    for p in PHASES:
+        bins = [b for b in range(n) if owner[b] == p and any(cover[q][b] for q in PHASES)]
+        span = sum(min(bin_us, end - (start + b * bin_us)) for b in bins)
+        row = {"ms_per_step": ms(span)}
+        for k in lanes:
+            row[f"{k}_busy_pct"] = round(100 * sum(busy[k][b] for b in bins) / span, 1) if span else 0.0
+        out["phases"][p] = row
+    return out
+
+
+def format_link_phases(lp: dict) -> str:
+    lines = [f"by phase ({lp['bin_ms']:g} ms bins, each to the phase that launched most of it):",
+             f"{'phase':<10} {'ms/step':>9} {'h2d busy':>9} {'d2h busy':>9} {'compute':>8}"]
+    for p, r in lp["phases"].items():
+        lines.append(f"{p:<10} {r['ms_per_step']:>9.1f} {r['h2d_busy_pct']:>8.1f}% {r['d2h_busy_pct']:>8.1f}% "
+                     f"{r['compute_busy_pct']:>7.1f}%")
+    return "\n".join(lines)
+
+
 def format_breakdown(b: dict, title: str) -> str:
     lines = [title, f"window {b['window_ms_per_step']} ms per step over {b['steps']} steps, busy {b['busy_ms_per_step']} ms",
              f"{'kind':<14} {'ms/step':>10} {'% window':>9} {'count':>8}  exposed ms/step"]
@@ -233,7 +322,7 @@ def auto_flags(config: str, seq_len: int, batch: int, *, world: int) -> list[str
 
 def profile_run(argv: list[str], *, out: str, wait: int, warmup: int, active: int, with_stack: bool) -> dict:
     """Build our run from job-config flags `argv`, run wait + warmup + active steps, the active ones
-    profiled; rank 0 writes <out>/trace.json. Returns {trace, step_s, tokens_per_step, vocab_dims}."""
+    profiled; rank 0 writes <out>/trace.json.gz. Returns {trace, step_s, tokens_per_step, vocab_dims}."""
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, schedule
@@ -274,6 +363,11 @@ def profile_run(argv: list[str], *, out: str, wait: int, warmup: int, active: in
     if (cfg.mop.ring_dtp.enable or p > 1) and cfg.mop.ring_dtp.block_size not in (rows, rows * p, args.dim):
         vocab.add(cfg.mop.ring_dtp.block_size)  # Ring-DTP's GEMMs are [N, H] x [H, block]
     dist.destroy_process_group()
+    if rank == 0:   # compressed: a 2 x 4K step's trace is over 16 MiB plain, the device tool's limit per file
+        with open(trace, "rb") as f, gzip.open(trace + ".gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        os.remove(trace)
+        trace += ".gz"
     return {"trace": trace, "step_s": step_s, "tokens_per_step": tokens, "rank": rank,
             "vocab_dims": sorted(vocab)}
 
@@ -311,15 +405,17 @@ def main(argv=None) -> None:
             return
         profiled = meta["step_s"][args.wait + args.warmup:]
         meta["tokens_per_s_profiled"] = meta["tokens_per_step"] * len(profiled) / sum(profiled)
-    with open(meta["trace"]) as f:
+    with (gzip.open if meta["trace"].endswith(".gz") else open)(meta["trace"], "rt") as f:
         acts, on_device = activities(json.load(f))
     result = {**meta, "on_device": on_device,
-              **breakdown(acts, vocab_dims=frozenset(meta["vocab_dims"]), steps=meta["steps"])}
+              **breakdown(acts, vocab_dims=frozenset(meta["vocab_dims"]), steps=meta["steps"]),
+              "link_phases": link_phases(acts, steps=meta["steps"])}
     with open(os.path.join(args.out, "step_profile.json"), "w") as f:
         json.dump(result, f, indent=1)
     title = ("device kernels" if on_device else "CPU ops (no device: their self time stands in for kernels)") + \
         (f"; {result['tokens_per_s_profiled']:,.0f} tokens/s under the profiler" if "tokens_per_s_profiled" in result else "")
     print(format_breakdown(result, title))
+    print(format_link_phases(result["link_phases"]))
     print(f"results: {os.path.join(args.out, 'step_profile.json')}, trace {meta['trace']}")
 
 

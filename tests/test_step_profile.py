@@ -4,6 +4,7 @@ exposed communication) against a brute-force count on random intervals, and the 
 torch.profiler trace of CPU ops."""
 
 import json
+import math
 import random
 
 import pytest
@@ -137,3 +138,47 @@ def test_a_real_cpu_trace_is_read_and_classified(tmp_path):
     assert again["kinds"] == b["kinds"]
     with pytest.raises(ValueError, match="no activity"):
         sp.breakdown([])
+
+
+@pytest.mark.parametrize("name,ancestors,phase", [
+    ("Memcpy HtoD (Pinned -> Device)", ["aten::copy_", "Optimizer.step#OffloadStreamAdamW.step"], "optimizer"),
+    ("nvjet_gemm", ["aten::mm", "autograd::engine::evaluate_function: MmBackward0"], "backward"),
+    ("Memcpy DtoH (Device -> Pinned)", ["aten::copy_", "ToCopyBackward0"], "backward"),
+    ("nvjet_gemm", ["aten::mm", "aten::linear", "ProfilerStep#3"], "forward"),
+])
+def test_phase_of_an_activity(name, ancestors, phase):
+    assert sp.phase_of(name, ancestors) == phase
+
+
+def test_link_phases_match_a_brute_force_count():
+    """Each bin goes to the phase whose activities cover most of it; per phase, the busy share of each copy
+    direction and of compute over that phase's bins, recounted microsecond by microsecond."""
+    rng = random.Random(fresh_seed())
+    kinds = {"h2d": "Memcpy HtoD (Pinned -> Device)", "d2h": "Memcpy DtoH (Device -> Pinned)",
+             "compute": "nvjet_gemm", "comm": "ncclDevKernel_AllGather"}
+    parents = {"forward": ["aten::linear"], "backward": ["autograd::engine::evaluate_function: MmBackward0"],
+               "optimizer": ["Optimizer.step#OffloadStreamAdamW.step"]}
+    acts = []
+    for _ in range(80):
+        kind, phase = rng.choice(list(kinds)), rng.choice(list(parents))
+        s = rng.randrange(0, 3000)
+        acts.append({"name": kinds[kind], "ts": s, "dur": rng.randrange(1, 200), "ancestors": parents[phase],
+                     "shapes": None, "kind": kind, "phase": phase})
+    width, steps = rng.choice([50, 100, 250]), rng.choice([1, 2])
+    lp = sp.link_phases(acts, steps=steps, bin_us=width)
+    start, end = min(a["ts"] for a in acts), max(a["ts"] + a["dur"] for a in acts)
+    owner = {}
+    for b in range(math.ceil((end - start) / width)):
+        lo, hi = start + b * width, min(end, start + (b + 1) * width)
+        cover = {p: sum(max(0, min(hi, a["ts"] + a["dur"]) - max(lo, a["ts"])) for a in acts if a["phase"] == p)
+                 for p in parents}
+        if any(cover.values()):
+            owner[b] = max(sp.PHASES, key=lambda p: cover[p])
+    for p in parents:
+        bins = [b for b, q in owner.items() if q == p]
+        us = {t for b in bins for t in range(start + b * width, min(end, start + (b + 1) * width))}
+        row = lp["phases"][p]
+        assert row["ms_per_step"] == round(len(us) / 1e3 / steps, 3)
+        for lane in ("h2d", "d2h", "compute"):
+            busy = {t for a in acts if a["kind"] == lane for t in range(a["ts"], a["ts"] + a["dur"])} & us
+            assert row[f"{lane}_busy_pct"] == (round(100 * len(busy) / len(us), 1) if us else 0.0), (p, lane)
