@@ -117,7 +117,9 @@ def estimate_seconds(point: dict) -> float:
                           gpu_bytes=141 * GIB, host_bytes=2 * 1024 * GIB)
     s = Settings(cfg.training.seq_len, lay.seq_degree, lay.expert_degree, lay.vocab_degree, moe.dispatch,
                  moe.token_budget, cfg.mop.ring_dtp.enable or lay.vocab_degree > 1, cfg.activation_checkpoint.mode,
-                 cfg.mop.sco.host_budget, cfg.optimizer.name, str(cfg.mop.offload_adamw.device_fraction))
+                 cfg.mop.sco.host_budget, cfg.optimizer.name, str(cfg.mop.offload_adamw.device_fraction),
+                 ffn_tokens=cfg.mop.tiling.ffn_tokens, block_tokens=cfg.mop.tiling.block_tokens,
+                 keep=cfg.mop.attention.keep)
     terms = planner.predict(s).terms
     step = sum(sec for name, sec, _ in terms if name not in ("ulysses", "dispatch"))
     return SETUP_S + step * point["n_layers"] / point["full_layers"]

@@ -8,7 +8,7 @@
 The configurations and what each costs: mop_train.plan.search_space (SearchSpace, which AutoPlanner
 extends with the searches below); the Result and its printout: mop_train.plan.auto_report.
 
-  pruning            a family (E_p, P, dispatch, Ring-DTP, checkpointing) is dropped when its frugal
+  pruning            a family (E_p, P, dispatch, Ring-DTP, checkpointing, tiling, keep) is dropped when its frugal
                      knobs (every boundary on the host, the optimizer state off the device) do not fit
                      at the fewest tokens per rank the search can give it; a structure is skipped when
                      its frugal knobs do not fit at S: no knob of it leaves less on the device.
@@ -104,7 +104,8 @@ class AutoPlanner(SearchSpace):
 
     def fastest_at(self, seq_len: int, keep: int = KEEP, *, explain: bool = True) -> Result:
         """The fastest configuration that fits at `seq_len` and the best of `keep - 1` other families
-        (degrees, dispatch, Ring-DTP, checkpointing); NothingFits when none fits, saying what would fit
+        (degrees, dispatch, Ring-DTP, checkpointing, tiling, kept attention); NothingFits when none fits,
+        saying what would fit
         (more searches: on more ranks, at a shorter context) unless `explain` is False."""
         start = time.perf_counter()
         structures = sorted(self.structures(seq_len),
@@ -115,6 +116,8 @@ class AutoPlanner(SearchSpace):
             ranked = sorted(best.values(), key=lambda e: -e.tokens_per_s)
             if len(ranked) >= keep and self.predict(self.knobs(s)[0][0]).tokens_per_s < ranked[keep - 1].tokens_per_s:
                 break                                  # nothing further down can enter the top `keep`
+            if self.dominated(s):                      # a twin (untiled, or with keep) fits and is faster
+                continue
             frugal = self.frugal(s)
             if not frugal.fits_device:                 # no knob of this structure leaves less on the device
                 if n < 3 or not best:                  # planned at its fastest knobs too, to say what it lacks
@@ -272,6 +275,7 @@ def _memories(e: Evaluation) -> str:
 
 
 def _family(s: Settings) -> tuple:
-    """What the runners-up differ in: the degrees, the dispatch, Ring-DTP, checkpointing."""
-    return (s.seq_degree, s.expert_degree, s.vocab_degree, s.dispatch, s.ring_dtp, s.ac_mode)
+    """What the runners-up differ in: the degrees, the dispatch, Ring-DTP, checkpointing, tiling, keep."""
+    return (s.seq_degree, s.expert_degree, s.vocab_degree, s.dispatch, s.ring_dtp, s.ac_mode, s.ffn_tokens,
+            s.block_tokens, s.keep)
 

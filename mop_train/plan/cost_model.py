@@ -11,7 +11,9 @@ used for every width. A term is one cost per step, per rank (every rank does the
 
   compute     N * (dense FLOPs/token / (peak * MFU_DENSE) + attention FLOPs/token(S) / (peak * MFU_ATTENTION)),
               full recompute included (the calibration runs checkpoint every block); a block that is
-              not checkpointed saves its forward's share, RECOMPUTE_SHARE
+              not checkpointed saves its forward's share, RECOMPUTE_SHARE; with [mop.attention] keep a
+              checkpointed block's recompute skips its attention pass (the same share of its attention)
+  tiling      [mop.tiling]: TILING_SHARE of the compute (each tiled stage's forward once more in backward)
   fsdp        FSDP2's all-gathers and reduce-scatters, exposed only beyond the compute they overlap
   replicas    the expert and vocab shards' gradient all-reduce over their replica groups, after backward
   ulysses     the sequence group's all-to-all of q, k, v and the attention output (D > 1)
@@ -27,7 +29,7 @@ used for every width. A term is one cost per step, per rank (every rank does the
 
 Not modelled: LLEP's relocation under skewed routing (zero at balanced routing, what the router's
 bias balancing aims for), the CPU share of OffloadStreamAdamW (host_fraction), overlap of the
-optimizer with the next forward, kept attention, document masks.
+optimizer with the next forward, document masks.
 
 Against the 19 measured `small` runs it was fitted on (1 and 2 H200s, 4K-524K, operators off and on; listed
 in tests/plan/test_auto_plan.py), the predicted tokens/s are within -12% .. +11%, except every operator on at 4K on
@@ -116,6 +118,11 @@ LOSS_MFU = 0.594
 """Share of the peak the standard loss reaches on its 6 * N * H * V FLOPs: RESULTS.md "Ring-DTP (vocab
 projection)" (2026-11-29), 0.2397 s at N=16384, H=7168, V=200000, bf16."""
 
+TILING_SHARE = 0.019
+"""Sequence tiling's cost as a share of the compute: RESULTS.md "Sequence tiling at 131K" (2026-12-01), tiled steps
+of `small` with every operator at 0.981x the untiled ones' tokens/s. One point: taken for every context (where a
+rank's tokens fit one tile, "auto" leaves the stage untiled and the search's untiled twin wins on this cost)."""
+
 CHUNK_OVERHEAD = 0.004
 """PipelinedLLEP's extra time per chunk beyond the first, as a share of the expert part (expert GEMMs and
 dispatch): RESULTS.md "Expert dispatch, 2 ranks over NCCL" (2026-11-30), inside a checkpointed block
@@ -169,6 +176,10 @@ class StepInputs:
     """[mop.offload_adamw] weights = "stream": each block's working weights copied in per gather."""
     stream_gradients: bool = False
     """[mop.offload_adamw] gradients = "stream": each gradient copied out as it is final."""
+    tiled: bool = False
+    """[mop.tiling]: some per-token stage runs over token tiles."""
+    keep_attention: bool = False
+    """[mop.attention] keep: checkpointed blocks keep attention's output and log-sum-exp for the recompute."""
     act_bytes: int = 2
 
 
@@ -228,11 +239,13 @@ def _shape(x: StepInputs) -> tuple[int, int, float]:
 def _compute_term(x: StepInputs) -> tuple[str, float, str]:
     a, (N, ckpt, _), L = x.model, _shape(x), x.model.n_layers
     saved = RECOMPUTE_SHARE * (L - ckpt) / L if L else 0.0
+    kept = RECOMPUTE_SHARE * ckpt / L if L and x.keep_attention else 0.0   # the recompute's attention pass skipped
     dense = 6.0 * (x.active_params - x.embedding_params) / (PEAK_FLOPS * MFU_DENSE)
     attention = 6.0 * L * a.n_heads * a.qk_head_dim * x.seq_len / (PEAK_FLOPS * MFU_ATTENTION)
-    return ("compute", x.micro_batches * N * (dense + attention) * (1.0 - saved),
+    return ("compute", x.micro_batches * N * (dense * (1.0 - saved) + attention * (1.0 - saved - kept)),
             f"{x.micro_batches} x {N:,} tokens: {dense * 1e6:.1f} us/token dense + {attention * 1e6:.1f} us/token "
-            f"attention at S={x.seq_len:,}" + (f", {L - ckpt} block(s) not recomputed" if ckpt < L else ""))
+            f"attention at S={x.seq_len:,}" + (f", {L - ckpt} block(s) not recomputed" if ckpt < L else "")
+            + (", attention kept across the recompute" if kept else ""))
 
 
 def _sharding_terms(x: StepInputs, compute: float) -> list[tuple[str, float, str]]:
@@ -307,6 +320,8 @@ def predict_step(x: StepInputs) -> StepPrediction:
     compute = _compute_term(x)
     terms = [compute, *_sharding_terms(x, compute[1]), *_all_to_all_terms(x), *_operator_terms(x),
              ("optimizer", *_optimizer_term(x))]
+    if x.tiled:
+        terms.append(("tiling", TILING_SHARE * compute[1], f"{TILING_SHARE:.1%} of the compute"))
     if x.stream_weights or x.stream_gradients:
         terms.append(_stream_term(x, compute[1]))
     return StepPrediction(terms, x.micro_batches * x.local_batch * x.seq_len * (x.world // x.seq_degree))

@@ -4,14 +4,15 @@ SearchSpace enumerates them and memoizes what each costs; the searches over them
 would fit when nothing does) are mop_train.plan.auto's AutoPlanner, which extends it.
 
 A configuration (settings.Settings) is the degrees (D, E_p, P), the dispatch and PipelinedLLEP's
-token budget c, Ring-DTP on or off, activation checkpointing (full or none) -- its *structure* -- and
+token budget c, Ring-DTP on or off, activation checkpointing (full or none), sequence tiling (off, or
+both `[mop.tiling]` sizes "auto") and, under full checkpointing, `[mop.attention] keep` -- its *structure* -- and
 two *knobs*: SCO's host budget (0 .. every checkpointed boundary, in quarters) and the optimizer
 (AdamW on the device, or OffloadStreamAdamW keeping 3/4 .. none of its state on the device, with bf16
 working weights at share 0 or weights and gradients streamed beside each share: settings.optimizer_levels). Memory
 comes from the job's own plan (`plan_for_config`'s terms, with the meta model kept per flavor:
 settings.fast_plan); speed from the ranking model of mop_train.plan.cost_model.
 
-  pruning            a family (E_p, P, dispatch, Ring-DTP, checkpointing) is dropped when its frugal
+  pruning            a family (E_p, P, dispatch, Ring-DTP, checkpointing, tiling, keep) is dropped when its frugal
                      knobs (every boundary on the host, the optimizer state off the device) do not fit
                      at the fewest tokens per rank the search can give it.
 
@@ -80,6 +81,12 @@ class SearchSpace:
         self.vocab_degrees = [p for p in options("mop.layout.vocab_degree", lay.vocab_degree, divisors(world))
                               if world % p == 0]
         self.ac_modes = options("activation_checkpoint.mode", base.activation_checkpoint.mode, ("full", "none"))
+        tiling = base.mop.tiling
+        ffn = options("mop.tiling.ffn_tokens", tiling.ffn_tokens, (0, "auto"))
+        block = options("mop.tiling.block_tokens", tiling.block_tokens, (0, "auto"))
+        # neither given: untiled or both "auto" (the FFN alone tiled is never the smaller plan at equal speed)
+        self.tilings = [(0, 0), ("auto", "auto")] if len(ffn) == len(block) == 2 else [(f, b) for f in ffn for b in block]
+        self.keeps = options("mop.attention.keep", base.mop.attention.keep, (False, True))
         self.optimizers = optimizer_levels(self.base, self.fixed)
         self.granule = math.lcm(SEQ_GRANULE, *self.seq_degrees)
         self._memo: dict[Settings, Evaluation] = {}
@@ -105,10 +112,34 @@ class SearchSpace:
                         for P in self.vocab_degrees:
                             for ring in self._rings(P):
                                 for ac in self.ac_modes:
-                                    s = Settings(seq_len, D, Ep, P, dispatch, c, ring, ac)
-                                    if not pruned or self._viable_levels(s):
-                                        out.append(s)
+                                    for s in self._tiled_and_kept(Settings(seq_len, D, Ep, P, dispatch, c, ring, ac)):
+                                        if not pruned or self._viable_levels(s):
+                                            out.append(s)
         return out
+
+    def _tiled_and_kept(self, s: Settings) -> list[Settings]:
+        """s with each searched tiling and keep; keep only where blocks are checkpointed (what it keeps is
+        what their recompute would replay)."""
+        keeps = self.keeps if s.ac_mode == "full" or "mop.attention.keep" in self.fixed else [False]
+        return [replace(s, ffn_tokens=f, block_tokens=b, keep=k) for k in keeps for f, b in self.tilings]
+
+    def dominated(self, s: Settings) -> bool:
+        """Whether a twin of structure s fits at its fastest knobs and is predicted no slower while planning no
+        more: the untiled twin of a tiled s (tiling never plans more and costs cost_model's TILING_SHARE), or
+        the kept twin of an s without keep (keep plans more and skips the recompute's attention). s cannot
+        then be the fastest that fits; the search skips it."""
+        twins = []
+        if s.tiled and (0, 0) in self.tilings:
+            twins.append(replace(s, ffn_tokens=0, block_tokens=0))
+        if not s.keep and s.ac_mode == "full" and True in self.keeps:
+            twins.append(replace(s, keep=True))
+        for twin in twins:
+            if self._viable_levels(twin):
+                fastest = self.knobs(twin)[0][0]
+                if self.evaluate(fastest).fits and self.predict(fastest).tokens_per_s >= self.predict(
+                        self.knobs(s)[0][0]).tokens_per_s:
+                    return True
+        return False
 
     def _dispatches(self, Ep: int) -> list[str]:
         if "mop.moe.dispatch" in self.fixed:
@@ -175,15 +206,16 @@ class SearchSpace:
         return other if other.plan is not None and (e.plan is None or other.device < e.device) else e
 
     def _viable_levels(self, s: Settings) -> list[tuple[str, str]]:
-        """The optimizer levels that can fit s's family (E_p, P, dispatch, Ring-DTP, checkpointing): those
+        """The optimizer levels that can fit s's family (E_p, P, dispatch, Ring-DTP, checkpointing, tiling): those
         that fit the device at the search's fewest tokens per rank (S = lcm of the D, the largest D), the
         smallest c and every boundary on the host. A plan only grows from there (with S, N and c), so a
         level that does not fit there never does; a family with no level left is not searched."""
-        key = (s.expert_degree, s.vocab_degree, s.dispatch, s.ring_dtp, s.ac_mode)
+        # keep's twin shares the floor: keep only adds to a plan, so what cannot fit without it cannot with it
+        key = (s.expert_degree, s.vocab_degree, s.dispatch, s.ring_dtp, s.ac_mode, s.ffn_tokens, s.block_tokens)
         if key not in self._family_floor:
             D, S = max(self.seq_degrees), math.lcm(*self.seq_degrees)
             c = self._token_budgets(s.dispatch, self.base.training.local_batch_size * S // D)[0]
-            floor = replace(s, seq_len=S, seq_degree=D, token_budget=c)
+            floor = replace(s, seq_len=S, seq_degree=D, token_budget=c, keep=False)
             frugal = self.frugal(floor, self.optimizers)
             if frugal.plan is None:                    # the job refuses the floor (its batch, say): no pruning
                 self._family_floor[key] = self.optimizers
@@ -232,7 +264,7 @@ class SearchSpace:
             sco_offloaded_bytes=layers * boundary - retained_boundary_bytes([boundary] * layers, budget),
             offload_optimizer=s.offloads_optimizer, device_fraction=0.0 if share == "auto" else share,
             stream_weights=s.offloads_optimizer and s.weights == "stream",
-            stream_gradients=s.offloads_optimizer and s.gradients == "stream",
+            stream_gradients=s.offloads_optimizer and s.gradients == "stream", tiled=s.tiled, keep_attention=s.keep,
             act_bytes=MixedPrecision.from_training(t).activation_bytes)
 
     def evaluate(self, s: Settings) -> Evaluation:

@@ -37,7 +37,8 @@ from mop_train.plan.job import (JobPlan, fsdp_block_params, fsdp_head_params, fs
 SEARCHED_KEYS = ("training.seq_len", "mop.layout.seq_degree", "mop.layout.expert_degree", "mop.layout.vocab_degree",
                  "mop.moe.dispatch", "mop.moe.token_budget", "mop.ring_dtp.enable", "mop.sco.host_budget",
                  "optimizer.name", "mop.offload_adamw.device_fraction", "mop.offload_adamw.weights",
-                 "mop.offload_adamw.gradients", "activation_checkpoint.mode")
+                 "mop.offload_adamw.gradients", "activation_checkpoint.mode", "mop.tiling.ffn_tokens",
+                 "mop.tiling.block_tokens", "mop.attention.keep")
 
 
 def fixed_keys(overrides: list[str]) -> set[str]:
@@ -79,7 +80,8 @@ def search_base_flags(fixed: set[str]) -> list[str]:
 @dataclass(frozen=True)
 class Settings:
     """The searched keys of one configuration (everything else is the job's own): its structure (the
-    context, degrees, dispatch, c, Ring-DTP, checkpointing) and its knobs (SCO budget, optimizer)."""
+    context, degrees, dispatch, c, Ring-DTP, checkpointing, sequence tiling, kept attention) and its knobs
+    (SCO budget, optimizer)."""
     seq_len: int
     seq_degree: int
     expert_degree: int
@@ -93,6 +95,13 @@ class Settings:
     device_fraction: str = "0"
     weights: str = "device"             # [mop.offload_adamw] weights / gradients (OffloadStreamAdamW)
     gradients: str = "device"
+    ffn_tokens: int | str = 0           # [mop.tiling] (0, a count or "auto") and [mop.attention] keep
+    block_tokens: int | str = 0
+    keep: bool = False
+
+    @property
+    def tiled(self) -> bool:
+        return self.ffn_tokens != 0 or self.block_tokens != 0
 
     @property
     def offloads_optimizer(self) -> bool:
@@ -100,9 +109,10 @@ class Settings:
 
     @property
     def operators_on(self) -> int:
-        """How many of the four operators (and expert parallelism) this configuration runs."""
+        """How many of the four operators (and expert parallelism), sequence tiling and kept attention this
+        configuration runs (the tie-break prefers fewer)."""
         return sum((self.dispatch != "local", self.ring_dtp or self.vocab_degree > 1, self.sco_budget != "0",
-                    self.offloads_optimizer))
+                    self.offloads_optimizer, self.tiled, self.keep))
 
     def label(self) -> str:
         ops = [self.dispatch + (f" c={self.token_budget}" if self.dispatch == "pipelined_llep" else "")]
@@ -111,6 +121,10 @@ class Settings:
         streaming = f" {self.weights}/{self.gradients}" if (self.weights, self.gradients) != ("device", "device") else ""
         ops += [f"offload f={self.device_fraction}{streaming}" if self.offloads_optimizer else self.optimizer]
         ops += [f"ac {self.ac_mode}"]
+        if self.tiled:
+            ops += ["tiled" + ("" if (self.ffn_tokens, self.block_tokens) == ("auto", "auto") else
+                               f" ffn {self.ffn_tokens} block {self.block_tokens}")]
+        ops += ["keep"] if self.keep else []
         return f"D{self.seq_degree} Ep{self.expert_degree} P{self.vocab_degree} " + ", ".join(ops)
 
     def overrides(self, base) -> list[tuple[str, object]]:
@@ -135,7 +149,15 @@ class Settings:
             out += [("mop.offload_adamw.host_fraction", oa.host_fraction)] if oa.host_fraction else []
             out += [("mop.offload_adamw.overlap", True)] if oa.overlap else []
             out += [("mop.offload_adamw.host_init", True)] if oa.host_init and self.weights != "device" else []
-        return out + [("activation_checkpoint.mode", self.ac_mode)]
+        out.append(("activation_checkpoint.mode", self.ac_mode))
+        tiling = base.mop.tiling   # (only what differs from the job or is on: an untiled job's flags stay short)
+        for key, value, was in (("ffn_tokens", self.ffn_tokens, tiling.ffn_tokens),
+                                ("block_tokens", self.block_tokens, tiling.block_tokens)):
+            if value != 0 or was != value:
+                out.append((f"mop.tiling.{key}", value))
+        if self.keep or base.mop.attention.keep:
+            out.append(("mop.attention.keep", self.keep))
+        return out
 
     def flags(self, base) -> list[str]:
         flags = []
@@ -237,6 +259,8 @@ def configure(base, s: Settings):
     cfg.optimizer = replace(base.optimizer, name=s.optimizer)
     cfg.training = replace(base.training, seq_len=s.seq_len)
     cfg.activation_checkpoint = replace(base.activation_checkpoint, mode=s.ac_mode)
+    mop.tiling = replace(base.mop.tiling, ffn_tokens=s.ffn_tokens, block_tokens=s.block_tokens)
+    mop.attention = replace(base.mop.attention, keep=s.keep)
     return cfg
 
 

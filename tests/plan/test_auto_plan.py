@@ -16,6 +16,7 @@ import pytest
 from mop_train.cli import main
 from mop_train.config import load_job_config
 from mop_train.models import zoo
+from mop_train.plan import cost_model
 from mop_train.plan.auto import TIE_SHARE, AutoPlanner, NothingFits, fixed_keys
 from mop_train.plan.settings import Settings, configure, fast_plan
 from mop_train.plan.terms import GIB
@@ -189,8 +190,9 @@ def test_mop_667b_on_64_ranks_is_searched_within_a_bounded_number_of_plans():
     assert fits(p, truth(p, r.chosen.settings)) and r.chosen.settings.expert_degree == 64
     # 1,682 plans before weights/gradients streaming: it lets more families fit (EP without chunks among
     # them, which it then picks), and each is searched; ~3.6K with streaming at share 0 only, 4,347 with
-    # streaming beside every device share (tests/plan/test_auto_streaming.py)
-    assert r.planned < 5000, "the family and structure pruning keep the plans to a few per structure"
+    # streaming beside every device share (tests/plan/test_auto_streaming.py), 5,365 with sequence tiling and
+    # kept attention searched (a structure's twins skipped where an untiled or kept twin fits as fast as it runs)
+    assert r.planned < 6000, "the family and structure pruning keep the plans to a few per structure"
 
 
 # -- the cost model ------------------------------------------------------------------------------
@@ -247,10 +249,15 @@ def test_the_cost_model_orders_measured_pairs_as_measured():
     assert plain > predicted(1, 32768, 1, sco="6GiB") > 0.99 * plain
 
 
+UNTILED = ("--mop.tiling.ffn_tokens", "0", "--mop.tiling.block_tokens", "0", "--mop.attention.no-keep")
+"""Sequence tiling and keep fixed off: where the case under test is what streaming alone does."""
+
+
 def test_streaming_is_chosen_when_memory_binds_and_its_flags_say_so():
     """`small` at 524K on one 80 GiB GPU: no device share fits; weights and gradients streamed do (issue 32),
     and the chosen configuration's plan by plan_for_config fits; its flags carry both settings."""
-    p = planner(SMALL, "--training.local_batch_size", "1", world=1, gpu=80 * GIB, host=256 * GIB, headroom=2 * GIB)
+    p = planner(SMALL, "--training.local_batch_size", "1", *UNTILED, world=1, gpu=80 * GIB, host=256 * GIB,
+                headroom=2 * GIB)
     r = p.fastest_at(524288)
     s = r.chosen.settings
     assert (s.optimizer, s.weights, s.gradients) == (OSA, "stream", "stream") and fits(p, truth(p, s))
@@ -266,3 +273,48 @@ def test_given_streaming_settings_are_kept():
     p = planner(SMALL, "--optimizer.name", OSA, "--mop.offload_adamw.weights", "bf16", world=1, gpu=141 * GIB,
                 host=256 * GIB)
     assert {(o, w, g) for o, _, w, g in p.optimizers} == {(OSA, "bf16", "device")}
+
+
+# -- sequence tiling and kept attention in the search ---------------------------------------------
+
+def test_tiling_is_searched_where_memory_binds_and_the_launch_takes_its_flags():
+    """`small` at B=2 on one H200 (141 GiB, 128 GiB host): with [mop.tiling] and keep searched the longest context
+    is longer than with them fixed off, the chosen configuration tiles, its flags load as a launch would load
+    them, and plan_for_config (not only the search's cached plan) fits it."""
+    hw = dict(world=1, gpu=141 * GIB, host=128 * GIB, headroom=2 * GIB)
+    untiled = planner(SMALL, *UNTILED, **hw).longest_context()
+    p = planner(SMALL, **hw)
+    r = p.longest_context()
+    s = r.chosen.settings
+    assert r.seq_len > untiled.seq_len and s.tiled and not untiled.chosen.settings.tiled
+    flags = s.flags(p.base)
+    assert flags[flags.index("--mop.tiling.ffn_tokens") + 1] == "auto"
+    cfg = load_job_config(["--job.config_file", SMALL, *flags], model_flavors=zoo.names())
+    assert (cfg.mop.tiling.ffn_tokens, cfg.mop.tiling.block_tokens, cfg.mop.attention.keep) == (
+        s.ffn_tokens, s.block_tokens, s.keep)
+    assert fits(p, plan_for_config(cfg, world=1, ranks_per_node=1, host_bytes=p.host_bytes))
+    at_untiled_reach = p.fastest_at(untiled.seq_len // 2 // 1024 * 1024)
+    assert not at_untiled_reach.chosen.settings.tiled, "where the untiled twin fits as fast, tiling is not paid for"
+
+
+def test_given_tiling_and_keep_are_kept():
+    p = planner(SMALL, "--mop.tiling.ffn_tokens", "8192", "--mop.attention.no-keep", world=1, gpu=141 * GIB,
+                host=256 * GIB)
+    r = p.fastest_at(65536)
+    assert r.chosen.settings.ffn_tokens == 8192 and not r.chosen.settings.keep
+    assert {(e.settings.ffn_tokens, e.settings.keep) for e in p._memo.values()} == {(8192, False)}
+    assert {e.settings.block_tokens for e in p._memo.values()} <= {0, "auto"}, "block_tokens, not given, is searched"
+
+
+def test_keep_is_searched_only_under_full_checkpointing_and_predicts_the_recompute_saved():
+    p = planner(SMALL, "--training.local_batch_size", "1", world=1, gpu=141 * GIB, host=256 * GIB)
+    structures = p.structures(131072, pruned=False)
+    assert any(s.keep for s in structures) and not any(s.keep and s.ac_mode != "full" for s in structures)
+    s = next(s for s in structures if s.ac_mode == "full" and not s.keep and not s.tiled)
+    kept = dataclasses.replace(s, keep=True)
+    base, faster = p.predict(s), p.predict(kept)
+    attention = [t for t in base.terms if t[0] == "compute"][0][1] - [t for t in faster.terms if t[0] == "compute"][0][1]
+    assert attention > 0 and faster.seconds == pytest.approx(base.seconds - attention)
+    tiled = dataclasses.replace(s, ffn_tokens="auto", block_tokens="auto")
+    compute = [t for t in base.terms if t[0] == "compute"][0][1]
+    assert p.predict(tiled).seconds == pytest.approx(base.seconds + cost_model.TILING_SHARE * compute)

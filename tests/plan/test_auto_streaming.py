@@ -51,10 +51,15 @@ def fits(p: AutoPlanner, plan) -> bool:
     return plan.device_bytes <= p.gpu_bytes - p.headroom and plan.host_bytes_per_node <= p.host_bytes
 
 
+UNTILED = ("--mop.tiling.ffn_tokens", "0", "--mop.tiling.block_tokens", "0", "--mop.attention.no-keep")
+"""Sequence tiling and keep fixed off: these cases are what streaming alone does where memory binds."""
+
+
 @functools.lru_cache(maxsize=None)
 def searched(S: int, gpu: int = 141 * GIB):
     """`small` (B=1) on one GPU of `gpu` bytes: the planner and its answer at context S."""
-    p = planner(SMALL, "--training.local_batch_size", "1", world=1, gpu=gpu, host=1024 * GIB, headroom=2 * GIB)
+    p = planner(SMALL, "--training.local_batch_size", "1", *UNTILED, world=1, gpu=gpu, host=1024 * GIB,
+                headroom=2 * GIB)
     return p, p.fastest_at(S)
 
 
@@ -166,7 +171,7 @@ def test_what_the_search_returns_the_launch_accepts(given, S):
     """The CLI's own check (the chosen flags parse and validate, as at launch) and plan_for_config's fit,
     with a given device share (it composes with the streams) or a CPU share (gradients = "stream"
     cannot run beside it: the search must not pick it)."""
-    base = ("configs/small_1gpu.toml", "--training.local_batch_size", "1", "--optimizer.name", OSA, *given)
+    base = ("configs/small_1gpu.toml", "--training.local_batch_size", "1", "--optimizer.name", OSA, *UNTILED, *given)
     p = planner(*base, **ONE_GPU)
     r = p.fastest_at(S)
     s = r.chosen.settings

@@ -17,16 +17,15 @@ from __future__ import annotations
 import json
 import os
 import traceback
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mop_train.models import zoo
 from tests.dist_utils import rank_context, run_distributed
-from tests.train.cli import DEBUG_CONFIG, REPO, check_ok, read_metrics, run_train
+from tests.train.cli import DEBUG_CONFIG, REPO, check_ok, read_metrics
 from tests.utils import fresh_seed
 
 DEBUG_WIDE = replace(zoo.get_model_args("debug"), n_heads=16, num_experts=64)
