@@ -160,9 +160,10 @@ def validate(cfg, *, source: str = "config") -> None:
              f"optimizer.name = 'OffloadStreamAdamW', but optimizer.name = {cfg.optimizer.name!r}; set one or "
              "drop the other")
     _validate_streaming(cfg, source)
-    _require(not mop.offload_adamw.overlap or cfg.optimizer.name == "OffloadStreamAdamW",
-             f"{source}: mop.offload_adamw.overlap = true only applies to optimizer.name = 'OffloadStreamAdamW', "
-             f"but optimizer.name = {cfg.optimizer.name!r}")
+    for key in ("overlap", "stage_in_backward"):
+        _require(not getattr(mop.offload_adamw, key) or cfg.optimizer.name == "OffloadStreamAdamW",
+                 f"{source}: mop.offload_adamw.{key} = true only applies to optimizer.name = 'OffloadStreamAdamW', "
+                 f"but optimizer.name = {cfg.optimizer.name!r}")
     if mop.ring_dtp.memory_budget.strip() != "0":
         parse_bytes(mop.ring_dtp.memory_budget, key=f"{source}: mop.ring_dtp.memory_budget")
     _require(mop.ring_dtp.token_chunk >= 0,

@@ -67,6 +67,8 @@ IMPOSSIBLE_VALUES = [
      ["weights = 'stream'", "activation_checkpoint.mode = 'none'", "dispatch = 'ep'", "\"full\""]),
     ("[mop.data]\nloss_chunk_tokens = 0\n", ["mop.data.loss_chunk_tokens = 0"]),
     ("[mop.tiling]\nffn_tokens = -4\n", ["mop.tiling.ffn_tokens = -4", "\"auto\""]),
+    ("[mop.offload_adamw]\nstage_in_backward = true\n", ["mop.offload_adamw.stage_in_backward = true",
+                                                        "OffloadStreamAdamW", "'AdamW'"]),
 ]
 
 

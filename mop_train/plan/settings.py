@@ -53,7 +53,8 @@ def fixed_keys(overrides: list[str]) -> set[str]:
     return given & (set(SEARCHED_KEYS) | set(OFFLOAD_ONLY_KEYS))
 
 
-OFFLOAD_ONLY_KEYS = ("mop.offload_adamw.host_fraction", "mop.offload_adamw.overlap", "mop.offload_adamw.host_init")
+OFFLOAD_ONLY_KEYS = ("mop.offload_adamw.host_fraction", "mop.offload_adamw.overlap", "mop.offload_adamw.host_init",
+                     "mop.offload_adamw.stage_in_backward")
 """OffloadStreamAdamW's own options that are not searched: given (and on), they keep the optimizer offloaded;
 host_init also keeps the working weights off the device (bf16 or streamed), where it takes effect."""
 
@@ -145,9 +146,11 @@ class Settings:
         if not self.offloads_optimizer:   # options that only apply to OffloadStreamAdamW go back to off
             out += [("mop.offload_adamw.host_fraction", 0.0)] if oa.host_fraction else []
             out += [("mop.offload_adamw.overlap", False)] if oa.overlap else []
+            out += [("mop.offload_adamw.stage_in_backward", False)] if oa.stage_in_backward else []
         else:                             # and are part of the configuration where they are on
             out += [("mop.offload_adamw.host_fraction", oa.host_fraction)] if oa.host_fraction else []
             out += [("mop.offload_adamw.overlap", True)] if oa.overlap else []
+            out += [("mop.offload_adamw.stage_in_backward", True)] if oa.stage_in_backward else []
             out += [("mop.offload_adamw.host_init", True)] if oa.host_init and self.weights != "device" else []
         out.append(("activation_checkpoint.mode", self.ac_mode))
         tiling = base.mop.tiling   # (only what differs from the job or is on: an untiled job's flags stay short)
@@ -232,8 +235,8 @@ def _share_levels(base, fixed: set[str]) -> list[tuple[str, str]]:
     on_device = base.optimizer.name if base.optimizer.name != OFFLOAD_ADAMW else "AdamW"
     name_fixed, fraction = "optimizer.name" in fixed, str(base.mop.offload_adamw.device_fraction)
     oa = base.mop.offload_adamw           # options of OffloadStreamAdamW alone, given: it is the optimizer
-    only_offload = ("mop.offload_adamw.host_fraction" in fixed and oa.host_fraction) or (
-        "mop.offload_adamw.overlap" in fixed and oa.overlap) or ("mop.offload_adamw.host_init" in fixed and oa.host_init)
+    only_offload = ("mop.offload_adamw.host_fraction" in fixed and oa.host_fraction) or any(
+        f"mop.offload_adamw.{key}" in fixed and getattr(oa, key) for key in ("overlap", "host_init", "stage_in_backward"))
     if name_fixed and base.optimizer.name != OFFLOAD_ADAMW:
         return [(on_device, "0")]
     if "mop.offload_adamw.device_fraction" in fixed:
@@ -255,7 +258,8 @@ def configure(base, s: Settings):
     oa = base.mop.offload_adamw
     mop.offload_adamw = replace(oa, device_fraction=s.device_fraction, weights=s.weights, gradients=s.gradients,
                                 host_fraction=oa.host_fraction if s.offloads_optimizer else 0.0,
-                                overlap=oa.overlap and s.offloads_optimizer)
+                                overlap=oa.overlap and s.offloads_optimizer,
+                                stage_in_backward=oa.stage_in_backward and s.offloads_optimizer)
     cfg.optimizer = replace(base.optimizer, name=s.optimizer)
     cfg.training = replace(base.training, seq_len=s.seq_len)
     cfg.activation_checkpoint = replace(base.activation_checkpoint, mode=s.ac_mode)

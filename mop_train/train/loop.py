@@ -41,7 +41,7 @@ from mop_train.parallel.sharding import (clip_coefficient, clip_grads_with_norm_
                                          total_grad_norm)
 from mop_train.train.build import ModelParts, Run, build_run
 from mop_train.train.loss import IGNORE_INDEX
-from mop_train.train.optim import grad_streams
+from mop_train.train.optim import grad_streams, stage_ahead
 from mop_train.train.metrics import DeviceSpan, MetricLogger, flops_per_token, peak_tflops
 from mop_train.train.profiling import RunProfiler
 from mop_train.train.reliability import (CollectiveTimeout, DumpFolderLock, DumpFolderLocked, Fault,
@@ -132,6 +132,8 @@ def train_step(parts: ModelParts, layout, batches: list, optimizers, lr_schedule
         if model.args.aux_loss_coef > 0:                               # gradients sum over ranks
             loss = loss + model.aux_loss() / (dist.get_world_size() * len(micro))
         guards.phase = "the backward (FSDP reduce-scatters, expert all-to-alls, replica sums)"
+        if k == len(micro) - 1:
+            stage_ahead(optimizers)  # [mop.offload_adamw] stage_in_backward: state in while gradients go out
         loss.backward()
         loss_sum = loss_sum + micro_sum.detach()
     loss = loss_sum / n_tokens

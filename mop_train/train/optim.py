@@ -101,6 +101,7 @@ def describe_offload(optimizers: OptimizersContainer, *, free_device_bytes: int 
             f"GiB of state on the device; buckets {opt.bucket_params:,} x {opt.slots} slots, "
             f"{opt.staging_bytes / gib:.2f} GiB staging; host_fraction {opt.host_fraction:g} of the rest on the CPU; "
             f"overlap with the next forward {'on' if opt.overlap and opt.forward_waits.hooked else 'off'}"
+            + ("; the first slots staged during the last backward" if opt.stage_in_backward else "")
             + _describe_streaming(opt))
     return "\n".join(lines)
 
@@ -183,6 +184,14 @@ def grad_streams(optimizers) -> list:
     return [s for opt in optimizers if (s := getattr(opt, "grad_stream", None)) is not None]
 
 
+def stage_ahead(optimizers) -> None:
+    """Before the step's last backward: OffloadStreamAdamW with `stage_in_backward` copies its first
+    buckets' state in while the backward runs (OffloadStreamAdamW.stage_ahead)."""
+    for opt in optimizers:
+        if getattr(opt, "stage_in_backward", False):
+            opt.stage_ahead()
+
+
 def wait_for_weights(optimizers) -> None:
     """Make the current stream wait for the weights of every optimizer's last step: an overlapped
     OffloadStreamAdamW step may still be writing them. Call it before anything but the next
@@ -213,7 +222,8 @@ def build_optimizers(model_parts: list[nn.Module], optimizer, offload_adamw, *,
                       weight_decay=optimizer.weight_decay, bucket_params=offload_adamw.bucket_params,
                       slots=offload_adamw.slots, host_fraction=offload_adamw.host_fraction,
                       device_fraction=device_fraction, weights=getattr(offload_adamw, "weights", "device"),
-                      gradients=getattr(offload_adamw, "gradients", "device"), piece_align=piece_align)
+                      gradients=getattr(offload_adamw, "gradients", "device"), piece_align=piece_align,
+                      stage_in_backward=bool(getattr(offload_adamw, "stage_in_backward", False)))
         return _build_offload_adamw(model_parts, kwargs, overlap=bool(getattr(offload_adamw, "overlap", False)))
     if optimizer.name not in TITAN_OPTIMIZERS:
         raise ValueError(f"optimizer.name = {optimizer.name!r} is not supported; use one of "

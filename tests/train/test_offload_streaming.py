@@ -13,7 +13,7 @@ these settings). The W=4 checkpoint, resumed at W=2 (E_p=2, the same two sequenc
 same bits with device/device and with stream/stream. At W=3 FSDP2's shards are uneven (the debug
 model's dims are not multiples of 3: padded shards, the window's slots hold them): stream/stream, and
 the device and CPU shares beside the streams (cuts at other places than the buckets'), are device/device
-there too.
+there too, and so is the first buckets' state staged during the last backward (stage_in_backward).
 Each world runs all its cases in one spawn (`train` called in process); the checkpoints are read
 back here with DCP's own reader, in memory (no torch.save copy of each).
 """
@@ -164,12 +164,30 @@ UNEVEN_RUNS = {  # name: overrides beside UNEVEN and the bf16 policy; "dd" is th
     "ss-share": [*_setting("stream", "stream"), "--mop.offload_adamw.device_fraction", "0.5",
                  "--mop.offload_adamw.overlap"],
     "bd-shares": [*_setting("bf16", "device"), "--mop.offload_adamw.device_fraction", "0.3",
-                  "--mop.offload_adamw.host_fraction", "0.3"]}
+                  "--mop.offload_adamw.host_fraction", "0.3"],
+    # the first buckets' state staged before the step's last backward (stage_in_backward), two micro-batches
+    "ss-staged": [*_setting("stream", "stream"), "--mop.offload_adamw.stage_in_backward", "--mop.offload_adamw.slots", "2"],
+    "dd-staged-share": [*_setting("device", "device"), "--mop.offload_adamw.stage_in_backward",
+                        "--mop.offload_adamw.device_fraction", "0.25", "--mop.offload_adamw.overlap"]}
 
 
 def _uneven_worker(rank, world, root):
-    for name, setting in UNEVEN_RUNS.items():
-        _train(os.path.join(root, name), [*UNEVEN, *POLICY["bf16"], *setting])
+    from mop_train.ops.offload_adamw import OffloadStreamAdamW
+    stage_ahead, staged = OffloadStreamAdamW.stage_ahead, []
+
+    def counted(opt):  # the loop stages once per step, and each step consumed the last staging
+        staged.append((opt._early is None, len(opt._buckets[:opt.slots])))
+        stage_ahead(opt)
+
+    OffloadStreamAdamW.stage_ahead = counted
+    try:
+        for name, setting in UNEVEN_RUNS.items():
+            staged.clear()
+            _train(os.path.join(root, name), [*UNEVEN, *POLICY["bf16"], *setting])
+            with open(os.path.join(root, name, f"staged-{rank}.json"), "w") as f:
+                json.dump(staged, f)
+    finally:
+        OffloadStreamAdamW.stage_ahead = stage_ahead
 
 
 def test_settings_and_shares_are_bitwise_device_device_at_w3_with_uneven_shards(tmp_path):
@@ -180,6 +198,13 @@ def test_settings_and_shares_are_bitwise_device_device_at_w3_with_uneven_shards(
     for name in UNEVEN_RUNS:
         ours = os.path.join(root, name)
         assert _metrics(ours) == _metrics(ref), name
+        for rank in range(3):
+            with open(os.path.join(ours, f"staged-{rank}.json")) as f:
+                calls = json.load(f)
+            if "staged" in name:
+                assert len(calls) == STEPS and all(fresh and n > 0 for fresh, n in calls), (name, rank, calls)
+            else:
+                assert calls == [], (name, rank, calls)
         for step in (SAVED, STEPS):
             _assert_same_checkpoint(ours, ref, step, f"W=3 {name}")
 

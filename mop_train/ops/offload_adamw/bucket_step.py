@@ -1,7 +1,8 @@
 """The device-side part of OffloadStreamAdamW.step: the device-resident head's buckets, the streamed
 buckets, the fp32 gradients they read and the working weights they refresh.
 
-Per bucket (all on the update stream unless said): the gradients of its segments are copied into
+Per bucket (all on the update stream unless said; the first `slots` buckets' state may have been
+staged during backward already: OffloadStreamAdamW.stage_ahead): the gradients of its segments are copied into
 the [B] fp32 gradient buffer (upcast from the device gradients, or host -> device from the pinned
 gradient buffer when gradients stream, then scaled by the clipping coefficient there: the same fp32
 multiply the loop applies to device gradients); the state is staged (streamed buckets: host ->
@@ -50,18 +51,21 @@ class BucketStep:
         """Queue every streamed bucket's copy-in, update, weight refresh and write-back (the current
         stream is the update stream); one Ready piece per bucket."""
         s = self._streams
-        ready = []
+        ready, early = [], self._early or []   # early: copied in during backward (stage_ahead)
         for b, bucket in enumerate(self._buckets):
             k = b % self.slots
             lo = bucket.start - self._dev_end
             staged = self._slot_buffers[k][:, :bucket.numel]                   # [3, n] device
             host = self._host[:, lo:lo + bucket.numel]                         # [3, n] host
-            with s.use(s.h2d):
-                s.wait(self._slot_free[k])  # the slot's last write-back ...
-                s.wait(self._slot_read[k])  # ... and its last weight refresh are done
-                for row in range(3):
-                    staged[row].copy_(host[row], non_blocking=True)
-                loaded = s.record()
+            if b < len(early):
+                loaded = early[b]
+            else:
+                with s.use(s.h2d):
+                    s.wait(self._slot_free[k])  # the slot's last write-back ...
+                    s.wait(self._slot_read[k])  # ... and its last weight refresh are done
+                    for row in range(3):
+                        staged[row].copy_(host[row], non_blocking=True)
+                    loaded = s.record()
             self.link.add("optimizer", h2d=host_bytes(host), d2h=host_bytes(host))  # (the write-back below)
             live = self._upcast_grads(bucket, grads)  # needs no slot: overlaps the copy-in
             s.wait(loaded)

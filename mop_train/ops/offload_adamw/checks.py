@@ -13,7 +13,7 @@ from mop_train.ops.offload_adamw.memory import GRADIENTS, WEIGHTS
 
 
 def check_options(*, bucket_params, slots, piece_align, weights, gradients, host_fraction, device_fraction,
-                  overlap) -> None:
+                  overlap, stage_in_backward=False) -> None:
     """The constructor's options, in the order it takes them (the first bad one raises)."""
     check_staging(bucket_params, slots)
     if isinstance(piece_align, bool) or not isinstance(piece_align, int) or piece_align < 1:
@@ -24,6 +24,9 @@ def check_options(*, bucket_params, slots, piece_align, weights, gradients, host
                    "device (0 streams everything; \"auto\" is resolved by fit_device_fraction)")
     if not isinstance(overlap, bool):
         raise ValueError(f"overlap ({overlap!r}) must be true or false; set [mop.offload_adamw] overlap")
+    if not isinstance(stage_in_backward, bool):
+        raise ValueError(f"stage_in_backward ({stage_in_backward!r}) must be true or false; set "
+                         "[mop.offload_adamw] stage_in_backward")
 
 
 def check_staging(bucket_params, slots) -> None:

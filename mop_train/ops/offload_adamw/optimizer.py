@@ -108,10 +108,11 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
                  weight_decay: float = 0.01, *, bucket_params: int = DEFAULT_BUCKET_PARAMS,
                  slots: int = DEFAULT_SLOTS, host_fraction: float = 0.0, device_fraction: float = 0.0,
                  overlap: bool = False, weights: str = "device", gradients: str = "device",
-                 piece_align: int = PIECE_ALIGN):
+                 piece_align: int = PIECE_ALIGN, stage_in_backward: bool = False):
         check_options(bucket_params=bucket_params, slots=slots, piece_align=piece_align, weights=weights,
                       gradients=gradients, host_fraction=host_fraction, device_fraction=device_fraction,
-                      overlap=overlap)
+                      overlap=overlap, stage_in_backward=stage_in_backward)
+        self.stage_in_backward = stage_in_backward
         self.piece_align = piece_align
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._params = [p for g in self.param_groups for p in g["params"]]
@@ -193,7 +194,29 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         self._grad_buffer = torch.empty(grad_capacity, dtype=torch.float32, device=self.device)  # [B]
         self._slot_free = [None] * slots  # write-back done, per slot
         self._slot_read = [None] * slots  # weight refresh done, per slot
+        self._early = None                # stage_ahead: the copy-in events of the first `slots` buckets
         self.staging_bytes = (3 * slots * capacity + grad_capacity) * 4
+
+    def stage_ahead(self) -> None:
+        """Copy the first `slots` streamed buckets' masters and moments into their staging slots now,
+        before this step's gradients are final (call it before backward: `stage_in_backward`). They do
+        not depend on the gradients -- only the update does, after the clipping norm -- so the host ->
+        device direction carries them while backward sends gradients the other way; step() then finds
+        them staged and skips their copy-in. Same host values, same copies, earlier: exact. No device
+        memory beyond the slots the step allocates anyway. Again before a step: a no-op."""
+        if self._early is not None:
+            return
+        s, early = self._streams, []
+        with s.use(s.h2d):
+            for k, bucket in enumerate(self._buckets[:self.slots]):
+                lo = bucket.start - self._dev_end
+                s.wait(self._slot_free[k])  # the last step's write-back from the slot ...
+                s.wait(self._slot_read[k])  # ... and its weight refresh (so, in order, every earlier one)
+                staged, host = self._slot_buffers[k][:, :bucket.numel], self._host[:, lo:lo + bucket.numel]
+                for row in range(3):
+                    staged[row].copy_(host[row], non_blocking=True)
+                early.append(s.record())
+        self._early = early
 
     def wait_in_forward(self, units) -> None:
         """Overlap: before each unit's forward, wait for the pieces of the step that hold its
@@ -258,6 +281,7 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
             self.link.add("optimizer", h2d=len(self._params) * FP32_STEP_BYTES)
             ready = [self._update_on_device(b, grads, work, fresh, steps, hparams) for b in self._device_buckets]
             ready += self._stream_buckets(grads, work, fresh, steps, hparams)
+            self._early = None  # (consumed: the slots hold this step's state now)
             self.grads_read = s.record()  # the next backward may overwrite the host gradients after this
         uploads = host.update(grads, work, self._host, self._steps, self._group_of, hparams,
                               work_on_host=self._working_on_host)
@@ -282,7 +306,8 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
 
     def close_link_account(self) -> None:
         """End the step's account without an update (a step the loop skips): `link_bytes()` then holds
-        what its forwards and backwards moved, and the next step starts from zero."""
+        what its forwards and backwards moved, and the next step starts from zero. Staged buckets stay
+        valid (the host state did not change); their copy counts in the step that uses them."""
         self.last_step = OffloadStepStats(link=self.link.close())
 
     # ---- working weights and streamed gradients (weights / gradients != "device") ---------------
@@ -330,6 +355,9 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         self.grad_scale = None
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if self._early is not None:  # staged from the state this load replaces: let the copies end, drop them
+            self._streams.synchronize()
+            self._early = None
         super().load_state_dict(state_dict)
         self.refresh_working()
 
