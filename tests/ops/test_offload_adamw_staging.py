@@ -103,3 +103,26 @@ def test_cuda_staged_during_backward_is_bitwise_unstaged(kwargs):
     staged = _run(seed, staged=True, device="cuda", **kwargs)
     torch.cuda.synchronize()
     _assert_same_run(*plain, *staged)
+
+
+def test_masters_reset_after_staging_are_the_ones_the_step_updates():
+    """reset_masters_from_params between stage_ahead and step (weights loaded without optimizer state): the
+    step must read the reset masters, as an unstaged step does (found by a probe: it used the staged ones)."""
+    seed = fresh_seed(14)
+    runs = []
+    for staged in (False, True):
+        model = _net(seed)
+        opt = OffloadStreamAdamW(list(model.parameters()), **HP, piece_align=1, bucket_params=20, slots=2)
+        for step in range(3):
+            opt.zero_grad()
+            if staged:
+                opt.stage_ahead()
+            if step == 1:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(0.5)
+                opt.reset_masters_from_params()
+            _loss(model, step, seed, "cpu").backward()
+            opt.step()
+        runs.append((list(model.parameters()), opt))
+    _assert_same_run(*runs[0], *runs[1])

@@ -203,7 +203,9 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         not depend on the gradients -- only the update does, after the clipping norm -- so the host ->
         device direction carries them while backward sends gradients the other way; step() then finds
         them staged and skips their copy-in. Same host values, same copies, earlier: exact. No device
-        memory beyond the slots the step allocates anyway. Again before a step: a no-op."""
+        memory beyond the slots the step allocates anyway. Again before a step: a no-op. Whatever writes
+        the state between this and the step must drop the staged copies first: load_state_dict and
+        reset_masters_from_params do (drop_staged); an in-place edit of the `state` views must call it."""
         if self._early is not None:
             return
         s, early = self._streams, []
@@ -354,10 +356,14 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         self._grad_arrived = [False] * len(self._params)
         self.grad_scale = None
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        if self._early is not None:  # staged from the state this load replaces: let the copies end, drop them
+    def drop_staged(self) -> None:
+        """Forget what stage_ahead copied in (after letting its copies end): the host state is about to change."""
+        if self._early is not None:
             self._streams.synchronize()
             self._early = None
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.drop_staged()  # staged from the state this load replaces
         super().load_state_dict(state_dict)
         self.refresh_working()
 

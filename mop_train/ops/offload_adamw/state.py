@@ -176,6 +176,7 @@ class StateDictMixin:
     @torch.no_grad()
     def reset_masters_from_params(self) -> None:
         """Re-read every master from its working weight (after loading weights without optimizer state)."""
+        self.drop_staged()
         self.wait_for_writeback()
         for i, p in enumerate(self._params):
             self._write_row(0, i, local_shard(p).reshape(-1))
