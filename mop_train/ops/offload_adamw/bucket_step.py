@@ -57,15 +57,7 @@ class BucketStep:
             lo = bucket.start - self._dev_end
             staged = self._slot_buffers[k][:, :bucket.numel]                   # [3, n] device
             host = self._host[:, lo:lo + bucket.numel]                         # [3, n] host
-            if b < len(early):
-                loaded = early[b]
-            else:
-                with s.use(s.h2d):
-                    s.wait(self._slot_free[k])  # the slot's last write-back ...
-                    s.wait(self._slot_read[k])  # ... and its last weight refresh are done
-                    for row in range(3):
-                        staged[row].copy_(host[row], non_blocking=True)
-                    loaded = s.record()
+            loaded = early[b] if b < len(early) else self._copy_in(k, bucket)
             self.link.add("optimizer", h2d=host_bytes(host), d2h=host_bytes(host))  # (the write-back below)
             live = self._upcast_grads(bucket, grads)  # needs no slot: overlaps the copy-in
             s.wait(loaded)
@@ -82,6 +74,18 @@ class BucketStep:
             if not self._working_on_host:  # (on the host, the refresh's copy is the d2h stream's last)
                 self._writeback_done = self._slot_free[k]
         return ready
+
+    def _copy_in(self, k: int, bucket):
+        """Queue bucket's masters and moments host -> device into slot k on the h2d stream, once the slot's
+        last write-back and weight refresh are done; returns the event after the copy."""
+        s, lo = self._streams, bucket.start - self._dev_end
+        with s.use(s.h2d):
+            s.wait(self._slot_free[k])  # the slot's last write-back ...
+            s.wait(self._slot_read[k])  # ... and its last weight refresh (so, in order, every earlier one)
+            staged, host = self._slot_buffers[k][:, :bucket.numel], self._host[:, lo:lo + bucket.numel]
+            for row in range(3):
+                staged[row].copy_(host[row], non_blocking=True)
+            return s.record()
 
     def _refresh(self, pairs):
         """Write bf16/fp32(master) into the working weights: pairs (working view, fp32 master on the

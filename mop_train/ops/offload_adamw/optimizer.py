@@ -206,19 +206,8 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         memory beyond the slots the step allocates anyway. Again before a step: a no-op. Whatever writes
         the state between this and the step must drop the staged copies first: load_state_dict and
         reset_masters_from_params do (drop_staged); an in-place edit of the `state` views must call it."""
-        if self._early is not None:
-            return
-        s, early = self._streams, []
-        with s.use(s.h2d):
-            for k, bucket in enumerate(self._buckets[:self.slots]):
-                lo = bucket.start - self._dev_end
-                s.wait(self._slot_free[k])  # the last step's write-back from the slot ...
-                s.wait(self._slot_read[k])  # ... and its weight refresh (so, in order, every earlier one)
-                staged, host = self._slot_buffers[k][:, :bucket.numel], self._host[:, lo:lo + bucket.numel]
-                for row in range(3):
-                    staged[row].copy_(host[row], non_blocking=True)
-                early.append(s.record())
-        self._early = early
+        if self._early is None:
+            self._early = [self._copy_in(k, bucket) for k, bucket in enumerate(self._buckets[:self.slots])]
 
     def wait_in_forward(self, units) -> None:
         """Overlap: before each unit's forward, wait for the pieces of the step that hold its
