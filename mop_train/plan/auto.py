@@ -105,8 +105,7 @@ class AutoPlanner(SearchSpace):
     def fastest_at(self, seq_len: int, keep: int = KEEP, *, explain: bool = True) -> Result:
         """The fastest configuration that fits at `seq_len` and the best of `keep - 1` other families
         (degrees, dispatch, Ring-DTP, checkpointing, tiling, kept attention); NothingFits when none fits,
-        saying what would fit
-        (more searches: on more ranks, at a shorter context) unless `explain` is False."""
+        saying what would fit (more searches: on more ranks, at a shorter context) unless `explain` is False."""
         start = time.perf_counter()
         structures = sorted(self.structures(seq_len),
                             key=lambda s: (-self.predict(self.knobs(s)[0][0]).tokens_per_s, s.label()))

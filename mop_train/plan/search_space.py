@@ -119,15 +119,22 @@ class SearchSpace:
 
     def _tiled_and_kept(self, s: Settings) -> list[Settings]:
         """s with each searched tiling and keep; keep only where blocks are checkpointed (what it keeps is
-        what their recompute would replay)."""
-        keeps = self.keeps if s.ac_mode == "full" or "mop.attention.keep" in self.fixed else [False]
+        what their recompute would replay). A given keep is paired with another checkpointing mode only when
+        that mode is given too: keep does nothing there, and the plan's block term (plan/block.py) takes the
+        kept bytes out of every block while terms.py adds them back only for checkpointed ones."""
+        if s.ac_mode == "full":
+            keeps = self.keeps
+        elif "mop.attention.keep" not in self.fixed:
+            keeps = [False]
+        else:
+            keeps = self.keeps if "activation_checkpoint.mode" in self.fixed or not self.keeps[0] else []
         return [replace(s, ffn_tokens=f, block_tokens=b, keep=k) for k in keeps for f, b in self.tilings]
 
     def dominated(self, s: Settings) -> bool:
-        """Whether a twin of structure s fits at its fastest knobs and is predicted no slower while planning no
-        more: the untiled twin of a tiled s (tiling never plans more and costs cost_model's TILING_SHARE), or
-        the kept twin of an s without keep (keep plans more and skips the recompute's attention). s cannot
-        then be the fastest that fits; the search skips it."""
+        """Whether a twin of structure s fits at its fastest knobs and is predicted no slower than s at its own:
+        the untiled twin of a tiled s (tiling never plans more and costs cost_model's TILING_SHARE), or the
+        kept twin of an s without keep (keep plans more but skips the recompute's attention). s cannot then
+        be the fastest that fits; the search skips it."""
         twins = []
         if s.tiled and (0, 0) in self.tilings:
             twins.append(replace(s, ffn_tokens=0, block_tokens=0))

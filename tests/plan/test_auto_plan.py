@@ -318,3 +318,15 @@ def test_keep_is_searched_only_under_full_checkpointing_and_predicts_the_recompu
     tiled = dataclasses.replace(s, ffn_tokens="auto", block_tokens="auto")
     compute = [t for t in base.terms if t[0] == "compute"][0][1]
     assert p.predict(tiled).seconds == pytest.approx(base.seconds + cost_model.TILING_SHARE * compute)
+
+
+def test_a_given_keep_is_not_paired_with_checkpointing_off_the_search_may_choose():
+    """keep does nothing without checkpointed blocks (and the block term under-plans that pairing: see
+    SearchSpace._tiled_and_kept), so a given keep with the checkpointing mode free never yields ac none."""
+    p = planner(SMALL, "--mop.attention.keep", world=1, gpu=141 * GIB, host=256 * GIB)
+    r = p.fastest_at(32768)
+    assert r.chosen.settings.keep and r.chosen.settings.ac_mode == "full"
+    assert not any(e.settings.keep and e.settings.ac_mode != "full" for e in p._memo.values())
+    both = planner(SMALL, "--mop.attention.keep", "--activation_checkpoint.mode", "none", world=1, gpu=141 * GIB,
+                   host=256 * GIB)
+    assert both.fastest_at(32768).chosen.settings.ac_mode == "none", "both given: kept as given"
