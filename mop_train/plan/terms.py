@@ -146,13 +146,21 @@ def _stream_settings(o: OperatorPlan) -> offload_memory.StreamSettings:
 
 
 def _block_term(x: MemoryPlanInputs, tokens: int) -> tuple[int, int, str]:
-    """(peak bytes of one checkpointed block in backward, bytes a non-checkpointed block saves, how)."""
+    """(peak bytes of one checkpointed block in backward, bytes a non-checkpointed block saves, how).
+
+    With keep, a checkpointed block's kept output and log-sum-exp are the plan's `kept attn` line, so
+    its peak leaves them out; a block that is not checkpointed holds them all step like any saved
+    tensor (kept on its autograd node instead of saved, the same bytes), so its `saved` keeps them,
+    and with no block checkpointed keep changes nothing."""
     a, o, act = x.model, x.ops, x.act_bytes
     expert_degree = x.expert_degree if o.dispatch is not None else 1
     routed = dispatch_memory.device_bound(o.dispatch, dispatch_memory.RoutedShapes(
         tokens=tokens, hidden=a.dim, inter=a.moe_inter_dim, top_k=a.top_k, group_size=expert_degree,
         local_experts=a.num_experts // expert_degree, act_bytes=act))
-    return block_bound(a, tokens, act, o.tiling, routed, keep=o.keep_attention)
+    kept_in_recompute = o.keep_attention and x.checkpointed_layers > 0
+    peak, _, how = block_bound(a, tokens, act, o.tiling, routed, keep=kept_in_recompute)
+    _, saved, _ = block_bound(a, tokens, act, o.tiling, routed, keep=False)
+    return peak, saved, how
 
 
 def _loss_bound(x: MemoryPlanInputs, tokens: int) -> DeviceBound:

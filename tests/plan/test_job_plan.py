@@ -158,6 +158,27 @@ def test_the_plan_is_the_largest_of_three_moments():
     assert kept["kept attn"][0] == 12 * (1 << 19) * 16 * (128 * 2 + 4)
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["untiled", "tiled"])
+def test_keep_moves_the_kept_bytes_of_checkpointed_blocks_only(tiled):
+    """A block that is not checkpointed holds its attention output and log-sum-exp all step, kept or
+    saved: keep changes its bytes nowhere. A checkpointed one's move from its recompute into `kept attn`."""
+    from mop_train.ops.tiling import TilingOptions
+    tiling = dict(tiling=TilingOptions(block_tokens=8192, ffn_tokens=8192)) if tiled else {}
+    n = zoo.get_model_args("small").n_layers
+    for ckpt in (0, 3, n):
+        shape = dict(seq_len=1 << 19, local_params=1000, first_grad_params=1000, checkpointed_layers=ckpt)
+        plain, kept = (memory_plan(_inputs(**shape, ops=dict(keep_attention=keep, **tiling))) for keep in (False, True))
+        by_name = [{name: b for name, b, _ in plan} for plan in (plain, kept)]
+        per_layer = by_name[1]["kept attn"] // ckpt if ckpt else 0
+        assert by_name[1]["kept attn"] == ckpt * per_layer
+        if ckpt == 0:
+            assert by_name[0] == by_name[1]
+        else:
+            # the early phases: every checkpointed block's kept bytes, less the one block in backward's
+            total = [sum(b for name, b in lines.items() if name != "startup") for lines in by_name]
+            assert total[1] - total[0] == (ckpt - 1) * per_layer
+
+
 def test_auto_device_share_sees_the_plan_without_the_optimizers_own_line(monkeypatch):
     """fit_device_fraction adds OffloadStreamAdamW's staging and share itself: the free bytes it gets
     must not have them taken off already."""
