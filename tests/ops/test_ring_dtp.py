@@ -164,7 +164,9 @@ def _check_case(rank, group, counts, vocab, hidden, dtype, reduction, seed, devi
     # bf16 is judged on the whole problem (every rank's losses and dX, the full dW, gathered), against
     # PyTorch's bf16 error on the same: one rank's few tokens or rows make either error a matter of luck.
     # A per-token loss also carries the bf16 rounding of its target logit, and two correct bf16
-    # matmuls may round it one ulp apart, so the loss may be off by that ulp.
+    # matmuls may round it one ulp apart, so the loss may be off by that ulp; a sum adds one such ulp
+    # per token (as the fp32 branch's per_token * tokens), which PyTorch's rounding of the sum to bf16
+    # can hide by luck (seed 950145393: ours 0.083 off at 39.5 with 6 tokens, PyTorch 0.017).
     # Gathered and compared on the CPU: a pickled CUDA tensor would unpickle onto its sender's GPU.
     mine = [None] * len(counts)
     if len(counts) > 1:
@@ -172,6 +174,7 @@ def _check_case(rank, group, counts, vocab, hidden, dtype, reduction, seed, devi
     else:
         mine = [(loss, dx, dw)]
     logit_ulp = 2.0 ** -7 * max((x.float() @ weight.float().t()).abs().max().item() if len(x) else 0.0 for x in xs)
+    loss_slack = logit_ulp * (sum(int((t != -100).sum()) for t in ts) if reduction == "sum" else 1)
     flat = lambda ts_: torch.cat([t.reshape(-1).float().cpu() for t in ts_])  # noqa: E731
     pieces = {"loss": (flat([m[0] for m in mine]), flat(torch_bf16[0]), flat(truth[0])),
               "dX": (flat([m[1] for m in mine]), flat(torch_bf16[1]), flat(truth[1])),
@@ -180,7 +183,7 @@ def _check_case(rank, group, counts, vocab, hidden, dtype, reduction, seed, devi
         keep = ~torch.isnan(true)  # mean over a rank with no valid token: nan, as PyTorch
         assert torch.isnan(ours[~keep]).all(), f"{tag}: expected nan {name} where PyTorch's is nan"
         assert_no_worse_than_torch(ours[keep], theirs[keep], true[keep], name=f"{name} {tag} (whole problem)",
-                                   slack=logit_ulp if name == "loss" else 0.0)
+                                   slack=loss_slack if name == "loss" else 0.0)
 
 
 def _ring_cases(rank, world_size, seed):
