@@ -5,8 +5,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 SEED_ENV = "MOP_TEST_SEED"
 
@@ -108,3 +111,33 @@ def bf16_moe_layer(gen: torch.Generator, N: int, H: int, I: int, E: int, k: int)
     w2 = torch.randn(E, H, I, generator=gen).bfloat16().requires_grad_()
     weights, indices = torch.rand(N, E, generator=gen).topk(k, dim=1)
     return x, w1, w2, w3, weights.requires_grad_(), indices
+
+
+class AllocatedBytes(TorchDispatchMode):
+    """Storages freshly allocated by ops while active (views and out=/in-place writes, which share an
+    argument's storage, are not allocations): `largest`, the largest one, and `peak`, the most bytes
+    of them alive at once (each counted until the storage itself is freed)."""
+
+    def __enter__(self):
+        self.largest = self.live = self.peak = 0
+        self._alive = set()
+        return super().__enter__()
+
+    def _freed(self, ptr, nbytes):
+        self.live -= nbytes
+        self._alive.discard(ptr)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        shared = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in shared:
+                storage = t.untyped_storage()
+                self.largest = max(self.largest, storage.nbytes())
+                if storage.nbytes() and storage.data_ptr() not in self._alive:
+                    self._alive.add(storage.data_ptr())
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._freed, storage.data_ptr(), storage.nbytes())
+        return out

@@ -23,6 +23,7 @@ from mop_train.models.keep_attention import (attention_cores, keep_attention, ke
                                              kept_entries)
 from mop_train.ops.sco import SelectiveCheckpointOffload
 from mop_train.ops.sco.reference import checkpointed
+from mop_train.parallel.apply import apply_sequence_parallel
 from tests.dist_utils import run_distributed
 from tests.utils import assert_bitwise_equal, assert_no_worse_than_torch, fresh_seed
 
@@ -42,12 +43,7 @@ def _wrapped(base, keep: bool, wrap: str = "plain", seq_group=None):
     """A copy of `base` with its blocks checkpointed (every one plain or through SCO, or
     "alternate": every other one) and keep on/off; with `seq_group`, every core Ulysses-wrapped."""
     model = copy.deepcopy(base)
-    if seq_group is not None:
-        from mop_train.parallel.ulysses import UlyssesAttention
-
-        for module in model.modules():
-            if isinstance(getattr(module, "sdpa", None), ScaledDotProductAttention):
-                module.sdpa = UlyssesAttention(module.sdpa, seq_group)
+    apply_sequence_parallel(model, seq_group)   # what the layout does (a no-op without a group)
     sco = SelectiveCheckpointOffload(1 << 20) if wrap == "sco" else None
     for i, (name, block) in enumerate(list(model.layers.items())):
         if wrap != "alternate" or i % 2 == 0:

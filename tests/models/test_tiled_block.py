@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mop_train.models import zoo
-from mop_train.models.attention import ScaledDotProductAttention, rope_cos_sin, rope_inv_freq
+from mop_train.models.attention import rope_cos_sin, rope_inv_freq
 from mop_train.models.document_mask import document_ids
 from mop_train.models.keep_attention import keep_attention, kept_entries
 from mop_train.models.memory import attention_stage_token_bytes
@@ -29,9 +29,10 @@ from mop_train.ops.sco import SelectiveCheckpointOffload
 from mop_train.ops.sco.reference import checkpointed
 from mop_train.ops.tiling import tiled_rows
 from mop_train.ops.tiling.function import _TiledRows
+from mop_train.parallel.apply import apply_sequence_parallel
 from tests.dist_utils import run_distributed
-from tests.ops.test_tiling import MagnitudeSums, _LiveBytes, assert_weight_grad_within
-from tests.utils import assert_bitwise_equal, fresh_seed
+from tests.ops.test_tiling import MagnitudeSums, assert_weight_grad_within
+from tests.utils import AllocatedBytes, assert_bitwise_equal, fresh_seed
 
 EOS = 1
 GQA = dict(attention="gqa", n_heads=4, n_kv_heads=2, head_dim=16)
@@ -48,12 +49,7 @@ def _prepared(base, tiles, wrap: str, keep: bool, seq_group=None):
     """A copy of `base`: Ulysses cores over `seq_group`, every block checkpointed ("plain", "sco") or
     not ("none"), attention kept or replayed, and tiles (ffn_tokens, block_tokens)."""
     model = copy.deepcopy(base)
-    if seq_group is not None:
-        from mop_train.parallel.ulysses import UlyssesAttention
-
-        for module in model.modules():
-            if isinstance(getattr(module, "sdpa", None), ScaledDotProductAttention):
-                module.sdpa = UlyssesAttention(module.sdpa, seq_group)
+    apply_sequence_parallel(model, seq_group)   # what the layout does (a no-op without a group)
     sco = SelectiveCheckpointOffload(1 << 20) if wrap == "sco" else None
     for name, block in list(model.layers.items()):
         if wrap != "none":
@@ -193,7 +189,7 @@ def test_attention_stage_bytes_per_tile_token(variant, dtype):
     grads = [torch.randn(o.shape).to(dtype) for o in tiled_rows(stage, (x,), weights, N)]
     peaks = {}
     for tile in (256, 512):
-        with _LiveBytes() as seen:
+        with AllocatedBytes() as seen:
             torch.autograd.backward(tiled_rows(stage, (x,), weights, tile), grads)
         peaks[tile] = seen.peak
     per_token = (peaks[512] - peaks[256]) / 256

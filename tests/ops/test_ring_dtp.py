@@ -17,17 +17,14 @@ import os
 import subprocess
 import sys
 import threading
-import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from mop_train.ops.ring_dtp import (reference_cross_entropy, reference_ring_dtp_cross_entropy, resolve_mode,
                                     ring_dtp_cross_entropy, ring_dtp_largest_tensor_bytes, ring_dtp_peak_bytes)
 from tests.dist_utils import backend_params, run_distributed, worker_device
-from tests.utils import assert_close, assert_no_worse_than_torch, fresh_seed
+from tests.utils import AllocatedBytes, assert_close, assert_no_worse_than_torch, fresh_seed
 
 MODES = ("move_activations", "move_weights", "auto")
 REDUCTIONS = ("mean", "sum", "none")
@@ -238,12 +235,12 @@ def _ring_suite(rank, group, world_size, seed):
 
 
 def _allocated(rank, group, counts, vocab, hidden, dtype, seed, device, **kw):
-    """What one forward + backward allocates on this rank beyond its inputs (_LargestTensor)."""
+    """What one forward + backward allocates on this rank beyond its inputs (AllocatedBytes)."""
     weight, xs, ts, gouts = _problem(seed, counts, vocab, hidden, dtype, device)
     shard_rows = -(-vocab // len(counts))
     w = weight[min(vocab, rank * shard_rows):min(vocab, (rank + 1) * shard_rows)].clone().requires_grad_()
     x = xs[rank].clone().requires_grad_()
-    with _LargestTensor() as seen:
+    with AllocatedBytes() as seen:
         loss = ring_dtp_cross_entropy(x, w, ts[rank], group, vocab_size=vocab, reduction="sum", **kw)
         loss.backward(_upstream(loss, gouts[rank], _shared(kw)))
         del loss
@@ -282,35 +279,6 @@ def test_rings_inside_a_larger_world():
     run_distributed(_two_vocab_groups, 4, fresh_seed(2400))
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Largest storage freshly allocated by any op while active (views and out=/in-place writes,
-    which share an argument's storage, are not allocations), and `peak`: the most bytes of such
-    storages alive at once (each counted until the storage itself is freed)."""
-
-    def __enter__(self):
-        self.largest = self.live = self.peak = 0
-        self._alive = set()
-        return super().__enter__()
-
-    def _freed(self, ptr, nbytes):
-        self.live -= nbytes
-        self._alive.discard(ptr)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        shared = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in shared:
-                storage = t.untyped_storage()
-                self.largest = max(self.largest, storage.nbytes())
-                if storage.nbytes() and storage.data_ptr() not in self._alive:
-                    self._alive.add(storage.data_ptr())
-                    self.live += storage.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self._freed, storage.data_ptr(), storage.nbytes())
-        return out
-
 
 @pytest.mark.slow
 # No gloo world of 2: test_rings_inside_a_larger_world runs the whole P = 2 suite on its two rings of 2
@@ -332,7 +300,7 @@ def test_single_device_path_and_largest_block():
                     logit_scale=100.0)
     weight, xs, ts, gouts = _problem(seed, [13], 101, 8, torch.float32)
     for reduction, schedule in (("none", "recompute"), ("sum", "grad_in_forward")):
-        with _LargestTensor() as seen:
+        with AllocatedBytes() as seen:
             _ours(0, None, weight, xs, ts, gouts, 101, reduction=reduction, block_size=8, impl="torch",
                   schedule=schedule, token_chunk=2 if schedule == "grad_in_forward" else None)
         bound = ring_dtp_largest_tensor_bytes(13, 8, 101, 1, dtype=torch.float32, block_size=8, impl="torch",

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from mop_train.ops.ring_dtp import reference_cross_entropy, ring_dtp_cross_entropy, ring_dtp_peak_bytes
 from mop_train.ops.ring_dtp.ring import Ring
 from tests.dist_utils import run_distributed
-from tests.ops.test_ring_dtp import COUNTS, _LargestTensor, _check_case, _problem, _scale, _term_scales
-from tests.utils import assert_close, assert_no_worse_than_torch, fresh_seed
+from tests.ops.test_ring_dtp import COUNTS, _check_case, _problem, _scale, _term_scales
+from tests.utils import AllocatedBytes, assert_close, assert_no_worse_than_torch, fresh_seed
 
 VOCAB, HIDDEN, BLOCK = 37, 16, 4
 SCHEDULES = ("recompute", "grad_in_forward")
@@ -97,7 +97,7 @@ def _evaluation(p: _Rank, tag):
     for schedule in SCHEDULES + ("auto",):
         for how in ("no_grad", "no_requires_grad"):
             x, w = p.leaves(grad=how != "no_requires_grad")
-            with _LargestTensor() as seen, torch.set_grad_enabled(how != "no_grad"):
+            with AllocatedBytes() as seen, torch.set_grad_enabled(how != "no_grad"):
                 loss = p.loss(x, w, schedule=schedule, reduction="sum", memory_budget=1 << 40)
             assert loss.grad_fn is None and not loss.requires_grad, f"{tag} {schedule} {how}: {_grad_fn(loss)}"
             assert_close(loss, ref, rtol=1e-5, atol=1e-5 * _scale(ref), name=f"eval loss {tag} {schedule} {how}")
@@ -405,7 +405,7 @@ def test_allocations_follow_the_wanted_gradients():
         unwanted = x if wanted != "hidden" else w
         x, w = x.clone().requires_grad_(wanted == "hidden"), w.clone().requires_grad_(wanted == "weight")
         for schedule in SCHEDULES if wanted == "nothing" else ("grad_in_forward",):
-            with _LargestTensor() as seen:
+            with AllocatedBytes() as seen:
                 loss = ring_dtp_cross_entropy(x, w, t, vocab_size=w.shape[0], reduction="sum", schedule=schedule,
                                               impl="torch", block_size=BLOCK, token_chunk=x.shape[0])  # one chunk
                 if wanted != "nothing":
@@ -413,6 +413,6 @@ def test_allocations_follow_the_wanted_gradients():
             assert seen.largest < unwanted.numel() * 4, \
                 f"{schedule}, only the {wanted} wants a gradient: allocated {seen.largest} B"
     x, w, t = many_tokens
-    with _LargestTensor() as seen:
+    with AllocatedBytes() as seen:
         ring_dtp_cross_entropy(x, w, t, vocab_size=w.shape[0], impl="reference", block_size=BLOCK)
     assert seen.largest >= x.shape[0] * w.shape[0] * 4, f"impl='reference' allocated only {seen.largest} B"

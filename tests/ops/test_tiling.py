@@ -18,17 +18,15 @@ ulp of the larger (2^-7 |v|). Memory: what the CPU path keeps alive against memo
 
 from __future__ import annotations
 
-import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from mop_train.ops.tiling import TilingOptions, swiglu, tile_bounds, tiled_rows, tiled_swiglu, untiled_rows
 from mop_train.ops.tiling.memory import auto_tile_tokens, largest_tile, swiglu_working_bytes
-from tests.utils import assert_bitwise_equal, assert_no_worse_than_torch, fresh_seed
+from tests.utils import AllocatedBytes, assert_bitwise_equal, assert_no_worse_than_torch, fresh_seed
 
 U_FP32 = 2.0 ** -24
 
@@ -209,32 +207,6 @@ def test_auto_tile_and_options():
         TilingOptions.resolve("sometimes", 0, tokens=1, ffn_token_bytes=1, block_token_bytes=1)
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Peak bytes of storages freshly allocated by ops while active (views and in-place writes are
-    not allocations), each counted until the storage is freed."""
-
-    def __enter__(self):
-        self.live = self.peak = 0
-        self._alive = set()
-        return super().__enter__()
-
-    def _freed(self, ptr, nbytes):
-        self.live -= nbytes
-        self._alive.discard(ptr)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        shared = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in shared:
-                storage = t.untyped_storage()
-                if storage.nbytes() and storage.data_ptr() not in self._alive:
-                    self._alive.add(storage.data_ptr())
-                    self.live += storage.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self._freed, storage.data_ptr(), storage.nbytes())
-        return out
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_memory_within_its_bound(dtype):
@@ -248,7 +220,7 @@ def test_swiglu_memory_within_its_bound(dtype):
         x = torch.randn(1, N, H, generator=gen).to(dtype).requires_grad_()
         ws = [torch.randn(*s, generator=gen).to(dtype).requires_grad_() for s in ((Fw, H), (H, Fw), (Fw, H))]
         g = torch.randn(1, N, H, generator=gen).to(dtype)
-        with _LiveBytes() as seen:
+        with AllocatedBytes() as seen:
             y = swiglu(x, *ws) if tile is None else tiled_swiglu(x, *ws, tile)
             y.backward(g)
             del y
