@@ -172,7 +172,7 @@ def child(point: dict, steps: int, snapshot: str | None, model_args=None) -> dic
         batch = [next(batches) for _ in range(run.micro_batches)]
         last = step == steps
         if last and snapshot and device.type == "cuda":
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=SNAPSHOT_EVENTS)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
@@ -191,15 +191,45 @@ def child(point: dict, steps: int, snapshot: str | None, model_args=None) -> dic
             out["steps"][-1]["census"] = _census_record(census[0])
             print(json.dumps(out["steps"][-1]["census"], indent=1), flush=True)
         if last and snapshot and device.type == "cuda":
-            torch.cuda.memory._dump_snapshot(snapshot)
+            out["snapshot"] = write_snapshot(torch.cuda.memory._snapshot(), snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)
-            out["snapshot"] = snapshot
     if census is not None:
         for part in reversed(census):
             part.__exit__(None, None, None)
     out["measured_gib"] = max(s["peak_gib"] for s in out["steps"])
     out["plan_over_measured"] = out["plan_device_gib"] / out["measured_gib"]
     return out
+
+
+SNAPSHOT_EVENTS = 150_000
+SNAPSHOT_LIMIT = 15 * 2**20
+"""Allocator events the snapshot keeps (the step's last ones: backward's peak and the optimizer), and the
+largest gzipped file the device machine returns (16 MiB a file)."""
+
+
+def write_snapshot(snap: dict, path: str) -> dict:
+    """Write torch's memory snapshot gzipped at `path` + ".gz", its stacks cut to the frames that name
+    an allocation's owner (ours, FSDP2's), fewer of them until it fits SNAPSHOT_LIMIT; the file opens in
+    https://pytorch.org/memory_viz after gunzip. Returns where it went, its size and the frames kept."""
+    import gzip
+    import pickle
+
+    def owners(frames, keep):
+        ours = [f for f in frames if "mop_train" in f["filename"] or "fsdp" in f["filename"]]
+        return (ours or frames)[:keep]
+
+    events = [e for trace in snap["device_traces"] for e in trace]
+    blocks = [b for seg in snap["segments"] for b in seg["blocks"]]
+    full = {id(x): x.get("frames", []) for x in events + blocks}
+    for keep in (8, 4, 2, 1):
+        for x in events + blocks:
+            x["frames"] = owners(full[id(x)], keep)
+        with gzip.open(path + ".gz", "wb", compresslevel=9) as f:
+            pickle.dump(snap, f)
+        size = os.path.getsize(path + ".gz")
+        if size <= SNAPSHOT_LIMIT:
+            break
+    return {"path": path + ".gz", "bytes": size, "frames_kept": keep, "events": len(events)}
 
 
 def _census(point: dict, device, optimizers):
