@@ -6,6 +6,7 @@ plan's total, and the compute time of its step with every collective a local sta
     python benchmarks/fake_world.py run mop-37b-w8-64k --out $OUT # one point (< 600 s): JSON under --out
     python benchmarks/fake_world.py run mop-241b-w64-1024k --snapshot --out $OUT   # + torch memory snapshot
     python benchmarks/fake_world.py run mop-241b-w64-64k --census --out $OUT       # + the peak's make-up by site
+    python benchmarks/fake_world.py peak benchmarks/results/h200_2026-12-03/mop-667b-w64-256k_snapshot.pickle.gz
 
 Points: mop-37b at W=8; mop-120b at W=16 and 64; mop-241b and mop-667b at W=64; each at 64K, 256K and
 1M tokens, with the layout (D, E_p, P) and operators of configs/mop_*.toml, rank 0, the balanced routing
@@ -232,6 +233,66 @@ def write_snapshot(snap: dict, path: str) -> dict:
     return {"path": path + ".gz", "bytes": size, "frames_kept": keep, "events": len(events)}
 
 
+def snapshot_peak(path: str, top: int = 15) -> dict:
+    """The allocations alive at the largest total inside a `write_snapshot` file's event window, grouped
+    by their first frame of ours (file:line function): the peak's make-up, read offline. Walks the events
+    back from the blocks alive at the dump; an allocation made before the window and freed inside it is
+    counted as made before the window, one alive at the dump without a stack as made before recording
+    began (the snapshot records the last step only)."""
+    import gzip
+    import pickle
+
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        snap = pickle.load(f)
+    events = [e for trace in snap["device_traces"] for e in trace]
+    live = {b["address"]: (b["size"], b.get("frames", [])) for seg in snap["segments"]
+            for b in _block_addresses(seg) if b["state"] == "active_allocated"}
+    total = sum(size for size, _ in live.values())
+    best, best_at, alive_at_best = total, len(events), dict(live)
+    for i in range(len(events) - 1, -1, -1):
+        e = events[i]
+        if e["action"] == "alloc":
+            live.pop(e["addr"], None)
+            total -= e["size"]
+        elif e["action"] == "free_requested":
+            live[e["addr"]] = (e["size"], None)
+            total += e["size"]
+        else:
+            continue
+        if total > best:
+            best, best_at, alive_at_best = total, i, dict(live)
+    made_in_window = {e["addr"]: e.get("frames", []) for e in events[:best_at] if e["action"] == "alloc"}
+    groups: dict[str, int] = {}
+    for addr, (size, frames) in alive_at_best.items():
+        if addr in made_in_window:
+            frames = made_in_window[addr]
+            key = _owner(frames) if frames else "no Python stack (made on autograd's backward thread)"
+        else:
+            key = ("made in the step, before the window" if frames is None else _owner(frames) if frames
+                   else "made before recording began (parameters, optimizer state)")
+        groups[key] = groups.get(key, 0) + size
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1])
+    return {"peak_gib": best / GIB, "event": best_at, "events": len(events),
+            "make_up_gib": {k: round(b / GIB, 3) for k, b in ranked[:top]},
+            "rest_gib": round(sum(b for _, b in ranked[top:]) / GIB, 3)}
+
+
+def _block_addresses(segment: dict):
+    """A segment's blocks with their addresses (the snapshot stores only the segment's base and sizes)."""
+    address = segment["address"]
+    for block in segment["blocks"]:
+        yield {**block, "address": address}
+        address += block["size"]
+
+
+def _owner(frames: list) -> str:
+    for f in frames:
+        if "mop_train" in f["filename"]:
+            return f"{f['filename'].split('mop_train/')[-1]}:{f['line']} {f['name']}"
+    return f"{frames[0]['filename'].rsplit('/', 1)[-1]}:{frames[0]['line']} {frames[0]['name']}"
+
+
 def _census(point: dict, device, optimizers):
     """`--census`: (StorageCensus, StepPhases) entered on the run's device, or None. Storages made before
     the first step (parameters, gradients of step 0, OffloadStreamAdamW's staging) are not counted, so
@@ -316,6 +377,8 @@ def main() -> None:
         p.add_argument("--host-limit", default="112GiB")
         if name == "smoke":
             p.add_argument("--seq-len", type=int, default=16 * 4096, help="tokens per sequence (a multiple of 16)")
+    pk = sub.add_parser("peak", help="the make-up of a --snapshot file's peak, by allocating frame of ours")
+    pk.add_argument("snapshot_file")
     ch = sub.add_parser("child")
     ch.add_argument("point")
     ch.add_argument("steps", type=int)
@@ -328,6 +391,9 @@ def main() -> None:
             from mop_train.models import zoo
             model_args = replace(zoo.get_model_args("debug"), n_heads=16, num_experts=64)
         print("RESULT " + json.dumps(child(point, a.steps, a.snapshot or None, model_args)), flush=True)
+        return
+    if a.cmd == "peak":
+        print(json.dumps(snapshot_peak(a.snapshot_file), indent=1))
         return
     from mop_train.units import parse_bytes
     limit = parse_bytes(a.host_limit, key="--host-limit")
