@@ -40,13 +40,13 @@ after the wait."""
 
 def _report(message: str, exit_code: int, *, every_rank: bool = False, agreed: bool = False) -> None:
     rank = int(os.environ.get("RANK", "0"))
-    if rank != 0 and agreed and not every_rank:
+    beside_rank0 = rank != 0 and "TORCHELASTIC_RUN_ID" in os.environ   # else a fake world's lone rank
+    if beside_rank0 and agreed and not every_rank:
         return   # rank 0 prints the same line
-    if not every_rank and rank != 0:
+    if beside_rank0 and not every_rank:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(QUIET_RANK_DELAY_S)
-        every_rank = True
-    prefix = f"mop_train.train (rank {rank})" if every_rank else "mop_train.train"
+    prefix = f"mop_train.train (rank {rank})" if rank != 0 or every_rank else "mop_train.train"
     print(f"{prefix}: error: {message}", file=sys.stderr, flush=True)
     _write_error_file(f"exit {exit_code}: {message}")
 

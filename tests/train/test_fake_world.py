@@ -327,6 +327,8 @@ def test_cli_fake_run_says_on_every_line_that_losses_are_meaningless(tmp_path):
     assert all(r["moe_num_chunks"] == 1 and not r["skipped"] for r in records)
     refused = _fake_cli(args + ["--checkpoint.enable"], {"WORLD_SIZE": "8", "RANK": "6"})
     assert refused.returncode == 2 and "checkpoint.enable" in refused.stderr, refused.stderr[-2000:]
+    # a lone fake rank has no rank 0 to print for it: the error names the rank, without torchrun's wait
+    assert "mop_train.train (rank 6): error:" in refused.stderr, refused.stderr[-2000:]
 
 
 def test_config_refuses_what_a_fake_world_cannot_stand_in_for():
