@@ -18,6 +18,7 @@ Legend: offsets/sizes are per dimension of the global tensor.
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass
 
@@ -25,8 +26,6 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-
-from mop_train.train.integrity import step_folders
 
 
 @dataclass(frozen=True)
@@ -66,12 +65,14 @@ class _IntoBuffers(LoadPlanner):
     create_local_plan = create_global_plan = finish_plan = set_up_planner
 
 
+STEP = re.compile(r"step-(\d+)")
 METADATA = ".metadata"
 
 
 def _steps_in(folder: str) -> list[str]:
-    """The `step-N` folders in `folder`, by N (the checkpointer's own listing)."""
-    return [f"step-{n}" for n in step_folders(folder)]
+    """The `step-N` folders in `folder`, by N."""
+    names = [n for n in os.listdir(folder) if STEP.fullmatch(n) and os.path.isdir(os.path.join(folder, n))]
+    return sorted(names, key=lambda n: int(STEP.fullmatch(n).group(1)))
 
 
 def _listed(steps: list[str]) -> str:
