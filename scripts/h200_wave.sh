@@ -23,6 +23,10 @@
 #   small_1m           `small` at 1M tokens, every operator + tiling (+ streaming), one step
 #   compile_2x4k       compile gain at 2 x 4K, ours and torchtitan (benchmarks/compile_gain.py)
 #   compile_32k        the same at 1 x 32K (~8 min)
+#   levers_32k         issue 37's two loss/combine levers at 1 x 32K, ours-auto profiled twice (~70 s): as planned
+#                      (chunked cross-entropy; the combine is combine.sum_token_rows since 2026-12-03), then with
+#                      Ring-DTP's grad_in_forward schedule as the P = 1 loss (three GEMM passes, no recompute)
+#   fake_667b_1m_snapshot  the memory snapshot of issue 35's largest point, mop-667b at W=64 and 1M (~480 s)
 set -uo pipefail
 want=" $* "
 source "$(dirname "$0")/gpu_steps.sh"
@@ -65,4 +69,10 @@ TAIL=30 step small_1m 590 torchrun --standalone --nproc_per_node=1 -m mop_train.
 [[ -f /tmp/run_1m/metrics.jsonl ]] && cp /tmp/run_1m/metrics.jsonl "$OUT/small_1m_metrics.jsonl"
 TAIL=30 step compile_2x4k 420 python3 benchmarks/compile_gain.py --shapes 2x4096 --out "$OUT/compile"
 TAIL=30 step compile_32k 580 python3 benchmarks/compile_gain.py --shapes 1x32768 --out "$OUT/compile_32k"
+TAIL=25 step levers_32k 200 bash -c "python3 benchmarks/step_profile.py --config configs/small_1gpu.toml --auto \
+  --seq-len 32768 --batch 1 --out $OUT/levers_32k/auto && python3 benchmarks/step_profile.py \
+  --config configs/small_1gpu.toml --auto --seq-len 32768 --batch 1 --out $OUT/levers_32k/auto_gif -- \
+  --mop.ring_dtp.enable --mop.ring_dtp.schedule grad_in_forward; rm -f $OUT/levers_32k/*/trace.json.gz"
+TAIL=12 step fake_667b_1m_snapshot 590 python3 benchmarks/fake_world.py run mop-667b-w64-1024k --steps 1 --snapshot \
+  --timeout 580 --out "$OUT/fake"
 exit 0

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from mop_train.ops.moe_dispatch.combine import combine_rows
+from mop_train.ops.moe_dispatch.combine import inverse_permutation, sum_token_rows, token_slots
 from mop_train.ops.moe_dispatch.comm import (all_to_all, exchange_counts, group_size, host_to_device,
                                              stands_for_identical_ranks)
 from mop_train.ops.moe_dispatch.local import grouped_swiglu, local_experts_forward
@@ -53,12 +53,6 @@ def receive_order(recv_counts: torch.Tensor, device, slot_of_col: torch.Tensor |
                                           host_to_device(recv_counts.reshape(-1), device),
                                           output_size=int(recv_counts.sum()))  # [R']
     return torch.argsort(slot_of_row, stable=True), slot_counts
-
-
-def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return inv
 
 
 def weighted_experts(rows: torch.Tensor, route_w: torch.Tensor, slot_counts: torch.Tensor,
@@ -118,7 +112,7 @@ def ep_experts_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
     expert_fn = functools.partial(weighted_experts, w1=w1, w2=w2, w3=w3)
     out = exchange_and_compute(x[token], weights.reshape(-1)[order], send_splits, recv_counts,
                                expert_fn, group)                   # [R, H]
-    return combine_rows(torch.zeros_like(x), token, out)           # [N, H]; `out` not saved
+    return sum_token_rows(out, token_slots(order, k), token)       # [N, H]; `out` not saved
 
 
 __all__ = ["ep_experts_forward", "exchange_and_compute", "inverse_permutation", "receive_order",

@@ -14,7 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from mop_train.ops.moe_dispatch.combine import combine_rows
+from mop_train.ops.moe_dispatch.combine import sum_token_rows, token_slots
 from mop_train.ops.moe_dispatch.comm import host_to_device
 
 
@@ -95,4 +95,4 @@ def local_experts_forward(x, indices, weights, w1, w2, w3):
     rows = x[order // k]                                          # [R, H]
     out = grouped_swiglu(rows, counts, w1, w2, w3)                # [R, H]
     out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
-    return combine_rows(torch.zeros_like(x), order // k, out)     # [N, H]; `out` not saved
+    return sum_token_rows(out, token_slots(order, k), order // k)  # [N, H]; `out` not saved

@@ -69,7 +69,8 @@ def _routed_bytes(options: DispatchOptions | None, shapes: RoutedShapes) -> tupl
         routes = tokens * k
         if isinstance(options, LLEPOptions):
             routes = int(min(group_size, balance) * routes) + options.min_tokens_per_gemm
-        # The combine's gradient gathered per route: H per route while the weighting runs backward.
+        # The combine's gradient gathered per route: H per route while the weighting runs backward. Its
+        # forward (combine.sum_token_rows) gathers at most min(COMBINE_CHUNK_BYTES, these R*H) at once.
         saved, transient = routes * (2 * H + 4 * I), routes * H
         return (saved * act_bytes, transient * act_bytes,
                 f"{name}: {routes:,} routes x (2H + 4I) saved, H in backward"
