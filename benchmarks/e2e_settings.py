@@ -9,7 +9,9 @@ host memory, the optimizer step on the CPU) or not. OurSetting is one layout and
 ours. The candidate lists are ordered by what we expect to be best for each kind of point (the
 benchmark runs the first ones its budget allows); the reasons are written beside them. AutoSetting is
 ours as `mop-train plan --auto` chooses it for one point (the most tokens/s its cost model predicts
-among what its memory plan fits): "ours, best per point", asked anew at each context and batch.
+among what its memory plan fits): "ours, best per point", asked anew at each context and batch; its
+throughput points run that choice eager and compiled (`AutoSetting.compiled`), since torchtitan's
+grid has compile in it.
 
 Legend: W ranks, D seq_degree, E_p expert_degree, P vocab_degree, S context, B local batch, V vocab.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mop_train.sweep import median_after_first, train_command
 
@@ -156,6 +158,21 @@ class AutoSetting:
 
     def global_batch(self, world: int, local_batch: int) -> int:
         return local_batch * world // self.seq_degree
+
+    def compiled(self) -> "AutoSetting":
+        """The same configuration under torch.compile, as torchtitan's best runs: the blocks, and the
+        chunked loss unless Ring-DTP is the loss (P > 1 or enabled), which the config refuses to
+        compile. The planner does not model compile, so the prediction and plan stay the eager ones."""
+        ring = "--mop.ring_dtp.enable" in self.overrides or _flag_value(self.overrides, "--mop.layout.vocab_degree", "1") != "1"
+        return replace(self, overrides=self.overrides + ("--compile.enable", "--compile.components",
+                                                         "model" if ring else "model,loss"),
+                       label=self.label + ", compiled")
+
+
+def _flag_value(flags: tuple[str, ...], key: str, default: str) -> str:
+    """The value after the last `key` in flags, else default."""
+    at = [i for i, f in enumerate(flags[:-1]) if f == key]
+    return flags[at[-1] + 1] if at else default
 
 
 class AutoSettings:

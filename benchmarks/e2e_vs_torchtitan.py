@@ -7,8 +7,8 @@ Series on the same W GPUs, the same embedded corpus and 2048-token tokenizer, ev
 run (torchrun) of a few steps:
   torchtitan  its Trainer on DeepSeek-V3 registered at `small`'s shape (benchmarks/titan_launch.py;
               both parameter counts printed, equal within 1% or nothing runs)
-  ours-auto   mop_train as `mop-train plan --auto` configures it for each point (skipped, with the
-              reason, where the planner fits nothing)
+  ours-auto   mop_train as `mop-train plan --auto` configures it for each point, eager and compiled at
+              the throughput points (skipped, with the reason, where the planner fits nothing)
   ours-best   mop_train with the plain layout (and, at 2+ ranks, the expert-parallel ones)
   ours-all    mop_train with every operator on (benchmarks/e2e_settings.all_operators)
 Phases (--phases, in that order; each independent of the others' outcome):
@@ -149,8 +149,8 @@ class Bench:
 
     def settings_for(self, series: str, kind: str, *, seq_len: int, local_batch: int, purpose: str) -> list:
         """The series' settings for a point: its candidate list (torchtitan's: those it can run on
-        --nproc ranks), or for ours-auto the planner's choice at this point (none, and a skipped
-        point saying why, when the planner fits nothing)."""
+        --nproc ranks), or for ours-auto the planner's choice at this point, eager then compiled for
+        throughput (none, and a skipped point saying why, when the planner fits nothing)."""
         if series == TITAN:
             return [s for s in self.cands[TITAN][kind] if runs_on(s, self.args.nproc)]
         if series != OURS_AUTO:
@@ -164,7 +164,7 @@ class Bench:
                                     "started_s": round(self.clock.elapsed(), 1),
                                     "error": "mop-train plan --auto fits no configuration at this point (on paper)"})
             return []
-        return [chosen]
+        return [chosen, chosen.compiled()] if kind == "tps" else [chosen]
 
     # -- phases -----------------------------------------------------------------------------------
 

@@ -207,10 +207,22 @@ def test_ours_auto_runs_at_each_point_and_what_it_cannot_fit_is_recorded(tmp_pat
     h = run_phases(b)
     auto = [p for p in b.points if p["series"] == e2e.OURS_AUTO]
     auto.sort(key=lambda p: p["seq_len"])
-    assert [(p["seq_len"], p["status"]) for p in auto] == [(32768, "ok"), (262144, "skipped")]
+    assert [(p["seq_len"], p["status"]) for p in auto] == [(32768, "ok"), (32768, "ok"), (262144, "skipped")]
     assert auto[0]["flags"] == "--mop.layout.seq_degree 1" and auto[0]["predicted_tokens_per_s"] == 1e4
-    assert "plan --auto" in auto[1]["error"]
-    assert h["tps"]["32768x1"][e2e.OURS_AUTO]["fastest"]["setting"] == "auto-D1S32768"
+    # the same choice compiled, as torchtitan's grid is: the faster of the two is the series' figure
+    assert auto[1]["flags"] == "--mop.layout.seq_degree 1 --compile.enable --compile.components model,loss"
+    assert "plan --auto" in auto[2]["error"]
+    fastest = max(auto[:2], key=lambda p: p["tokens_per_s"])["setting"]
+    assert h["tps"]["32768x1"][e2e.OURS_AUTO]["fastest"]["setting"] == fastest
+    assert {auto[0]["setting"], auto[1]["setting"]} == {"auto-D1S32768", "auto-D1S32768-compiled"}
+
+
+def test_compiled_auto_setting_does_not_compile_ring_dtps_loss():
+    plain = AutoSetting(("--mop.layout.vocab_degree", "1", "--mop.ring_dtp.no-enable"), "D1", 1, 1e4, 50.0)
+    assert plain.compiled().flags()[-1] == "model,loss"
+    for flags in (("--mop.ring_dtp.enable",), ("--mop.layout.vocab_degree", "2", "--mop.ring_dtp.no-enable")):
+        assert AutoSetting(flags, "D1", 1, 1e4, 50.0).compiled().flags()[-3:] == (
+            ["--compile.enable", "--compile.components", "model"])
 
 
 @pytest.mark.parametrize("flag", [["--reach-bracket", "titan=1:2"], ["--reach-bracket", "torchtitan=9:3"],
