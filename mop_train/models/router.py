@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from mop_train.models.fp32_buffers import KeepFp32Buffers
+from mop_train.ops.moe_dispatch.local import route_counts
 
 
 class TopKRouter(KeepFp32Buffers):
@@ -63,7 +64,7 @@ class TopKRouter(KeepFp32Buffers):
     @torch.no_grad()
     def record_load(self, indices: torch.Tensor) -> None:
         """Add the per-expert route counts of indices [N, k] to `tokens_per_expert`."""
-        counts = torch.bincount(indices.reshape(-1), minlength=self.num_experts)
+        counts = route_counts(indices, self.num_experts)
         self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
 
     def aux_loss(self, scores: torch.Tensor, indices: torch.Tensor, coef: float) -> torch.Tensor:
@@ -73,7 +74,7 @@ class TopKRouter(KeepFp32Buffers):
         if N == 0:
             return scores.sum() * 0.0
         probs = scores / scores.sum(dim=-1, keepdim=True).clamp_min(1e-20)      # [N, E]
-        counts = torch.bincount(indices.reshape(-1), minlength=self.num_experts)
+        counts = route_counts(indices, self.num_experts)
         route_share = counts.to(probs.dtype) / (N * indices.shape[1])           # [E]
         return coef * self.num_experts * (route_share * probs.mean(dim=0)).sum()
 

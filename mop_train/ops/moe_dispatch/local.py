@@ -37,6 +37,16 @@ def _grouped_mm_supported(x: torch.Tensor, w1: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
+def route_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[num_experts] int64: how many of `indices` (expert ids, any shape) name each expert, on their
+    device. torch.bincount gives the same counts but, on CUDA, reads the largest id back to the host to
+    size its output: one host sync per MoE layer, which the 1 x 32K profile showed (RESULTS.md
+    2026-12-03) and which stalls the launch queue where the step is host-bound (2 x 4K). Integer adds
+    are exact in any order, so the counts are bitwise bincount's."""
+    flat = indices.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+
+
 def group_offsets(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor):
     """What `grouped_mm` takes as `groups`: int32 end offsets on x's device for torch._grouped_mm
     (one host-device copy without a host sync when the counts are on the host, reused by every
@@ -91,7 +101,7 @@ def local_experts_forward(x, indices, weights, w1, w2, w3):
     E = w1.shape[0]
     flat = indices.reshape(-1)                                    # [R]
     order = torch.argsort(flat, stable=True)                      # [R] route ids sorted by expert
-    counts = torch.bincount(flat, minlength=E)                    # [E]
+    counts = route_counts(flat, E)                                # [E], no host sync
     rows = x[order // k]                                          # [R, H]
     out = grouped_swiglu(rows, counts, w1, w2, w3)                # [R, H]
     out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
