@@ -242,10 +242,16 @@ def snapshot_peak(path: str, top: int = 15) -> dict:
     import gzip
     import pickle
 
+    if not os.path.isfile(path):
+        raise SystemExit(f"peak: {path} is not a file; pass a snapshot `run --snapshot` wrote "
+                         f"(<out>/<point>_snapshot.pickle.gz)")
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
         snap = pickle.load(f)
-    events = [e for trace in snap["device_traces"] for e in trace]
+    events = [e for trace in snap.get("device_traces", []) for e in trace]
+    if not events:
+        raise SystemExit(f"peak: {path} holds no allocator events (a snapshot taken without "
+                         f"torch.cuda.memory._record_memory_history); nothing to replay")
     live = {b["address"]: (b["size"], b.get("frames", [])) for seg in snap["segments"]
             for b in _block_addresses(seg) if b["state"] == "active_allocated"}
     total = sum(size for size, _ in live.values())
