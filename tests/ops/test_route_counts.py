@@ -59,3 +59,19 @@ def test_local_layer_on_cuda_makes_no_host_sync():
         y.backward(grad)
     torch.cuda.synchronize()
     assert all(t.grad is not None for t in (x, w1, w2, w3, weights))
+
+
+@pytest.mark.gpu
+def test_route_counts_on_cuda_equal_bincount_with_and_without_deterministic_algorithms():
+    """On CUDA the counts are bincount's, also under torch.use_deterministic_algorithms (where torch
+    runs index_add_ by its sort-based index_put_; --debug.deterministic sets it)."""
+    gen = torch.Generator().manual_seed(fresh_seed(7343))
+    ids = (torch.rand(4096, 6, generator=gen) ** 2 * 64).long().cuda()
+    want = torch.bincount(ids.reshape(-1), minlength=64)
+    assert torch.equal(route_counts(ids, 64), want)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.equal(route_counts(ids, 64), want)
+    finally:
+        torch.use_deterministic_algorithms(before)
