@@ -30,8 +30,9 @@ made the step's sum order, and so its bf16 result, change from run to run. The r
 deterministic, and in bf16 it accumulates the k rows in fp32 and rounds once (index_add_ rounds
 after every row): the same sum, closer to the fp32 one. Its backward is CombineRows': the rows'
 gradient is grad.index_select(0, ids), so for the same incoming gradient every gradient of the layer
-is bit for bit what CombineRows gives (y itself differs from index_add_'s by the sum's rounding). The gathered chunk is at most COMBINE_CHUNK_BYTES, and never more than the
-rows themselves, which the dispatch bound already counts in backward (memory.py: R*H).
+is bit for bit what CombineRows gives (y itself differs from index_add_'s by the sum's rounding).
+The gathered chunk is at most COMBINE_CHUNK_BYTES, and never more than the rows themselves, which
+the dispatch bound already counts in backward (memory.py: R*H).
 
 Legend: N tokens, H hidden, R routes (rows added), k top-k.
 """

@@ -115,5 +115,5 @@ def ep_experts_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
     return sum_token_rows(out, token_slots(order, k), token)       # [N, H]; `out` not saved
 
 
-__all__ = ["ep_experts_forward", "exchange_and_compute", "inverse_permutation", "receive_order",
+__all__ = ["ep_experts_forward", "exchange_and_compute", "receive_order",
            "weighted_experts"]

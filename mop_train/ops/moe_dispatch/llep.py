@@ -28,11 +28,11 @@ import torch.distributed as dist
 from mop_train.ops.moe_dispatch.chunked_experts import (ChunkExperts, ExpertGradSum, GatherTokens,
                                                         TokenGradSum, TokenSource, in_backward,
                                                         slot_swiglu)
-from mop_train.ops.moe_dispatch.combine import combine_rows
+from mop_train.ops.moe_dispatch.combine import combine_rows, inverse_permutation
 from mop_train.ops.moe_dispatch.comm import (AllToAllStart, AllToAllWait, Ticket, all_gather_counts,
                                              exchange_counts, group_rank, group_size, host_to_device,
                                              stands_for_identical_ranks)
-from mop_train.ops.moe_dispatch.ep import inverse_permutation, receive_order
+from mop_train.ops.moe_dispatch.ep import receive_order
 from mop_train.ops.moe_dispatch.llep_plan import LLEPPlan, llep_plan
 from mop_train.ops.moe_dispatch.local import local_experts_forward
 from mop_train.ops.moe_dispatch.options import LLEPOptions

@@ -102,7 +102,8 @@ def local_experts_forward(x, indices, weights, w1, w2, w3):
     flat = indices.reshape(-1)                                    # [R]
     order = torch.argsort(flat, stable=True)                      # [R] route ids sorted by expert
     counts = route_counts(flat, E)                                # [E], no host sync
-    rows = x[order // k]                                          # [R, H]
+    token = order // k                                            # [R] each row's token
+    rows = x[token]                                               # [R, H]
     out = grouped_swiglu(rows, counts, w1, w2, w3)                # [R, H]
     out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
-    return sum_token_rows(out, token_slots(order, k), order // k)  # [N, H]; `out` not saved
+    return sum_token_rows(out, token_slots(order, k), token)      # [N, H]; `out` not saved
