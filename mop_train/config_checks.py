@@ -43,7 +43,7 @@ HONOURED = {
     "training": ("dataset", "dataset_path", "local_batch_size", "global_batch_size", "seq_len", "max_norm",
                  "steps", "dtype", "mixed_precision_param", "mixed_precision_reduce", "dataloader"),
     "parallelism": ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
-                    "context_parallel_degree", "expert_parallel_degree"),
+                    "context_parallel_degree", "expert_parallel_degree", "fsdp_reshard_after_forward"),
     "checkpoint": ("enable", "folder", "interval", "initial_load_path", "initial_load_model_only",
                    "initial_load_in_hf", "last_save_model_only", "last_save_in_hf", "export_dtype",
                    "keep_latest_k", "load_step",
@@ -112,6 +112,11 @@ def _validate_streaming(cfg, source: str) -> None:
              f"{source}: mop.offload_adamw.host_init = true keeps the parameters' values on the host, but "
              f"weights = 'device' computes with them on the device; set weights = 'bf16' or 'stream', or "
              f"host_init = false")
+    _require(oa.weights != "stream" or cfg.parallelism.fsdp_reshard_after_forward != "never",
+             f"{source}: parallelism.fsdp_reshard_after_forward = 'never' keeps every block's working weights "
+             f"on the device from its forward to its backward, but mop.offload_adamw.weights = 'stream' holds "
+             f"only a window of {oa.weight_window} blocks there; set fsdp_reshard_after_forward = 'default' or "
+             f"weights = 'bf16' / 'device'")
     _require(not isinstance(oa.weight_window, bool) and oa.weight_window >= 1,
              f"{source}: mop.offload_adamw.weight_window = {oa.weight_window!r} must be >= 1 (2 copies one block ahead)")
     _require(oa.weights != "stream" or cfg.mop.moe.dispatch == "local" or cfg.activation_checkpoint.mode == "full",

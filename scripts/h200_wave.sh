@@ -26,6 +26,8 @@
 #   levers_32k         issue 37's two loss/combine levers at 1 x 32K, ours-auto profiled twice (~70 s): as planned
 #                      (chunked cross-entropy; the combine is combine.sum_token_rows since 2026-12-03), then with
 #                      Ring-DTP's grad_in_forward schedule as the P = 1 loss (three GEMM passes, no recompute)
+#   reshard_2x4k       ours-auto at 2 x 4K profiled as planned, then with [parallelism] fsdp_reshard_after_forward
+#                      = "never" (one FSDP2 gather a block per step instead of two; free at the peak at W = 1)
 #   fake_667b_1m_snapshot  the memory snapshot of issue 35's largest point, mop-667b at W=64 and 1M (~480 s)
 set -uo pipefail
 want=" $* "
@@ -73,6 +75,10 @@ TAIL=25 step levers_32k 200 bash -c "python3 benchmarks/step_profile.py --config
   --seq-len 32768 --batch 1 --out $OUT/levers_32k/auto && python3 benchmarks/step_profile.py \
   --config configs/small_1gpu.toml --auto --seq-len 32768 --batch 1 --out $OUT/levers_32k/auto_gif -- \
   --mop.ring_dtp.enable --mop.ring_dtp.schedule grad_in_forward; rm -f $OUT/levers_32k/*/trace.json.gz"
+TAIL=25 step reshard_2x4k 200 bash -c "python3 benchmarks/step_profile.py --config configs/small_1gpu.toml --auto \
+  --seq-len 4096 --batch 2 --out $OUT/reshard_2x4k/default && python3 benchmarks/step_profile.py \
+  --config configs/small_1gpu.toml --auto --seq-len 4096 --batch 2 --out $OUT/reshard_2x4k/never -- \
+  --parallelism.fsdp_reshard_after_forward never; rm -f $OUT/reshard_2x4k/*/trace.json.gz"
 TAIL=12 step fake_667b_1m_snapshot 590 python3 benchmarks/fake_world.py run mop-667b-w64-1024k --steps 1 --snapshot \
   --timeout 580 --out "$OUT/fake"
 exit 0

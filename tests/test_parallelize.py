@@ -108,8 +108,9 @@ def test_parallelize_options_follow_the_config():
     seq_len, seq_degree = 1 << rng.randint(18, 20), 2 ** rng.randint(0, 2)
     every = rng.randint(2, 3)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    for keep, preserve, param, reduce, ffn, block in ((True, False, "float32", "bfloat16", "auto", 0),
-                                                      (False, True, "bfloat16", "float32", 4096, "auto")):
+    for keep, preserve, param, reduce, ffn, block, reshard in (
+            (True, False, "float32", "bfloat16", "auto", 0, "never"),
+            (False, True, "bfloat16", "float32", 4096, "auto", rng.choice(["default", "always"]))):
         alpha, m, threshold = rng.uniform(1.0, 2.0), rng.randint(1, 512), rng.uniform(1.0, 2.0)
         moe = SimpleNamespace(dispatch="llep", alpha=alpha, min_tokens_per_gemm=m, imbalance_threshold=threshold)
         cfg = SimpleNamespace(
@@ -120,7 +121,8 @@ def test_parallelize_options_follow_the_config():
                                 layout=SimpleNamespace(seq_degree=seq_degree)),
             training=SimpleNamespace(mixed_precision_param=param, mixed_precision_reduce=reduce, local_batch_size=1,
                                      seq_len=seq_len),
-            compile=SimpleNamespace(enable=False, components=["model", "loss"], backend="inductor"))
+            compile=SimpleNamespace(enable=False, components=["model", "loss"], backend="inductor"),
+            parallelism=SimpleNamespace(fsdp_reshard_after_forward=reshard))
         act = torch.finfo(dtypes[param]).bits // 8
         tokens = seq_len // seq_degree
         auto = dict(ffn_tokens=auto_tile_tokens(swiglu_token_bytes(model_args.dim, model_args.dense_ffn_dim, act),
@@ -132,7 +134,8 @@ def test_parallelize_options_follow_the_config():
         assert ParallelizeOptions.from_config(cfg, model_args) == ParallelizeOptions(
             dispatch=LLEPOptions(alpha=alpha, min_tokens_per_gemm=m, imbalance_threshold=threshold),
             keep_attention=keep, checkpointed=tuple(range(0, model_args.n_layers, every)),
-            preserve_rng_state=preserve, precision=MixedPrecision(dtypes[param], dtypes[reduce]), tiling=tiling)
+            preserve_rng_state=preserve, precision=MixedPrecision(dtypes[param], dtypes[reduce]), tiling=tiling,
+            reshard_after_forward=reshard)
 
 
 class _Block(nn.Module):

@@ -114,6 +114,7 @@ class ParallelizeOptions:
     precision: MixedPrecision             # FSDP2's policy, also followed by the shards kept out of it
     tiling: TilingOptions = TilingOptions()   # [mop.tiling], "auto" resolved for this rank's tokens
     compile: CompileOptions | None = None  # [compile]; None: eager
+    reshard_after_forward: str = "default"    # [parallelism] fsdp_reshard_after_forward
 
     @classmethod
     def from_config(cls, cfg, model_args) -> ParallelizeOptions:
@@ -128,7 +129,8 @@ class ParallelizeOptions:
                    checkpointed=tuple(checkpointed_layer_ids(ac, model_args.n_layers)),
                    preserve_rng_state=ac.preserve_rng_state,
                    precision=precision,
-                   compile=CompileOptions.from_config(cfg.compile))
+                   compile=CompileOptions.from_config(cfg.compile),
+                   reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
 
 
 @dataclass
@@ -164,7 +166,8 @@ def parallelize(module: nn.Module, layout, options: ParallelizeOptions, *, sco=N
     if options.compile is not None:
         apply_compile(module, options.compile, device_type=layout.mesh.device_type)
     once = apply_fsdp(module, model, layout.mesh, param_dtype=options.precision.param_dtype,
-                      reduce_dtype=options.precision.reduce_dtype, ignored_params=set(expert_params + vocab_params))
+                      reduce_dtype=options.precision.reduce_dtype, ignored_params=set(expert_params + vocab_params),
+                      reshard_after_forward=options.reshard_after_forward)
     return ParallelizedShards(expert_params, vocab_params, list(options.checkpointed), once)
 
 
@@ -181,8 +184,24 @@ def apply_activation_checkpointing(model: nn.Module, layer_ids, *, preserve_rng_
         model.layers.register_module(name, wrapped)
 
 
+RESHARD_POLICIES = ("default", "always", "never")
+"""torchtitan's [parallelism] fsdp_reshard_after_forward values (its llama3/deepseek_v3 `apply_fsdp`)."""
+
+
+def block_reshard_after_forward(policy: str, index: int, n_blocks: int) -> bool:
+    """FSDP2's `reshard_after_forward` for block `index` under torchtitan's policy: "always" reshards every
+    block after its forward (and gathers it again in backward), "never" keeps every block unsharded from its
+    forward to its backward (one all-gather a block per micro-batch instead of two, at the memory of all
+    blocks unsharded through the loss: the plan's `gathered` line), "default" reshards all but the last
+    block, which backward needs first (torchtitan's default without pipeline parallelism)."""
+    if policy not in RESHARD_POLICIES:
+        raise ValueError(f"parallelism.fsdp_reshard_after_forward = {policy!r} must be one of {RESHARD_POLICIES}")
+    return {"always": True, "never": False}.get(policy, index < n_blocks - 1)
+
+
 def apply_fsdp(root: nn.Module, model: nn.Module, mesh, *, param_dtype: torch.dtype,
-               reduce_dtype: torch.dtype, ignored_params: set | None = None) -> list[nn.Module]:
+               reduce_dtype: torch.dtype, ignored_params: set | None = None,
+               reshard_after_forward: str = "default") -> list[nn.Module]:
     """FSDP2 over `mesh`, units as torchtitan's llama3/deepseek_v3 `apply_fsdp` makes them: the token
     embedding, one unit per block of `model.layers`, the head [final norm, output projection], then
     `root` (which holds `model`; here it keeps no parameters of its own).
@@ -196,6 +215,11 @@ def apply_fsdp(root: nn.Module, model: nn.Module, mesh, *, param_dtype: torch.dt
       before the first block's. `root`'s forward reads the projection through `model.output()`
       (models.model.OutputProjection), so both modules of the unit run forward. A projection kept out
       of FSDP2 (vocab-sharded, P > 1) leaves the norm alone in the unit.
+    - blocks: `block_reshard_after_forward(reshard_after_forward, i, L)`, torchtitan's policy. The two
+      other units keep their place under every policy, as they must or gain nothing: the head cannot be
+      resharded after its forward (its forward hands the loss a view of the projection, which the loss's
+      backward reads before FSDP2's pre-backward hook of the unit could gather it again), and the
+      embedding is never gathered in backward, so keeping it unsharded would only hold memory.
     Names and values are FSDP2's sharding of each parameter over `mesh` whatever the unit, so state
     dicts and DCP checkpoints are those of a single root unit.
     Returns the units gathered once a step, each named by its first module: [embedding, final norm]
@@ -208,9 +232,8 @@ def apply_fsdp(root: nn.Module, model: nn.Module, mesh, *, param_dtype: torch.dt
     embedding.set_unshard_in_backward(False)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
-        # The last block is needed again first in backward: keep it unsharded after forward.
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1,
-                    ignored_params=ignored_params)
+        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=ignored_params,
+                    reshard_after_forward=block_reshard_after_forward(reshard_after_forward, i, len(blocks)))
     head = [model.norm] + ([model.output] if id(model.output.weight) not in ignored else [])
     # the head's output is `output()`, a view of the weight that only the loss reads (never in place):
     # FSDP2's warning about in-place ops on a view returned by a unit does not apply to it

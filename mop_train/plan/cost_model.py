@@ -14,7 +14,8 @@ used for every width. A term is one cost per step, per rank (every rank does the
               not checkpointed saves its forward's share, RECOMPUTE_SHARE; with [mop.attention] keep a
               checkpointed block's recompute skips its attention pass (the same share of its attention)
   tiling      [mop.tiling]: TILING_SHARE of the compute (each tiled stage's forward once more in backward)
-  fsdp        FSDP2's all-gathers and reduce-scatters, exposed only beyond the compute they overlap
+  fsdp        FSDP2's all-gathers (two a block, one with fsdp_reshard_after_forward = "never") and
+              reduce-scatters, exposed only beyond the compute they overlap
   replicas    the expert and vocab shards' gradient all-reduce over their replica groups, after backward
   ulysses     the sequence group's all-to-all of q, k, v and the attention output (D > 1)
   dispatch    the expert group's dispatch and combine all-to-alls (E_p > 1)
@@ -180,6 +181,10 @@ class StepInputs:
     """[mop.tiling]: some per-token stage runs over token tiles."""
     keep_attention: bool = False
     """[mop.attention] keep: checkpointed blocks keep attention's output and log-sum-exp for the recompute."""
+    fsdp_gathers: int = 2
+    """FSDP2 all-gathers of each block per micro-batch: its forward and its backward, or the forward alone
+    with [parallelism] fsdp_reshard_after_forward = "never" (the head unit and the embedding are gathered
+    once either way; counted as blocks, a small over-count at "never")."""
     act_bytes: int = 2
 
 
@@ -251,7 +256,7 @@ def _compute_term(x: StepInputs) -> tuple[str, float, str]:
 def _sharding_terms(x: StepInputs, compute: float) -> list[tuple[str, float, str]]:
     """FSDP2's traffic beyond the compute it overlaps; the MoP shards' gradient all-reduce over their replicas."""
     W, R = x.world, x.ranks_per_node
-    fsdp_bytes = x.micro_batches * x.fsdp_params * (2 * x.act_bytes + 4) * (W - 1) / W   # gather twice, fp32 reduce
+    fsdp_bytes = x.micro_batches * x.fsdp_params * (x.fsdp_gathers * x.act_bytes + 4) * (W - 1) / W   # fp32 reduce
     fsdp = fsdp_bytes / _bytes_per_s(FSDP_BYTES_PER_S, W, R)
     terms = [("fsdp", max(0.0, fsdp - compute), f"{fsdp_bytes / 1e9:.1f} GB in {fsdp:.2f} s, exposed beyond the compute")]
     replica_bytes = 0.0

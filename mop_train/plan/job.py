@@ -113,14 +113,14 @@ def operator_plan(cfg, args: MoEModelArgs, *, layout_plan, act_bytes: int, sco_h
         offload_weights=cfg.mop.offload_adamw.weights if offload else "device",
         offload_gradients=cfg.mop.offload_adamw.gradients if offload else "device",
         offload_weight_window=cfg.mop.offload_adamw.weight_window, micro_batches=micro_batches,
-        offload_host_init=host_init,
+        offload_host_init=host_init, reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
         tiling=tiling_options(cfg.mop.tiling, args, tokens=tokens, act_bytes=act_bytes))
 
 
 def memory_plans(cfg, args: MoEModelArgs, *, layout_plan, total_params: int, largest_block_params: int,
-                 root_params: int, first_grad_params: int, checkpointed_layers: int, local_params: int,
-                 sco_host_budget: int, precision: MixedPrecision, device_fraction: float | None = None,
-                 head_params: int = 0, embedding_params: int = 0):
+                 blocks_params: int, root_params: int, first_grad_params: int, checkpointed_layers: int,
+                 local_params: int, sco_host_budget: int, precision: MixedPrecision,
+                 device_fraction: float | None = None, head_params: int = 0, embedding_params: int = 0):
     """(device terms, host terms) of one rank (mop_train.plan.terms). OffloadStreamAdamW's share kept on
     the device is `device_fraction` when known (the launch resolves "auto" first); otherwise the
     configured number, and for an unresolved "auto" 0 on the device and all of it in the host terms
@@ -133,8 +133,8 @@ def memory_plans(cfg, args: MoEModelArgs, *, layout_plan, total_params: int, lar
     host_init = host_init_applies(cfg, initialised_whole=total_params <= zoo.HOST_INIT_MAX_PARAMS)
     device_terms = memory_plan(MemoryPlanInputs(
         model=args, world_size=layout_plan.world_size, local_batch=t.local_batch_size, seq_len=t.seq_len,
-        total_params=total_params, largest_block_params=largest_block_params, root_params=root_params,
-        first_grad_params=first_grad_params, checkpointed_layers=checkpointed_layers, local_params=local_params,
+        total_params=total_params, largest_block_params=largest_block_params, blocks_params=blocks_params,
+        root_params=root_params, first_grad_params=first_grad_params, checkpointed_layers=checkpointed_layers, local_params=local_params,
         seq_degree=layout_plan.seq_degree, expert_degree=layout_plan.expert_degree,
         vocab_degree=layout_plan.vocab_degree, act_bytes=act, head_params=head_params,
         embedding_params=embedding_params,
@@ -165,6 +165,7 @@ def plan_from_parts(cfg, layout_plan: LayoutPlan, parts: BuiltModel, args: MoEMo
     return memory_plans(
         cfg, args, layout_plan=layout_plan, total_params=total_params,
         largest_block_params=max(fsdp_block_params(b, kept_out) for b in model.layers.values()),
+        blocks_params=sum(fsdp_block_params(b, kept_out) for b in model.layers.values()),
         root_params=fsdp_root_params(model, kept_out), head_params=fsdp_head_params(model, kept_out),
         first_grad_params=sum(local(p).numel() for p in head_unit_params(model)),
         embedding_params=model.tok_embeddings.weight.numel(),
@@ -241,6 +242,7 @@ def plan_for_config(cfg, *, world: int, ranks_per_node: int, host_bytes: int | N
     device_terms, host_terms = memory_plans(
         cfg, args, layout_plan=layout, total_params=total,
         largest_block_params=max(fsdp_block_params(b, kept_out) for b in model.layers.values()),
+        blocks_params=sum(fsdp_block_params(b, kept_out) for b in model.layers.values()),
         root_params=fsdp_root_params(model, kept_out), head_params=fsdp_head_params(model, kept_out),
         first_grad_params=local_head_params(model, layout), embedding_params=model.tok_embeddings.weight.numel(),
         checkpointed_layers=len(checkpointed_layer_ids(cfg.activation_checkpoint, args.n_layers)),

@@ -272,6 +272,7 @@ class SearchSpace:
             offload_optimizer=s.offloads_optimizer, device_fraction=0.0 if share == "auto" else share,
             stream_weights=s.offloads_optimizer and s.weights == "stream",
             stream_gradients=s.offloads_optimizer and s.gradients == "stream", tiled=s.tiled, keep_attention=s.keep,
+            fsdp_gathers=1 if self.base.parallelism.fsdp_reshard_after_forward == "never" else 2,
             act_bytes=MixedPrecision.from_training(t).activation_bytes)
 
     def evaluate(self, s: Settings) -> Evaluation:

@@ -307,12 +307,12 @@ class FlavorModel:
         """Parameters FSDP2 holds (gathers and reduces): all but those a MoP group shards."""
         return self.total - sum(self._kept_out(layout, dispatch))
 
-    def gathered_units(self, layout, dispatch: str) -> tuple[int, int, int]:
-        """(largest block's, root unit's, head unit's) parameters FSDP2 gathers."""
+    def gathered_units(self, layout, dispatch: str) -> tuple[int, int, int, int]:
+        """(largest block's, every block's together, root unit's, head unit's) parameters FSDP2 gathers."""
         def count():
             kept = {id(p) for ps in kept_out_of_fsdp(self.model, layout, dispatch=dispatch) for p in ps}
-            return (max(fsdp_block_params(b, kept) for b in self.model.layers.values()),
-                    fsdp_root_params(self.model, kept), fsdp_head_params(self.model, kept))
+            blocks = [fsdp_block_params(b, kept) for b in self.model.layers.values()]
+            return (max(blocks), sum(blocks), fsdp_root_params(self.model, kept), fsdp_head_params(self.model, kept))
         return self._cached(("gathered", dispatch == "local", layout.vocab_degree > 1), count)
 
     def local_head(self, layout) -> int:
@@ -338,9 +338,10 @@ def fast_plan(cfg, *, world: int, ranks_per_node: int, host_bytes: int | None) -
         cfg.mop.sco.host_budget, ranks_per_node, available_bytes=host_bytes)
     dispatch = cfg.mop.moe.dispatch
     mine = m.local_params(layout, dispatch)
-    block, root, head = m.gathered_units(layout, dispatch)
+    block, blocks, root, head = m.gathered_units(layout, dispatch)
     device_terms, host_terms = memory_plans(
-        cfg, m.args, layout_plan=layout, total_params=m.total, largest_block_params=block, root_params=root,
+        cfg, m.args, layout_plan=layout, total_params=m.total, largest_block_params=block, blocks_params=blocks,
+        root_params=root,
         first_grad_params=m.local_head(layout), head_params=head, embedding_params=m.embedding,
         checkpointed_layers=len(checkpointed_layer_ids(cfg.activation_checkpoint, m.args.n_layers)),
         local_params=mine, sco_host_budget=sco_budget, precision=precision)

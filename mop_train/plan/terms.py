@@ -15,7 +15,9 @@ when the operator does:
                (offload_adamw.memory.device_bound: staging plus its device share)
   gathered     FSDP2: two blocks unsharded in the compute dtype (prefetch); in the loss also the head
                unit (final norm + projection unless vocab-sharded), gathered from the final norm's
-               forward to the end of the loss's backward; the embedding unit only for its forward
+               forward to the end of the loss's backward; the embedding unit only for its forward.
+               With [parallelism] fsdp_reshard_after_forward = "never" every block stays unsharded
+               from its forward to its backward: all of them at the loss and the first block's backward
   boundaries   checkpointed block inputs B*S/D*H, less what SCO offloads (sco.budget.device_bound)
   kept attn    attention outputs and log-sum-exps kept across the recompute ([mop.attention] keep)
   block        one block in backward (plan.block): what attention and the FFN save (mop_train.models.memory),
@@ -78,6 +80,8 @@ class OperatorPlan:
     offload_weight_window: int = 2
     offload_host_init: bool = False     # [mop.offload_adamw] host_init in effect (plan.job.host_init_applies)
     micro_batches: int = 1
+    reshard_after_forward: str = "default"
+    """[parallelism] fsdp_reshard_after_forward (parallel.parallelize.block_reshard_after_forward)."""
     keep_attention: bool = False
     tiling: TilingOptions = field(default_factory=TilingOptions)
     """[mop.tiling], resolved: token tiles of the FFNs and attention's row-wise stages (0: untiled)."""
@@ -113,6 +117,9 @@ class MemoryPlanInputs:
     """Parameters of FSDP2's head unit (final norm, the projection unless P > 1), unsharded in the loss."""
     embedding_params: int = 0
     """The token embedding's parameters (V x H): its unsharded gradient forms at the end of backward."""
+    blocks_params: int = 0
+    """Parameters FSDP2 gathers for all decoder blocks together: what stays unsharded through the loss with
+    fsdp_reshard_after_forward = "never"."""
 
 
 def compute_dtype(act_bytes: int) -> torch.dtype:
@@ -188,11 +195,19 @@ def _grads_held(phase: str, x: MemoryPlanInputs) -> str:
 
 def _gathered_how(phase: str, x: MemoryPlanInputs) -> str:
     """What FSDP2 holds unsharded at `phase` (parallel.parallelize.apply_fsdp's units)."""
-    how = {"loss": f"2 blocks unsharded (prefetch) + the head unit's {x.head_params:,} params (final norm, "
-                   "projection unless vocab-sharded)",
+    blocks = ("every block (fsdp_reshard_after_forward = \"never\": unsharded from its forward to its backward)"
+              if _all_blocks_gathered(phase, x) else "2 blocks unsharded (prefetch)")
+    how = {"loss": f"{blocks} + the head unit's {x.head_params:,} params (final norm, projection unless "
+                   "vocab-sharded)",
            "embedding backward": "none (the embedding is not gathered in backward)"}.get(
-        phase, "2 blocks unsharded (prefetch); the head unit resharded after the loss's backward")
+        phase, f"{blocks}; the head unit resharded after the loss's backward")
     return how + (f" + the root unit's {x.root_params:,} params" if x.root_params else "")
+
+
+def _all_blocks_gathered(phase: str, x: MemoryPlanInputs) -> bool:
+    """With "never", no block is resharded before its own backward: until the first block's backward has
+    run, every block is unsharded (after it, each one's post-backward reshards it: 2 at most, as prefetched)."""
+    return x.ops.reshard_after_forward == "never" and phase in ("loss", "first block backward")
 
 
 def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
@@ -227,12 +242,17 @@ def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
     # input and this rank's fp32 shard of the result (counted in 4 * mine when the gradients stay)
     embedding_grad = x.embedding_params * (act + 4) + (4 * -(-x.embedding_params // x.world_size) if streamed else 0)
     blocks_gathered = (2 * x.largest_block_params + x.root_params) * act
+    if x.ops.reshard_after_forward == "never" and x.blocks_params < x.largest_block_params:
+        raise ValueError(f"MemoryPlanInputs.blocks_params = {x.blocks_params:,} is below the largest block's "
+                         f"{x.largest_block_params:,}: pass the sum over every block (plan.job.fsdp_block_params)")
+    early_gathered = ((x.blocks_params + x.root_params) * act if _all_blocks_gathered("loss", x)
+                      else blocks_gathered)
     early = dict(boundaries=boundaries.device_bytes, kept=L_ckpt * kept_layer)
     candidates = {
         "loss": {**early, "grads": head_grads, "block": plain_blocks, "head": head, "loss": loss,
-                 "gathered": blocks_gathered + x.head_params * act},
+                 "gathered": early_gathered + x.head_params * act},
         "first block backward": {**early, "grads": 0 if streamed else head_grads, "block": plain_blocks + block_peak,
-                                 "head": 0, "loss": 0, "gathered": blocks_gathered},
+                                 "head": 0, "loss": 0, "gathered": early_gathered},
         "last block backward": dict(boundaries=boundary if L_ckpt else 0, kept=kept_layer if L_ckpt else 0,
                                     grads=0 if streamed else 4 * mine, block=block_peak, head=0, loss=0,
                                     gathered=blocks_gathered),
