@@ -9,7 +9,9 @@
 #   fake_120b_64k      one rank of mop-120b at W=16, 64K tokens (fake world)
 #   profile_2x4k       where ours-auto's step time goes at 2 x 4K (benchmarks/step_profile.py)
 #   profile_stream_2x4k  where the 2 x 4K step with weights and gradients streamed (issue 32's all-stream-overlap)
-#                      waits: copies against compute (benchmarks/step_profile.py)
+#                      waits: copies against compute (benchmarks/step_profile.py); PROFILE_STREAM_EXTRA adds flags
+#                      (e.g. "--mop.offload_adamw.stage_in_backward --mop.offload_adamw.slots 28"), PROFILE_STREAM_TAG
+#                      names its folder
 #   gpu_tests          the wave's gpu-marked tests (profiling, streaming, core workspace, compile)
 #   variants_2x4k      issue 32 at 2 x 4K: every weights/gradients setting, link floor (train_variants.py);
 #                      V2_VARIANTS, V2_BASE, V2_EXTRA (one override for every variant, e.g. --debug.deterministic)
@@ -46,7 +48,7 @@ STREAM_OPS=(--mop.moe.dispatch pipelined_llep --mop.ring_dtp.enable --mop.sco.ho
             --optimizer.name OffloadStreamAdamW --mop.offload_adamw.weights stream --mop.offload_adamw.gradients stream
             --mop.offload_adamw.overlap)
 TAIL=40 step profile_stream_2x4k 170 python3 benchmarks/step_profile.py --config configs/small_1gpu.toml \
-  --seq-len 4096 --batch 2 --out "$OUT/prof_stream_2x4k" -- "${STREAM_OPS[@]}"
+  --seq-len 4096 --batch 2 --out "$OUT/prof_stream_2x4k${PROFILE_STREAM_TAG:-}" -- "${STREAM_OPS[@]}" ${PROFILE_STREAM_EXTRA:-}
 GPU_TEST_FILES=${GPU_TEST_FILES:-tests/train/test_profiling.py tests/train/test_offload_streaming_gpu.py \
   tests/ops/test_offload_adamw_working.py tests/models/test_core_workspace.py tests/train/test_compile.py \
   tests/train/test_host_init_gpu.py}
