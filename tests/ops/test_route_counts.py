@@ -22,6 +22,7 @@ def test_route_counts_are_bincounts():
         gen = torch.Generator().manual_seed(rng.randint(0, 2**31))
         # skewed ids: some experts get nothing, some many
         ids = (torch.rand(shape, generator=gen) ** rng.choice([1, 3]) * E).long().clamp_max(E - 1)
+        ids = ids.to(rng.choice([torch.int32, torch.int64]))      # both id dtypes bincount takes
         got = route_counts(ids, E)
         want = torch.bincount(ids.reshape(-1), minlength=E)
         assert got.dtype == torch.int64 and torch.equal(got, want), (got, want)

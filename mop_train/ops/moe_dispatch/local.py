@@ -42,9 +42,10 @@ def route_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     device. torch.bincount gives the same counts but, on CUDA, reads the largest id back to the host to
     size its output: one host sync per MoE layer, which the 1 x 32K profile showed (RESULTS.md
     2026-12-03) and which stalls the launch queue where the step is host-bound (2 x 4K). Integer adds
-    are exact in any order, so the counts are bitwise bincount's."""
+    are exact in any order, so the counts are bitwise bincount's. Ids may be int32 or int64, as bincount's."""
     flat = indices.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    ones = torch.ones(flat.shape, dtype=torch.int64, device=flat.device)   # index_add_ adds in self's dtype
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, ones)
 
 
 def group_offsets(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor):
