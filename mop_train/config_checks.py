@@ -105,9 +105,6 @@ def _validate_streaming(cfg, source: str) -> None:
              f"{source}: mop.offload_adamw.weights = 'bf16' keeps bf16 working weights, but "
              f"training.mixed_precision_param = {cfg.training.mixed_precision_param!r} computes in fp32; set "
              f"mixed_precision_param = \"bfloat16\", or weights = 'stream' (streams fp32 working weights)")
-    _require(oa.gradients != "stream" or oa.host_fraction == 0.0,
-             f"{source}: mop.offload_adamw.gradients = 'stream' with host_fraction = {oa.host_fraction} is not "
-             f"supported yet (the CPU share reads device gradients); set host_fraction = 0 or gradients = 'device'")
     _require(not oa.host_init or oa.weights != "device",
              f"{source}: mop.offload_adamw.host_init = true keeps the parameters' values on the host, but "
              f"weights = 'device' computes with them on the device; set weights = 'bf16' or 'stream', or "

@@ -191,9 +191,8 @@ def optimizer_levels(base, fixed: set[str]) -> list[tuple[str, str, str, str]]:
     on the device. After OffloadStreamAdamW's device shares come bf16 working weights (under bf16
     compute: no traffic) and then weights and gradients both streamed beside each device share: the
     two compose (a share keeps its state resident while every block's weights and gradients stream), and
-    the share that fits beside the streams is the fastest of them (with a CPU share, host_fraction > 0,
-    the gradients stay on the device: the launch refuses them streamed). Other mixes are left to the
-    user; `keeps_no_less` orders the levels for the search's pruning."""
+    the share that fits beside the streams is the fastest of them (a CPU share, host_fraction > 0, reads
+    the streamed gradients where they land). Other mixes are left to the user; `keeps_no_less` orders the levels for the search's pruning."""
     oa = base.mop.offload_adamw
     levels = _share_levels(base, fixed)
     if {"mop.offload_adamw.weights", "mop.offload_adamw.gradients"} & fixed:  # given: keep them, offloaded
@@ -204,8 +203,7 @@ def optimizer_levels(base, fixed: set[str]) -> list[tuple[str, str, str, str]]:
     if shares:
         if MixedPrecision.from_training(base.training).activation_bytes == 2:   # (free under bf16 compute)
             out.append((OFFLOAD_ADAMW, shares[-1], "bf16", "device"))
-        grads = "device" if oa.host_fraction else "stream"   # (the CPU share reads device gradients)
-        out += [(OFFLOAD_ADAMW, f, "stream", grads) for f in shares]   # the least on the device last
+        out += [(OFFLOAD_ADAMW, f, "stream", "stream") for f in shares]   # the least on the device last
     return out
 
 

@@ -319,11 +319,14 @@ def host_memory_plan(local_params: int, *, offload_optimizer: bool, host_fractio
     state = share = 0
     streamed = local_params - round(device_fraction * local_params)
     if offload_optimizer:
-        state, share = host_state_bytes(streamed), host_share_bytes(streamed, host_fraction)
+        state = host_state_bytes(streamed)
+        # streamed gradients: the CPU share reads them where they landed ("streamed grads" below)
+        share = 0 if gradients == "stream" else host_share_bytes(streamed, host_fraction)
     return [
         ("optimizer state", state, f"OffloadStreamAdamW: fp32 master + 2 moments, 12 B x {streamed:,} params "
          f"off the device" if offload_optimizer else "on the device (not offloaded)"),
-        ("host share grads", share, f"fp32 gradients of the CPU-updated share ({host_fraction:g})"),
+        ("host share grads", share, f"fp32 gradients of the CPU-updated share ({host_fraction:g})"
+         + (": none of its own, it reads the streamed ones" if gradients == "stream" and host_fraction else "")),
         ("sco boundaries", sco_host_budget, "[mop.sco] host_budget per rank"),
     ] + ([("working weights", act_bytes * local_params, f"weights = \"stream\": {act_bytes} B x local params, "
            "the copies each block streams in")] if offload_optimizer and weights == "stream" else []) + (

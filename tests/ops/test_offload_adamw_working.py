@@ -2,7 +2,8 @@
 shards kept out of FSDP2 (a replicated DTensor "expert" per block, summed over its replica group),
 checkpointed blocks, two micro-batches and clipping: parameters, masters and gradient norms are
 bitwise those of device/device, and the mechanics really run (the fp32 device tensors are gone, the
-gradients leave the device, the windows load one block ahead and never overflow). gloo, 2 ranks;
+gradients leave the device, the windows load one block ahead and never overflow), with and without a
+CPU-updated share (host_fraction; with streamed gradients it reads and clips them in host memory). gloo, 2 ranks;
 the same worker on one GPU under set_sync_debug_mode("error") (marked gpu)."""
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tests.utils import assert_bitwise_equal, fresh_seed, no_host_syncs
 H, N_BLOCKS, MAX_NORM, STEPS = 12, 3, 0.05, 3
 SETTINGS = [("device", "device"), ("device", "stream"), ("bf16", "device"), ("bf16", "stream"),
             ("stream", "device"), ("stream", "stream")]
+HOST_FRACTIONS = (0.0, 0.3)  # without and with a CPU-updated share (host_update.py), clipping on in both
 
 
 class _Block(nn.Module):
@@ -70,10 +72,10 @@ class _Model(nn.Module):
         return self.head(h).float().square().sum()
 
 
-def _build(weights, gradients, mesh, expert_mesh, device):
+def _build(weights, gradients, mesh, expert_mesh, device, host_fraction=0.0):
     model = _Model(fresh_seed(5), mesh, expert_mesh, device)
     opt = OffloadStreamAdamW(forward_order(model), lr=1e-2, weight_decay=0.1, bucket_params=50, slots=2,
-                             device_fraction=0.2, weights=weights, gradients=gradients)
+                             device_fraction=0.2, weights=weights, gradients=gradients, host_fraction=host_fraction)
     if weights != "device":
         blocks = [((w,), True) for w in model.experts]
         opt.working = WorkingWeights(opt, [model], mode=weights, dtype=torch.bfloat16, blocks=blocks, window=2)
@@ -126,8 +128,11 @@ def _working_worker(rank, world_size, sync_check):
     expert_mesh = init_device_mesh(device.type, (world_size, 1), mesh_dim_names=("replica", "shard"))
     expert_group = expert_mesh.get_group(0)
     runs = {}
-    for weights, gradients in SETTINGS:
-        model, opt, stream = _build(weights, gradients, mesh, expert_mesh, device)
+    for weights, gradients, host_fraction in [(w, g, f) for f in HOST_FRACTIONS for w, g in SETTINGS]:
+        model, opt, stream = _build(weights, gradients, mesh, expert_mesh, device, host_fraction)
+        if host_fraction:  # a CPU share really runs; with streamed gradients it reads them where they landed
+            assert opt._host_update.numel > 0
+            assert opt.host_buffer_bytes == (0 if gradients == "stream" else 4 * opt._host_update.numel)
         norms = []
         for step in range(STEPS):
             inputs = _inputs(step, rank, device)
@@ -136,9 +141,11 @@ def _working_worker(rank, world_size, sync_check):
             if stream is not None:  # every gradient left the device
                 assert all(p.grad is None for p in model.parameters())
                 assert stream.stats["held_max"] <= H * H and stream.stats["partials"] > 0
-        runs[(weights, gradients)] = (torch.stack(norms).cpu(), _values(model, opt), model, opt, stream)
-    ref_norms, ref_values = runs[("device", "device")][:2]
+        runs[(weights, gradients, host_fraction)] = (torch.stack(norms).cpu(), _values(model, opt), model, opt,
+                                                     stream)
     for setting, (norms, values, model, opt, stream) in runs.items():
+        # the same CPU share's kernel (torch's fused AdamW on the CPU) in every setting of one host_fraction
+        ref_norms, ref_values = runs[("device", "device", setting[2])][:2]
         assert_bitwise_equal(norms, ref_norms, name=f"rank {rank} {setting} norms")
         for i, (a, b) in enumerate(zip(values, ref_values)):
             assert_bitwise_equal(a, b, name=f"rank {rank} {setting} parameter {i}")
@@ -208,7 +215,7 @@ def _adopt_worker(rank, world_size):
 def test_bad_settings_are_refused():
     params = [nn.Parameter(torch.randn(3))]
     for kwargs, match in ((dict(weights="gpu"), "weights"), (dict(gradients="host"), "gradients"),
-                          (dict(gradients="stream", host_fraction=0.5), "host_fraction")):
+                          (dict(gradients="stream", host_fraction=1.5), "host_fraction")):
         with pytest.raises(ValueError, match=match):
             OffloadStreamAdamW(params, **kwargs)
     opt = OffloadStreamAdamW(params, weights="bf16")

@@ -12,8 +12,8 @@ torch CPU RNG state differs at its next checkpoint, device/device too, a behavio
 these settings). The W=4 checkpoint, resumed at W=2 (E_p=2, the same two sequence groups), gives the
 same bits with device/device and with stream/stream. At W=3 FSDP2's shards are uneven (the debug
 model's dims are not multiples of 3: padded shards, the window's slots hold them): stream/stream, and
-the device and CPU shares beside the streams (cuts at other places than the buckets'), are device/device
-there too, and so is the first buckets' state staged during the last backward (stage_in_backward).
+the device and CPU shares beside the streams (cuts at other places than the buckets'; the CPU share reads
+streamed gradients in host memory), are device/device there too, and so is the first buckets' state staged during the last backward (stage_in_backward).
 Each world runs all its cases in one spawn (`train` called in process); the checkpoints are read
 back here with DCP's own reader, in memory (no torch.save copy of each).
 """
@@ -165,6 +165,10 @@ UNEVEN_RUNS = {  # name: overrides beside UNEVEN and the bf16 policy; "dd" is th
                  "--mop.offload_adamw.overlap"],
     "bd-shares": [*_setting("bf16", "device"), "--mop.offload_adamw.device_fraction", "0.3",
                   "--mop.offload_adamw.host_fraction", "0.3"],
+    # the CPU share reading (and clipping) the streamed gradients in host memory, beside streamed or bf16 weights
+    "ss-host": [*_setting("stream", "stream"), "--mop.offload_adamw.host_fraction", "0.4"],
+    "bs-shares": [*_setting("bf16", "stream"), "--mop.offload_adamw.device_fraction", "0.2",
+                  "--mop.offload_adamw.host_fraction", "0.3", "--mop.offload_adamw.overlap"],
     # the first buckets' state staged before the step's last backward (stage_in_backward), two micro-batches
     "ss-staged": [*_setting("stream", "stream"), "--mop.offload_adamw.stage_in_backward", "--mop.offload_adamw.slots", "2"],
     "dd-staged-share": [*_setting("device", "device"), "--mop.offload_adamw.stage_in_backward",

@@ -43,10 +43,6 @@ def check_modes(weights, gradients, host_fraction) -> None:
         raise ValueError(f"weights ({weights!r}) must be one of {WEIGHTS}; set [mop.offload_adamw] weights")
     if gradients not in GRADIENTS:
         raise ValueError(f"gradients ({gradients!r}) must be one of {GRADIENTS}; set [mop.offload_adamw] gradients")
-    if gradients == "stream" and host_fraction:
-        raise ValueError(f"gradients = 'stream' with host_fraction ({host_fraction}) > 0 is not supported yet (the "
-                         "CPU share would need the clipping coefficient on the host); set [mop.offload_adamw] "
-                         "host_fraction = 0 or gradients = 'device'")
 
 
 def check_host_fraction(host_fraction) -> None:

@@ -18,6 +18,12 @@ most CHUNK elements, in flat order):
   3. the masters go host -> device into the working weights (cast there) on the `up` stream; each
      chunk's upload event is a ready piece (forward_waits.py) that readers of its weights wait for.
 On a CPU-only build the "device" is the CPU and the same steps run in program order.
+With gradients = "stream" the share's gradients are in host memory already (grad_stream.py: they left
+as they became final, before the clipping norm existed), so step 1 copies nothing: the CPU reads them
+from the optimizer's pinned gradient buffer, once the stream's last copy has landed, and multiplies
+them by the clipping coefficient (copied to the host behind that copy) before AdamW, the same fp32
+multiply the device path makes; the share then costs no link bytes at all with weights = "stream"
+(its working weights are host tensors the CPU writes) and only the bf16 weights up with "bf16".
 Legend: N local elements, f host fraction, c chunk.
 """
 
@@ -61,21 +67,28 @@ class HostUpdate:
     The host state passed to `download` / `update` is [3, N - base]: column 0 is flat element `base`.
     Holds one pinned fp32 buffer for the range's gradients (`host_bytes`)."""
 
-    def __init__(self, numels: list[int], start: int, streams, base: int = 0, link=None, align: int = PIECE_ALIGN):
+    def __init__(self, numels: list[int], start: int, streams, base: int = 0, link=None, align: int = PIECE_ALIGN,
+                 streamed_grads: bool = False):
         self.link = link  # LinkCounter of the step's host-link bytes (link.py), or None
         self.chunks = plan_buckets(numels, CHUNK, start=start, align=align)
         self.base = base
         self.numel = sum(chunk.numel for chunk in self.chunks)
         self._streams = streams
-        self.host_bytes = self.numel * FP32_BYTES
+        self.streamed_grads = streamed_grads  # gradients = "stream": read where they landed, no buffer here
+        self.host_bytes = 0 if streamed_grads else self.numel * FP32_BYTES
+        self._arrived = [None] * len(self.chunks)
+        self.uploaded = None  # event after the last weight upload (None on CPU)
+        self._scale = None    # the clipping coefficient on the host (streamed gradients), or None
+        if streamed_grads:
+            self._grad_views = [None] * sum(1 for _ in self._segments())   # set per step by `download`
+            self._scale_host = torch.empty((), dtype=torch.float32, pin_memory=streams.cuda)
+            return
         pool, registered = allocate_host_buffer(self.host_bytes, streams.cuda)
         if registered:
             weakref.finalize(self, release_when_idle, pool.data_ptr(), streams)
         grads = pool.view(torch.float32)                      # [range] fp32, in flat order
         first = start - base  # host-state column of the range's first element
         self._grad_views = [grads[col - first:col - first + seg.numel] for _, seg, col, _ in self._segments()]
-        self._arrived = [None] * len(self.chunks)
-        self.uploaded = None  # event after the last weight upload (None on CPU)
 
     def _segments(self):
         """(chunk index, segment, host-state column of the segment, view index) over the host range."""
@@ -85,13 +98,20 @@ class HostUpdate:
                 yield c, seg, chunk.start + seg.bucket_start - self.base, view
                 view += 1
 
-    def download(self, grads, work, fresh, host_state, ready) -> None:
+    def download(self, grads, work, fresh, host_state, ready, *, landed=None, scale=None) -> None:
         """Enqueue every gradient of the range (and fresh working weights) for the host.
 
-        ready: an event on the compute stream after which gradients and weights are final."""
+        ready: an event on the compute stream after which gradients and weights are final.
+        With streamed gradients (`grads` are then host views): landed, the event after their last copy
+        into host memory; scale, the clipping coefficient (0-dim, on the device; None: no clipping)."""
         s = self._streams
         with s.use(s.down):
             s.wait(ready)
+            self._scale = None
+            if self.streamed_grads:
+                s.wait(landed)
+                if scale is not None:   # behind the compute stream's norm and clip: `ready`
+                    self._scale = self._scale_host.copy_(scale, non_blocking=True) if s.cuda else scale
             last = -1
             for c, seg, flat, view in self._segments():
                 if c != last and last >= 0:
@@ -101,8 +121,11 @@ class HostUpdate:
                 if grad is None:
                     continue  # no gradient: master, moments and step stay as they are
                 src = slice(seg.param_start, seg.param_start + seg.numel)
-                self._grad_views[view].copy_(grad[src], non_blocking=True)  # cast (if any) on the device
-                self._count(d2h=host_bytes(self._grad_views[view]))
+                if self.streamed_grads:
+                    self._grad_views[view] = grad[src]          # where it landed (scaled in `update`)
+                else:
+                    self._grad_views[view].copy_(grad[src], non_blocking=True)  # cast (if any) on the device
+                    self._count(d2h=host_bytes(self._grad_views[view]))
                 if fresh[seg.param]:
                     host_state[0, flat:flat + seg.numel].copy_(work[seg.param][src], non_blocking=True)
                     self._count(d2h=host_bytes(host_state[0, flat:flat + seg.numel]))
@@ -124,6 +147,9 @@ class HostUpdate:
         for c, live in by_chunk.items():
             if self._arrived[c] is not None:
                 self._arrived[c].synchronize()
+            if self._scale is not None:  # streamed gradients: the clipping multiply, as on the device
+                for _, _, view in live:
+                    self._grad_views[view].mul_(self._scale)
             self._adamw(live, host_state, steps, group_of, hparams)
             with s.use(s.up):
                 for seg, flat, _ in live:

@@ -70,7 +70,7 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         slots: device staging buffers (s); device staging is s*B*12 + B*4 bytes.
         host_fraction: share f of the streamed part (its tail) updated by the CPU instead; 0 streams
             everything. Costs a pinned fp32 gradient buffer of 4 B per element of the share
-            (`host_buffer_bytes`) and, on the device, the casts' temporaries (<= 2 x CHUNK x 4 bytes,
+            (`host_buffer_bytes`; none with gradients = "stream", whose buffer it reads) and, on the device, the casts' temporaries (<= 2 x CHUNK x 4 bytes,
             `staging_bytes_bound(..., host_share=True)`). Same math (torch's fused AdamW on the CPU),
             not the same bits: CPU and CUDA kernels round differently, so runs with different
             host_fraction agree to rounding; resuming with the same value is exact.
@@ -95,7 +95,8 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
             "stream"); `working.WorkingWeights` sets that up. Same values as "device".
         gradients: "device" (read `param.grad`), or "stream": the gradients arrive in a pinned fp32
             host buffer (`host_grad`, `mark_grad`, grad_stream.py) and are copied host -> device
-            per bucket, scaled by `grad_scale` there. Needs host_fraction = 0.
+            per bucket, scaled by `grad_scale` there; the CPU share (host_fraction) reads and scales
+            them where they landed (host_update.py), with no buffer of its own.
 
     State per parameter (state_dict, DCP): "step" (fp32 scalar, per parameter), "exp_avg",
     "exp_avg_sq", "master" (fp32; DTensors with the parameter's sharding for DTensor params): views
@@ -182,7 +183,8 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
             self._split = host_cut(self._numels, self._dev_end, self.host_fraction, self.piece_align)
             self._host_update = None  # frees the previous pinned buffers first
             self._host_update = HostUpdate(self._numels, self._split, self._streams, base=self._dev_end,
-                                           link=self.link, align=self.piece_align)
+                                           link=self.link, align=self.piece_align,
+                                           streamed_grads=self.gradients == "stream")
         self._device_buckets = plan_buckets(self._numels, bucket_params, end=self._dev_end, align=self.piece_align)
         self._buckets = plan_buckets(self._numels, bucket_params, start=self._dev_end, end=self._split,
                                      align=self.piece_align)
@@ -264,7 +266,8 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         if s.cuda and self.grad_scale is not None:  # the clipping coefficient, made on the compute stream
             self.grad_scale.record_stream(s.update)  # and dropped by zero_grad: with overlap the next forward
                                                       # would otherwise reuse its memory while buckets read it
-        host.download(grads, work, fresh, self._host, start)  # queued first: the CPU starts early
+        host.download(grads, work, fresh, self._host, start, landed=self.grads_landed,  # queued first: the
+                      scale=self.grad_scale if self.gradients == "stream" else None)  # CPU starts early
         with s.use(s.update):
             s.wait(start)
             s.wait(self.grads_landed)  # streamed gradients: in host memory
