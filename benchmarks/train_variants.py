@@ -74,6 +74,10 @@ VARIANTS = {
     "all-stream-staged": [*ALL_OPS, "--mop.offload_adamw.weights", "stream", "--mop.offload_adamw.gradients",
                           "stream", "--mop.offload_adamw.overlap", "--mop.offload_adamw.stage_in_backward",
                           "--mop.offload_adamw.slots", "28"],
+    # a CPU share beside the streams (2026-12-06): the CPU updates the share's state from the streamed gradients
+    # where they landed and writes its working weights on the host, so its 30 B/param leave the optimizer's link
+    "all-stream-host": [*ALL_OPS, "--mop.offload_adamw.weights", "stream", "--mop.offload_adamw.gradients",
+                        "stream", "--mop.offload_adamw.overlap", "--mop.offload_adamw.host_fraction", "0.3"],
     # the start-up without the fp32 model on the device ([mop.offload_adamw] host_init)
     "all-stream-hostinit": [*ALL_OPS, "--mop.offload_adamw.weights", "stream", "--mop.offload_adamw.gradients",
                             "stream", "--mop.offload_adamw.host_init"],
