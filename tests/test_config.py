@@ -60,8 +60,9 @@ IMPOSSIBLE_VALUES = [
     ("[mop.offload_adamw]\ngradients = \"stream\"\n", ["mop.offload_adamw.gradients = 'stream'", "OffloadStreamAdamW"]),
     ("[optimizer]\nname = \"OffloadStreamAdamW\"\n[training]\nmixed_precision_param = \"float32\"\n[mop.offload_adamw]\nweights = \"bf16\"\n",
      ["weights = 'bf16'", "mixed_precision_param = 'float32'", "bfloat16", "weights = 'stream'"]),
-    ("[optimizer]\nname = \"OffloadStreamAdamW\"\n[mop.offload_adamw]\ngradients = \"stream\"\nhost_fraction = 0.3\n",
-     ["gradients = 'stream'", "host_fraction = 0.3", "host_fraction = 0"]),
+    ("[optimizer]\nname = \"OffloadStreamAdamW\"\n[parallelism]\nfsdp_reshard_after_forward = \"never\"\n"
+     "[mop.offload_adamw]\nweights = \"stream\"\n",
+     ["fsdp_reshard_after_forward = 'never'", "weights = 'stream'", "'default'", "'bf16'"]),
     ("[optimizer]\nname = \"OffloadStreamAdamW\"\n[mop.offload_adamw]\nweight_window = 0\n", ["mop.offload_adamw.weight_window = 0", ">= 1"]),
     ("[optimizer]\nname = \"OffloadStreamAdamW\"\n[mop.moe]\ndispatch = \"ep\"\n[activation_checkpoint]\nmode = \"none\"\n[mop.offload_adamw]\nweights = \"stream\"\n",
      ["weights = 'stream'", "activation_checkpoint.mode = 'none'", "dispatch = 'ep'", "\"full\""]),

@@ -263,6 +263,11 @@ def build_run(cfg, device: torch.device, *, model_args: MoEModelArgs | None = No
         for opt in optimizers:
             if hasattr(opt, "wait_in_forward"):
                 opt.wait_in_forward(forward_units(parts.module))
+    for opt in optimizers:   # stage_in_backward: the first buckets' state in, a few after each unit's backward
+        if getattr(opt, "stage_in_backward", False):
+            # (the root and the embedding are given token ids: their inputs carry no gradient)
+            opt.pace_staging([m for m, _ in forward_units(parts.module)
+                              if m is not parts.module and m is not parts.model.tok_embeddings])
     oa = cfg.mop.offload_adamw
     if cfg.optimizer.name == OFFLOAD_ADAMW and (oa.weights != "device" or oa.gradients != "device"):
         attach_streaming(optimizers, parts, layout, oa)  # before the checkpointer caches the model's state

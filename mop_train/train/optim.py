@@ -189,7 +189,7 @@ def stage_ahead(optimizers) -> None:
     buckets' state in while the backward runs (OffloadStreamAdamW.stage_ahead)."""
     for opt in optimizers:
         if getattr(opt, "stage_in_backward", False):
-            opt.stage_ahead()
+            opt.begin_staging()   # paced by the units' backward where `pace_staging` hooked them
 
 
 def wait_for_weights(optimizers) -> None:

@@ -13,7 +13,9 @@ these settings). The W=4 checkpoint, resumed at W=2 (E_p=2, the same two sequenc
 same bits with device/device and with stream/stream. At W=3 FSDP2's shards are uneven (the debug
 model's dims are not multiples of 3: padded shards, the window's slots hold them): stream/stream, and
 the device and CPU shares beside the streams (cuts at other places than the buckets'; the CPU share reads
-streamed gradients in host memory), are device/device there too, and so is the first buckets' state staged during the last backward (stage_in_backward).
+streamed gradients in host memory), are device/device there too, and so is the first buckets' state
+staged during the last backward (stage_in_backward), paced by the units' backward (one bucket after each
+unit's, `pace_staging`).
 Each world runs all its cases in one spawn (`train` called in process); the checkpoints are read
 back here with DCP's own reader, in memory (no torch.save copy of each).
 """
@@ -177,13 +179,26 @@ UNEVEN_RUNS = {  # name: overrides beside UNEVEN and the bf16 policy; "dd" is th
 
 def _uneven_worker(rank, world, root):
     from mop_train.ops.offload_adamw import OffloadStreamAdamW
-    stage_ahead, staged = OffloadStreamAdamW.stage_ahead, []
+    begin, stage_next, step = OffloadStreamAdamW.begin_staging, OffloadStreamAdamW._stage_next, OffloadStreamAdamW.step
+    staged, paced = [], []
 
-    def counted(opt):  # the loop stages once per step, and each step consumed the last staging
-        staged.append((opt._early is None, len(opt._buckets[:opt.slots])))
-        stage_ahead(opt)
+    def counted_begin(opt):  # the loop arms the staging once per step, and each step consumed the last one
+        staged.append([opt._early is None, 0, 0])
+        begin(opt)
 
-    OffloadStreamAdamW.stage_ahead = counted
+    def counted_stage_next(opt, count):  # a unit's backward staging its run of buckets
+        before = len(opt._early)
+        stage_next(opt, count)
+        paced.append(len(opt._early) - before)
+
+    def counted_step(opt, *args, **kwargs):  # what the step found staged, and by how many of the units' backward
+        if staged:
+            staged[-1][1:] = [len(opt._early or []), sum(1 for n in paced if n)]
+        paced.clear()
+        return step(opt, *args, **kwargs)
+
+    OffloadStreamAdamW.begin_staging, OffloadStreamAdamW._stage_next = counted_begin, counted_stage_next
+    OffloadStreamAdamW.step = counted_step
     try:
         for name, setting in UNEVEN_RUNS.items():
             staged.clear()
@@ -191,7 +206,8 @@ def _uneven_worker(rank, world, root):
             with open(os.path.join(root, name, f"staged-{rank}.json"), "w") as f:
                 json.dump(staged, f)
     finally:
-        OffloadStreamAdamW.stage_ahead = stage_ahead
+        OffloadStreamAdamW.begin_staging, OffloadStreamAdamW._stage_next = begin, stage_next
+        OffloadStreamAdamW.step = step
 
 
 def test_settings_and_shares_are_bitwise_device_device_at_w3_with_uneven_shards(tmp_path):
@@ -205,8 +221,9 @@ def test_settings_and_shares_are_bitwise_device_device_at_w3_with_uneven_shards(
         for rank in range(3):
             with open(os.path.join(ours, f"staged-{rank}.json")) as f:
                 calls = json.load(f)
-            if "staged" in name:
-                assert len(calls) == STEPS and all(fresh and n > 0 for fresh, n in calls), (name, rank, calls)
+            if "staged" in name:  # every slot's bucket staged, by as many units' backward (paced: one each, as
+                slots = 2 if name == "ss-staged" else 3   # the debug model's 3 blocks + head outnumber the slots)
+                assert calls == [[True, slots, slots]] * STEPS, (name, rank, calls)
             else:
                 assert calls == [], (name, rank, calls)
         for step in (SAVED, STEPS):

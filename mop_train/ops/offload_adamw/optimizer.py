@@ -42,6 +42,7 @@ from mop_train.ops.offload_adamw.host_update import HostUpdate, host_cut
 from mop_train.ops.offload_adamw.link import FP32_STEP_BYTES, LinkBytes, LinkCounter, OffloadStepStats
 from mop_train.ops.offload_adamw.state import ROW, StateDictMixin, local_shard
 from mop_train.ops.offload_adamw.streams import Streams
+from mop_train.ops.offload_adamw.working_weight import in_backward
 
 DEFAULT_BUCKET_PARAMS = 25_000_000  # benchmarks/RESULTS.md: 25M x 3 slots is 2-4% faster than
 DEFAULT_SLOTS = 3                   # 100M x 2 at 1B and 2.6B params, with 954 MiB of staging (not 2.6 GiB)
@@ -114,6 +115,7 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
                       gradients=gradients, host_fraction=host_fraction, device_fraction=device_fraction,
                       overlap=overlap, stage_in_backward=stage_in_backward)
         self.stage_in_backward = stage_in_backward
+        self._pace_handles, self._pace, self._staging_armed = [], 1, False   # pace_staging / begin_staging
         self.piece_align = piece_align
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._params = [p for g in self.param_groups for p in g["params"]]
@@ -211,6 +213,50 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         if self._early is None:
             self._early = [self._copy_in(k, bucket) for k, bucket in enumerate(self._buckets[:self.slots])]
 
+    def pace_staging(self, modules) -> None:
+        """Spread stage_in_backward over the backward instead of queueing it at once: each of `modules`
+        (the FSDP2 units, `forward_units`) gets a forward pre-hook that hooks its input's gradient (outside
+        backward: a checkpoint's recompute adds none), and once `begin_staging` has armed the step, each
+        such gradient forming -- that module's backward queued, and with it FSDP2's prefetch of the next
+        unit's weights -- stages the next ceil(slots / len(modules)) of the first `slots` buckets. Queued
+        at once, the 2 x 4K step's 8 GB of staged state held up the blocks' weight copies, which share the
+        host -> device engine, and cost 5% (RESULTS.md 2026-12-03); paced, each block's weights wait behind
+        one short run of buckets. The same copies of the same host state, earlier: exact either way."""
+        if not self.stage_in_backward:
+            raise ValueError("pace_staging needs stage_in_backward = true ([mop.offload_adamw] stage_in_backward)")
+        modules = list(modules)
+        self._pace = max(1, -(-self.slots // max(1, len(modules))))
+
+        def pre_forward(module, args):
+            if in_backward():
+                return
+            x = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+            if x is not None:
+                x.register_hook(self._paced_hook)
+        self._pace_handles = [m.register_forward_pre_hook(pre_forward) for m in modules]
+
+    def _paced_hook(self, grad):
+        if self._staging_armed:
+            self._stage_next(self._pace)
+
+    def begin_staging(self) -> None:
+        """Before the step's last backward (stage_in_backward): paced by `pace_staging`'s hooks when they
+        are installed, else every one of the first `slots` buckets now (`stage_ahead`)."""
+        if not self._pace_handles:
+            self.stage_ahead()
+            return
+        self._early = self._early if self._early is not None else []
+        self._staging_armed = True
+
+    def _stage_next(self, count: int) -> None:
+        """Stage up to `count` more of the first `slots` buckets, in order."""
+        early = self._early
+        limit = min(self.slots, len(self._buckets))
+        while count > 0 and len(early) < limit:
+            k = len(early)
+            early.append(self._copy_in(k, self._buckets[k]))
+            count -= 1
+
     def wait_in_forward(self, units) -> None:
         """Overlap: before each unit's forward, wait for the pieces of the step that hold its
         parameters. units: [(module, parameters)] in forward order (`forward_units(model)`); each
@@ -275,7 +321,7 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
             self.link.add("optimizer", h2d=len(self._params) * FP32_STEP_BYTES)
             ready = [self._update_on_device(b, grads, work, fresh, steps, hparams) for b in self._device_buckets]
             ready += self._stream_buckets(grads, work, fresh, steps, hparams)
-            self._early = None  # (consumed: the slots hold this step's state now)
+            self._early, self._staging_armed = None, False  # (consumed: the slots hold this step's state now)
             self.grads_read = s.record()  # the next backward may overwrite the host gradients after this
         uploads = host.update(grads, work, self._host, self._steps, self._group_of, hparams,
                               work_on_host=self._working_on_host)
@@ -353,6 +399,7 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         if self._early is not None:
             self._streams.synchronize()
             self._early = None
+        self._staging_armed = False
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.drop_staged()  # staged from the state this load replaces
