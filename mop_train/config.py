@@ -129,10 +129,12 @@ class OffloadAdamW:
     (same values: bitwise on one H200 with weights and gradients streamed, 2026-12-01)."""
 
     stage_in_backward: bool = False
-    """Copy the first `slots` streamed buckets' masters and moments into their staging slots before the
-    step's last backward, while gradients leave the other way (they do not depend on the gradients; the
-    update still waits for the clipping norm): the step finds them staged. Exact (same copies, earlier),
-    no memory beyond the slots; more slots stage more. Not yet measured on a GPU."""
+    """Copy the first `slots` streamed buckets' masters and moments into their staging slots during the
+    step's last backward, a few after each FSDP2 unit's backward (OffloadStreamAdamW.pace_staging), while
+    gradients leave the other way (they do not depend on the gradients; the update still waits for the
+    clipping norm): the step finds them staged. Exact (same copies, earlier), no memory beyond the slots;
+    more slots stage more. Queued at once (before 2026-12-06) it was 5% slower at 2 x 4K; paced, not yet
+    measured on a GPU."""
 
     host_init: bool = False
     """With weights = "bf16" or "stream": a model initialised shard by shard (over 2B parameters) is
