@@ -133,8 +133,8 @@ class OffloadAdamW:
     step's last backward, a few after each FSDP2 unit's backward (OffloadStreamAdamW.pace_staging), while
     gradients leave the other way (they do not depend on the gradients; the update still waits for the
     clipping norm): the step finds them staged. Exact (same copies, earlier), no memory beyond the slots;
-    more slots stage more. Queued at once (before 2026-12-06) it was 5% slower at 2 x 4K; paced, not yet
-    measured on a GPU."""
+    more slots stage more. Queued at once (before 2026-12-06) it was 5% slower at 2 x 4K on an H200; paced,
+    still 4% slower there on an H100 (RESULTS.md 2026-12-06: the device->host direction binds the step)."""
 
     host_init: bool = False
     """With weights = "bf16" or "stream": a model initialised shard by shard (over 2B parameters) is

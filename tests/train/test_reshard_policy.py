@@ -34,9 +34,10 @@ CASES = {  # name -> (world, flags)
 
 
 def _config(folder: str, policy: str, flags: list[str]):
+    import torch.distributed as dist
+
     from mop_train.config import load_job_config
     from mop_train.models import zoo
-    import torch.distributed as dist
     return load_job_config(["--job.config_file", DEBUG_CONFIG, "--metrics.log_freq", "1",
                             "--metrics.no-enable-tensorboard", "--training.seq_len", "64",
                             "--training.mixed_precision_param", "bfloat16", "--checkpoint.no-enable",
@@ -47,8 +48,9 @@ def _config(folder: str, policy: str, flags: list[str]):
                            model_flavors=zoo.names(), world_size=dist.get_world_size())
 
 
-def _unsharded_at_head(run) -> list[bool]:
-    """Which blocks FSDP2 holds unsharded when the final norm's forward starts (first micro-batch)."""
+def _unsharded_at_head(run):
+    """(record, hook handle): record[0] will say which blocks FSDP2 holds unsharded when the final norm's
+    forward starts (first micro-batch)."""
     seen: list[list[bool]] = []
     model = run.parts.model
 

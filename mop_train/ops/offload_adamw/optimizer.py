@@ -71,7 +71,8 @@ class OffloadStreamAdamW(StateDictMixin, BucketStep, Optimizer):
         slots: device staging buffers (s); device staging is s*B*12 + B*4 bytes.
         host_fraction: share f of the streamed part (its tail) updated by the CPU instead; 0 streams
             everything. Costs a pinned fp32 gradient buffer of 4 B per element of the share
-            (`host_buffer_bytes`; none with gradients = "stream", whose buffer it reads) and, on the device, the casts' temporaries (<= 2 x CHUNK x 4 bytes,
+            (`host_buffer_bytes`; none with gradients = "stream", whose buffer it reads) and, on the
+            device, the casts' temporaries (<= 2 x CHUNK x 4 bytes,
             `staging_bytes_bound(..., host_share=True)`). Same math (torch's fused AdamW on the CPU),
             not the same bits: CPU and CUDA kernels round differently, so runs with different
             host_fraction agree to rounding; resuming with the same value is exact.
