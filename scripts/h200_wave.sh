@@ -31,6 +31,9 @@
 #   reshard_2x4k       ours-auto at 2 x 4K profiled as planned, then with [parallelism] fsdp_reshard_after_forward
 #                      = "never" (one FSDP2 gather a block per step instead of two; free at the peak at W = 1)
 #   fake_667b_1m_snapshot  the memory snapshot of issue 35's largest point, mop-667b at W=64 and 1M (~480 s)
+#   e2e_tps            issue 37's throughput points against torchtitan's grid (benchmarks/e2e_vs_torchtitan.py
+#                      --phases tps); E2E_S (default 570), E2E_SERIES (default "torchtitan ours-auto"),
+#                      E2E_EXTRA (more flags, e.g. --resume benchmarks/results/.../e2e.json)
 set -uo pipefail
 want=" $* "
 source "$(dirname "$0")/gpu_steps.sh"
@@ -83,4 +86,7 @@ TAIL=25 step reshard_2x4k 200 bash -c "python3 benchmarks/step_profile.py --conf
   --parallelism.fsdp_reshard_after_forward never; rm -f $OUT/reshard_2x4k/*/trace.json.gz"
 TAIL=12 step fake_667b_1m_snapshot 590 python3 benchmarks/fake_world.py run mop-667b-w64-1024k --steps 1 --snapshot \
   --timeout 580 --out "$OUT/fake"
+E2E_S=${E2E_S:-570}
+TAIL=40 step e2e_tps $E2E_S python3 benchmarks/e2e_vs_torchtitan.py --nproc 1 --budget-s $((E2E_S - 15)) --phases tps \
+  --series ${E2E_SERIES:-torchtitan ours-auto} --out "$OUT/e2e" ${E2E_EXTRA:-}
 exit 0
