@@ -16,12 +16,17 @@ used for every width. A term is one cost per step, per rank (every rank does the
   tiling      [mop.tiling]: TILING_SHARE of the compute (each tiled stage's forward once more in backward)
   fsdp        FSDP2's all-gathers (two a block, one with fsdp_reshard_after_forward = "never") and
               reduce-scatters, exposed only beyond the compute they overlap
+  reshard     fsdp_reshard_after_forward = "never": a saving, the device's copy-in cast and copy of each
+              block gathered once a micro-batch instead of twice (at W=1 no link bytes move at all)
   replicas    the expert and vocab shards' gradient all-reduce over their replica groups, after backward
   ulysses     the sequence group's all-to-all of q, k, v and the attention output (D > 1)
   dispatch    the expert group's dispatch and combine all-to-alls (E_p > 1)
   chunking    PipelinedLLEP's per-chunk overhead on the expert part (K > 1), and its own recompute of the
               expert activations in blocks that are not checkpointed
-  ring_dtp    Ring-DTP's extra GEMM pass over the standard loss (and its hops when P spans nodes)
+  ring_dtp    Ring-DTP's schedule against the chunked loss the compute term holds: "recompute" adds its
+              extra GEMM pass over the standard loss; "grad_in_forward" (three passes, no fp32 logits
+              replayed) is a saving, a share of the output projection's part of the compute term;
+              and its hops when P spans nodes
   sco         the share of SCO's boundary traffic the prefetch does not hide
   optimizer   AdamW on the device, or OffloadStreamAdamW: the host link or host memory, whichever binds
               (with weights / gradients streamed, every element's gradient in and working copy out too)
@@ -30,7 +35,9 @@ used for every width. A term is one cost per step, per rank (every rank does the
 
 Not modelled: LLEP's relocation under skewed routing (zero at balanced routing, what the router's
 bias balancing aims for), the CPU share of OffloadStreamAdamW (host_fraction), overlap of the
-optimizer with the next forward, document masks.
+optimizer with the next forward, document masks, grad_in_forward at P > 1 (its rounds' all-reduces and
+dX ring: charged as at P = 1, and not searched there), fsdp_reshard_after_forward = "always" (its extra
+gather of the last block).
 
 Against the 19 measured `small` runs it was fitted on (1 and 2 H200s, 4K-524K, operators off and on; listed
 in tests/plan/test_auto_plan.py), the predicted tokens/s are within -12% .. +11%, except every operator on at 4K on
@@ -71,6 +78,17 @@ FSDP_BYTES_PER_S = 42e9
 """FSDP2 traffic per rank per second inside a node: RESULTS.md "small, 50 steps on 2 GPUs" (2026-11-30),
 operators off: 24,898 tokens/s at 4,096 tokens per rank = 0.329 s per step against ~0.16 s of compute
 and optimizer; the step there is the 13.2 GB of gathers and reduce-scatters per rank at this rate."""
+
+FSDP_COPY_BYTES_PER_S = 10 * 2_435_988_224 / 8.36e-3
+"""Device bytes per second of FSDP2's per-gather copies (2.9 TB/s): the copy-in's cast of each shard to the
+compute dtype ((4 + act) B per shard element) and its copy of the gathered block (2 * act B per element).
+Fitted to `small` at 2 x 4K on one H100 (RESULTS.md "Levers and streaming on one H100, 2026-12-06",
+benchmarks/results/h100_2026-12-06/reshard_2x4k_*.json; local dispatch, AdamW, no AC, W=1): with
+fsdp_reshard_after_forward = "never" the copies took 52.3 -> 43.9 ms a step (the fp32 -> bf16 casts 15.6 ->
+10.5 ms, device-to-device copies 16.7 -> 13.4 ms), 27,059 -> 27,799 tokens/s (1.027x), for the 2,435,988,224
+parameters of every block but the last that "default" gathers again in backward, 10 B each at W=1. That is 87%
+of the H100's 3.35 TB/s: the copies run at the memory's speed. At W > 1 the cast touches only the 1/W shard
+and the gathered bytes arrive over the link: an assumption, not measured."""
 
 A2A_BYTES_PER_S = 75e9
 """All-to-all bytes per rank per second inside a node (Ulysses and expert dispatch): fitted to `small` on 2 H200s
@@ -114,6 +132,17 @@ SCO_EXPOSED_SHARE = 0.07
 RING_DTP_TIME_RATIO = 1.25
 """Ring-DTP's loss time over the standard loss: RESULTS.md "Ring-DTP ring, P=2, bf16" (2026-11-30), 0.307
 vs 0.245 s at N=16384 per rank; P=1: 0.2985 vs 0.2397 s (1.245x, "Ring-DTP (vocab projection)" 2026-11-29)."""
+
+GRAD_IN_FORWARD_SHARE = 0.53
+"""Ring-DTP's grad_in_forward loss as a share of the time the compute term charges the output projection
+(6 * N * H * V FLOPs per micro-batch at MFU_DENSE, the chunked cross-entropy it replaces): its term is
+-(1 - share) of that, a saving. One point, on one H100 (not an H200 like the rest): RESULTS.md "Levers and
+streaming on one H100, 2026-12-06" (benchmarks/results/h100_2026-12-06/levers_32k_auto*.json), `small` at
+1 x 32K as plan --auto picked it (pipelined_llep c=32768, no AC): 25,324 -> 29,722 tokens/s, 1.2940 ->
+1.1025 s a step (the loss's kernels 222.3 -> 103.7 ms, copies 109.9 -> 56.4 ms), 0.1915 s saved against the
+projection's 6 * 32768 * 1536 * 200000 / (989e12 * 0.15) = 0.4071 s: 1 - 0.1915 / 0.4071 = 0.53. This model
+predicts 1.251 s for the chunked step measured at 1.294 s, so the H100's seconds are taken as they are.
+Assumed for every width and context: at a wider H the projection runs nearer LOSS_MFU than MFU_DENSE."""
 
 LOSS_MFU = 0.594
 """Share of the peak the standard loss reaches on its 6 * N * H * V FLOPs: RESULTS.md "Ring-DTP (vocab
@@ -185,6 +214,12 @@ class StepInputs:
     """FSDP2 all-gathers of each block per micro-batch: its forward and its backward, or the forward alone
     with [parallelism] fsdp_reshard_after_forward = "never" (the head unit and the embedding are gathered
     once either way; counted as blocks, a small over-count at "never")."""
+    reshard_saved_params: int = 0
+    """Block parameters FSDP2 does not gather again for backward with fsdp_reshard_after_forward = "never":
+    every block but the last, which the default policy already keeps unsharded (0 under "default")."""
+    ring_schedule: str = "recompute"
+    """Ring-DTP's schedule as it will run: "recompute" or "grad_in_forward" ([mop.ring_dtp] schedule,
+    "auto" resolved as plan.job.ring_dtp_plan_schedule resolves it)."""
     act_bytes: int = 2
 
 
@@ -254,11 +289,17 @@ def _compute_term(x: StepInputs) -> tuple[str, float, str]:
 
 
 def _sharding_terms(x: StepInputs, compute: float) -> list[tuple[str, float, str]]:
-    """FSDP2's traffic beyond the compute it overlaps; the MoP shards' gradient all-reduce over their replicas."""
+    """FSDP2's traffic beyond the compute it overlaps, and the device copies "never" saves; the MoP shards'
+    gradient all-reduce over their replicas."""
     W, R = x.world, x.ranks_per_node
     fsdp_bytes = x.micro_batches * x.fsdp_params * (x.fsdp_gathers * x.act_bytes + 4) * (W - 1) / W   # fp32 reduce
     fsdp = fsdp_bytes / _bytes_per_s(FSDP_BYTES_PER_S, W, R)
     terms = [("fsdp", max(0.0, fsdp - compute), f"{fsdp_bytes / 1e9:.1f} GB in {fsdp:.2f} s, exposed beyond the compute")]
+    if x.reshard_saved_params:
+        copies = x.micro_batches * x.reshard_saved_params * ((4 + x.act_bytes) / W + 2 * x.act_bytes)
+        terms.append(("reshard", -copies / FSDP_COPY_BYTES_PER_S,
+                      f"never, a saving: no second gather of {x.reshard_saved_params / 1e9:.2f}B block params "
+                      f"({copies / 1e9:.1f} GB of device casts and copies)"))
     replica_bytes = 0.0
     for shard, degree in ((x.expert_shard_params, x.expert_degree), (x.vocab_shard_params, x.vocab_degree)):
         replicas = W // degree
@@ -293,15 +334,22 @@ def _all_to_all_terms(x: StepInputs) -> list[tuple[str, float, str]]:
 
 
 def _operator_terms(x: StepInputs) -> list[tuple[str, float, str]]:
-    """Ring-DTP's extra pass (and its hops when P spans nodes); SCO's exposed boundary traffic."""
+    """Ring-DTP against the chunked loss (and its hops when P spans nodes); SCO's exposed boundary traffic."""
     a, R, P, (N, _, _), terms = x.model, x.ranks_per_node, x.vocab_degree, _shape(x), []
     if x.ring_dtp or P > 1:
-        loss = x.micro_batches * 6.0 * N * a.dim * a.vocab_size / (PEAK_FLOPS * LOSS_MFU)
-        ring = (RING_DTP_TIME_RATIO - 1.0) * loss
+        flops = x.micro_batches * 6.0 * N * a.dim * a.vocab_size
+        if x.ring_schedule == "grad_in_forward":   # against the projection's part of the compute term
+            projection = flops / (PEAK_FLOPS * MFU_DENSE)
+            ring = (GRAD_IN_FORWARD_SHARE - 1.0) * projection
+            how = (f"grad_in_forward, a saving: {1 - GRAD_IN_FORWARD_SHARE:.0%} of the output projection's "
+                   f"{projection:.3f} s in the compute")
+        else:
+            loss = flops / (PEAK_FLOPS * LOSS_MFU)
+            ring = (RING_DTP_TIME_RATIO - 1.0) * loss
+            how = f"recompute, {RING_DTP_TIME_RATIO - 1:.0%} over the standard loss's {loss:.3f} s"
         if P > R:
             ring += x.micro_batches * 2 * (P - 1) * N * a.dim * x.act_bytes * 2 / _bytes_per_s(A2A_BYTES_PER_S, P, R)
-        terms.append(("ring_dtp", ring, f"{RING_DTP_TIME_RATIO - 1:.0%} over the standard loss's {loss:.3f} s"
-                      + (", hops across nodes" if P > R else "")))
+        terms.append(("ring_dtp", ring, how + (", hops across nodes" if P > R else "")))
     if x.sco_offloaded_bytes:
         link = x.micro_batches * 2 * x.sco_offloaded_bytes / HOST_LINK_BYTES_PER_S
         terms.append(("sco", SCO_EXPOSED_SHARE * link, f"{SCO_EXPOSED_SHARE:.0%} of {link:.2f} s of boundary traffic"))
