@@ -8,9 +8,10 @@
 The configurations and what each costs: mop_train.plan.search_space (SearchSpace, which AutoPlanner
 extends with the searches below); the Result and its printout: mop_train.plan.auto_report.
 
-  pruning            a family (E_p, P, dispatch, Ring-DTP, checkpointing, tiling, keep) is dropped when its frugal
-                     knobs (every boundary on the host, the optimizer state off the device) do not fit
-                     at the fewest tokens per rank the search can give it; a structure is skipped when
+  pruning            a family (E_p, P, dispatch, Ring-DTP and its schedule, checkpointing, tiling,
+                     resharding) is dropped when its frugal knobs (every boundary on the host, the
+                     optimizer state off the device) do not fit at the fewest tokens per rank the
+                     search can give it; a structure is skipped when
                      its frugal knobs do not fit at S: no knob of it leaves less on the device.
   fastest_at(S)      structures by their fastest knobs' prediction (an upper bound on their tokens/s);
                      for each, the fastest knobs that fit, walking the knob grid in predicted order and
@@ -32,7 +33,7 @@ import math
 import time
 
 from mop_train.plan.auto_report import Result, format_result
-from mop_train.plan.search_space import SearchSpace
+from mop_train.plan.search_space import TIE_SHARE, SearchSpace
 from mop_train.plan.settings import SEARCHED_KEYS, Evaluation, Settings, fixed_keys, keeps_no_less
 from mop_train.plan.terms import GIB
 
@@ -42,11 +43,6 @@ OBJECTIVES = ("context", "throughput")
 
 KEEP = 5
 """Configurations that fit reported per search: the winner and four runners-up."""
-
-TIE_SHARE = 0.01
-"""Predicted tokens/s closer than this share are a tie (the cost model is good to about 12%): the tie goes to
-the configuration that pins the least host memory, then runs the fewest operators, then plans the least."""
-
 
 class NothingFits(Exception):
     """No configuration fits; the message has the numbers and what would fix it."""
@@ -104,8 +100,9 @@ class AutoPlanner(SearchSpace):
 
     def fastest_at(self, seq_len: int, keep: int = KEEP, *, explain: bool = True) -> Result:
         """The fastest configuration that fits at `seq_len` and the best of `keep - 1` other families
-        (degrees, dispatch, Ring-DTP, checkpointing, tiling, kept attention); NothingFits when none fits,
-        saying what would fit (more searches: on more ranks, at a shorter context) unless `explain` is False."""
+        (degrees, dispatch, Ring-DTP and its schedule, checkpointing, tiling, kept attention, FSDP2's
+        resharding); NothingFits when none fits, saying what would fit (more searches: on more ranks, at a
+        shorter context) unless `explain` is False."""
         start = time.perf_counter()
         structures = sorted(self.structures(seq_len),
                             key=lambda s: (-self.predict(self.knobs(s)[0][0]).tokens_per_s, s.label()))
@@ -274,7 +271,8 @@ def _memories(e: Evaluation) -> str:
 
 
 def _family(s: Settings) -> tuple:
-    """What the runners-up differ in: the degrees, the dispatch, Ring-DTP, checkpointing, tiling, keep."""
-    return (s.seq_degree, s.expert_degree, s.vocab_degree, s.dispatch, s.ring_dtp, s.ac_mode, s.ffn_tokens,
-            s.block_tokens, s.keep)
+    """What the runners-up differ in: the degrees, the dispatch, Ring-DTP and its schedule, checkpointing,
+    tiling, keep, FSDP2's resharding."""
+    return (s.seq_degree, s.expert_degree, s.vocab_degree, s.dispatch, s.ring_dtp, s.ring_schedule, s.ac_mode,
+            s.ffn_tokens, s.block_tokens, s.keep, s.reshard)
 

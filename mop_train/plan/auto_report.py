@@ -66,8 +66,8 @@ def format_result(planner: SearchSpace, r: Result) -> str:
               plan_job(configure(base, e.settings), world=p.world, ranks_per_node=p.ranks_per_node,
                        gpu_bytes=p.gpu_bytes, host_bytes=p.host_bytes)[0]]
     if r.runners_up:
-        lines += ["", "runners-up (fit; predicted slower; the best of each other layout, dispatch, Ring-DTP, "
-                  "checkpointing, tiling and keep):"]
+        lines += ["", "runners-up (fit; predicted slower; the best of each other layout, dispatch, Ring-DTP and its "
+                  "schedule, checkpointing, tiling, keep and FSDP2 resharding):"]
         lines += _table(r.runners_up)
     if r.misses:
         lines += ["", "better on the objective but planned not to fit:"]

@@ -38,7 +38,8 @@ SEARCHED_KEYS = ("training.seq_len", "mop.layout.seq_degree", "mop.layout.expert
                  "mop.moe.dispatch", "mop.moe.token_budget", "mop.ring_dtp.enable", "mop.sco.host_budget",
                  "optimizer.name", "mop.offload_adamw.device_fraction", "mop.offload_adamw.weights",
                  "mop.offload_adamw.gradients", "activation_checkpoint.mode", "mop.tiling.ffn_tokens",
-                 "mop.tiling.block_tokens", "mop.attention.keep")
+                 "mop.tiling.block_tokens", "mop.attention.keep", "mop.ring_dtp.schedule",
+                 "parallelism.fsdp_reshard_after_forward")
 
 
 def fixed_keys(overrides: list[str]) -> set[str]:
@@ -69,8 +70,13 @@ def search_base_flags(fixed: set[str]) -> list[str]:
                        "mop.offload_adamw.gradients"}
     if "optimizer.name" not in fixed and fixed & offload_options:
         flags += ["--optimizer.name", OFFLOAD_ADAMW]
-    if "mop.offload_adamw.host_init" in fixed and "mop.offload_adamw.weights" not in fixed:
-        flags += ["--mop.offload_adamw.weights", "stream"]   # (host_init refuses weights = "device")
+    if "mop.offload_adamw.weights" not in fixed:
+        # host_init refuses weights = "device"; a given reshard "never" refuses "stream"
+        never = "parallelism.fsdp_reshard_after_forward" in fixed
+        if "mop.offload_adamw.host_init" in fixed:
+            flags += ["--mop.offload_adamw.weights", "bf16" if never else "stream"]
+        elif never:
+            flags += ["--mop.offload_adamw.weights", "device"]
     return flags
 
 
@@ -81,8 +87,8 @@ def search_base_flags(fixed: set[str]) -> list[str]:
 @dataclass(frozen=True)
 class Settings:
     """The searched keys of one configuration (everything else is the job's own): its structure (the
-    context, degrees, dispatch, c, Ring-DTP, checkpointing, sequence tiling, kept attention) and its knobs
-    (SCO budget, optimizer)."""
+    context, degrees, dispatch, c, Ring-DTP and its schedule, checkpointing, sequence tiling, kept attention,
+    FSDP2's resharding) and its knobs (SCO budget, optimizer)."""
     seq_len: int
     seq_degree: int
     expert_degree: int
@@ -99,6 +105,12 @@ class Settings:
     ffn_tokens: int | str = 0           # [mop.tiling] (0, a count or "auto") and [mop.attention] keep
     block_tokens: int | str = 0
     keep: bool = False
+    ring_schedule: str = "recompute"    # [mop.ring_dtp] schedule, where Ring-DTP runs (ring_dtp or P > 1)
+    reshard: str = "default"            # [parallelism] fsdp_reshard_after_forward
+
+    @property
+    def runs_ring_dtp(self) -> bool:
+        return self.ring_dtp or self.vocab_degree > 1
 
     @property
     def tiled(self) -> bool:
@@ -110,14 +122,17 @@ class Settings:
 
     @property
     def operators_on(self) -> int:
-        """How many of the four operators (and expert parallelism), sequence tiling and kept attention this
+        """How many of the four operators (and expert parallelism), sequence tiling, kept attention,
+        Ring-DTP's grad_in_forward schedule and a resharding policy other than the default this
         configuration runs (the tie-break prefers fewer)."""
-        return sum((self.dispatch != "local", self.ring_dtp or self.vocab_degree > 1, self.sco_budget != "0",
-                    self.offloads_optimizer, self.tiled, self.keep))
+        return sum((self.dispatch != "local", self.runs_ring_dtp, self.sco_budget != "0", self.offloads_optimizer,
+                    self.tiled, self.keep, self.runs_ring_dtp and self.ring_schedule != "recompute",
+                    self.reshard != "default"))
 
     def label(self) -> str:
         ops = [self.dispatch + (f" c={self.token_budget}" if self.dispatch == "pipelined_llep" else "")]
-        ops += ["ring-dtp"] if self.ring_dtp or self.vocab_degree > 1 else []
+        if self.runs_ring_dtp:
+            ops += ["ring-dtp" + (f" {self.ring_schedule}" if self.ring_schedule != "recompute" else "")]
         ops += [f"sco {self.sco_budget}"] if self.sco_budget != "0" else []
         streaming = f" {self.weights}/{self.gradients}" if (self.weights, self.gradients) != ("device", "device") else ""
         ops += [f"offload f={self.device_fraction}{streaming}" if self.offloads_optimizer else self.optimizer]
@@ -126,6 +141,7 @@ class Settings:
             ops += ["tiled" + ("" if (self.ffn_tokens, self.block_tokens) == ("auto", "auto") else
                                f" ffn {self.ffn_tokens} block {self.block_tokens}")]
         ops += ["keep"] if self.keep else []
+        ops += [f"reshard {self.reshard}"] if self.reshard != "default" else []
         return f"D{self.seq_degree} Ep{self.expert_degree} P{self.vocab_degree} " + ", ".join(ops)
 
     def overrides(self, base) -> list[tuple[str, object]]:
@@ -135,8 +151,10 @@ class Settings:
                ("mop.moe.dispatch", self.dispatch)]
         if self.dispatch == "pipelined_llep" or self.token_budget != base.mop.moe.token_budget:
             out.append(("mop.moe.token_budget", self.token_budget))
-        out += [("mop.ring_dtp.enable", self.ring_dtp), ("mop.sco.host_budget", self.sco_budget),
-                ("optimizer.name", self.optimizer)]
+        out.append(("mop.ring_dtp.enable", self.ring_dtp))
+        if self.runs_ring_dtp and self.ring_schedule != base.mop.ring_dtp.schedule:
+            out.append(("mop.ring_dtp.schedule", self.ring_schedule))
+        out += [("mop.sco.host_budget", self.sco_budget), ("optimizer.name", self.optimizer)]
         oa = base.mop.offload_adamw
         if self.offloads_optimizer or str(oa.device_fraction) != self.device_fraction:
             out.append(("mop.offload_adamw.device_fraction", self.device_fraction))
@@ -160,6 +178,8 @@ class Settings:
                 out.append((f"mop.tiling.{key}", value))
         if self.keep or base.mop.attention.keep:
             out.append(("mop.attention.keep", self.keep))
+        if self.reshard != base.parallelism.fsdp_reshard_after_forward:
+            out.append(("parallelism.fsdp_reshard_after_forward", self.reshard))
         return out
 
     def flags(self, base) -> list[str]:
@@ -251,7 +271,8 @@ def configure(base, s: Settings):
     mop.layout = replace(base.mop.layout, seq_degree=s.seq_degree, expert_degree=s.expert_degree,
                          vocab_degree=s.vocab_degree)
     mop.moe = replace(base.mop.moe, dispatch=s.dispatch, token_budget=s.token_budget)
-    mop.ring_dtp = replace(base.mop.ring_dtp, enable=s.ring_dtp)
+    mop.ring_dtp = replace(base.mop.ring_dtp, enable=s.ring_dtp,
+                           schedule=s.ring_schedule if s.runs_ring_dtp else base.mop.ring_dtp.schedule)
     mop.sco = replace(base.mop.sco, host_budget=s.sco_budget)
     oa = base.mop.offload_adamw
     mop.offload_adamw = replace(oa, device_fraction=s.device_fraction, weights=s.weights, gradients=s.gradients,
@@ -261,6 +282,7 @@ def configure(base, s: Settings):
     cfg.optimizer = replace(base.optimizer, name=s.optimizer)
     cfg.training = replace(base.training, seq_len=s.seq_len)
     cfg.activation_checkpoint = replace(base.activation_checkpoint, mode=s.ac_mode)
+    cfg.parallelism = replace(base.parallelism, fsdp_reshard_after_forward=s.reshard)
     mop.tiling = replace(base.mop.tiling, ffn_tokens=s.ffn_tokens, block_tokens=s.block_tokens)
     mop.attention = replace(base.mop.attention, keep=s.keep)
     return cfg
@@ -312,6 +334,15 @@ class FlavorModel:
             blocks = [fsdp_block_params(b, kept) for b in self.model.layers.values()]
             return (max(blocks), sum(blocks), fsdp_root_params(self.model, kept), fsdp_head_params(self.model, kept))
         return self._cached(("gathered", dispatch == "local", layout.vocab_degree > 1), count)
+
+    def regathered_params(self, layout, dispatch: str) -> int:
+        """Parameters FSDP2 gathers a second time for backward under the default policy: every block's
+        but the last's, which it keeps unsharded from its forward (parallelize.block_reshard_after_forward)."""
+        def count():
+            kept = {id(p) for ps in kept_out_of_fsdp(self.model, layout, dispatch=dispatch) for p in ps}
+            *first, _ = self.model.layers.values()
+            return sum(fsdp_block_params(b, kept) for b in first)
+        return self._cached(("regathered", dispatch == "local", layout.vocab_degree > 1), count)
 
     def local_head(self, layout) -> int:
         """This rank's share of the head unit (job.local_head_params)."""

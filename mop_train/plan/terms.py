@@ -170,14 +170,15 @@ def _block_term(x: MemoryPlanInputs, tokens: int) -> tuple[int, int, str]:
     return peak, saved, how
 
 
-def _loss_bound(x: MemoryPlanInputs, tokens: int) -> DeviceBound:
-    a, o = x.model, x.ops
+def loss_bound(o: OperatorPlan, a: MoEModelArgs, *, tokens: int, vocab_degree: int, act_bytes: int) -> DeviceBound:
+    """The loss's working set on a rank of `tokens` tokens: the chunked cross-entropy's, or Ring-DTP's bound
+    for its (resolved) schedule."""
     if not o.ring_dtp:  # mop_train.train.loss.chunked_cross_entropy_sum: one chunk's logits, softmax, grad
         return DeviceBound(0, 3 * min(o.loss_chunk, tokens) * a.vocab_size * 4, "one loss chunk: 3 * chunk * V fp32")
     settings = ring_dtp_memory.RingDTPSettings(mode=o.ring_dtp_mode, schedule=o.ring_dtp_schedule,
                                                block_size=o.ring_dtp_block_size, token_chunk=o.ring_dtp_token_chunk)
     return ring_dtp_memory.device_bound(settings, ring_dtp_memory.VocabShapes(
-        tokens, a.dim, a.vocab_size, x.vocab_degree, compute_dtype(x.act_bytes)))
+        tokens, a.dim, a.vocab_size, vocab_degree, compute_dtype(act_bytes)))
 
 
 PHASES = ("loss", "first block backward", "last block backward", "embedding backward")
@@ -231,8 +232,8 @@ def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
     kept_layer = kept_attention_bytes(a, 1, tokens, 1, act) if o.keep_attention else 0
     block_peak, block_saved, block_how = _block_term(x, tokens)
     plain_blocks = (a.n_layers - L_ckpt) * block_saved                # not checkpointed: saved all step
-    loss_bound = _loss_bound(x, tokens)
-    loss, loss_how = loss_bound.device_bytes, loss_bound.how
+    the_loss = loss_bound(o, a, tokens=tokens, vocab_degree=x.vocab_degree, act_bytes=act)
+    loss, loss_how = the_loss.device_bytes, the_loss.how
     optimizer_bound = _optimizer_bound(x)
     optimizer, optimizer_how = optimizer_bound.device_bytes, optimizer_bound.how
     head = tokens * a.dim * (2 * act + 4)

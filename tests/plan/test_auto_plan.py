@@ -191,8 +191,9 @@ def test_mop_667b_on_64_ranks_is_searched_within_a_bounded_number_of_plans():
     # 1,682 plans before weights/gradients streaming: it lets more families fit (EP without chunks among
     # them, which it then picks), and each is searched; ~3.6K with streaming at share 0 only, 4,347 with
     # streaming beside every device share (tests/plan/test_auto_streaming.py), 5,365 with sequence tiling and
-    # kept attention searched (a structure's twins skipped where an untiled or kept twin fits as fast as it runs)
-    assert r.planned < 6000, "the family and structure pruning keep the plans to a few per structure"
+    # kept attention searched (a structure's twins skipped where an untiled or kept twin fits as fast as it runs),
+    # 6,361 with Ring-DTP's schedule (P = 1) and FSDP2's resharding searched (each only where it may win a tie)
+    assert r.planned < 7000, "the family and structure pruning keep the plans to a few per structure"
 
 
 # -- the cost model ------------------------------------------------------------------------------
@@ -322,7 +323,7 @@ def test_keep_is_searched_only_under_full_checkpointing_and_predicts_the_recompu
 
 def test_a_given_keep_is_not_paired_with_checkpointing_off_the_search_may_choose():
     """keep does nothing without checkpointed blocks (and the block term under-plans that pairing: see
-    SearchSpace._tiled_and_kept), so a given keep with the checkpointing mode free never yields ac none."""
+    SearchSpace._variants), so a given keep with the checkpointing mode free never yields ac none."""
     p = planner(SMALL, "--mop.attention.keep", world=1, gpu=141 * GIB, host=256 * GIB)
     r = p.fastest_at(32768)
     assert r.chosen.settings.keep and r.chosen.settings.ac_mode == "full"
