@@ -17,7 +17,8 @@ used for every width. A term is one cost per step, per rank (every rank does the
   fsdp        FSDP2's all-gathers (two a block, one with fsdp_reshard_after_forward = "never") and
               reduce-scatters, exposed only beyond the compute they overlap
   reshard     fsdp_reshard_after_forward = "never": a saving, the device's copy-in cast and copy of each
-              block gathered once a micro-batch instead of twice (at W=1 no link bytes move at all)
+              block gathered once a micro-batch instead of twice (at W=1 no link bytes move at all; fitted
+              on one H100: FSDP_COPY_BYTES_PER_S)
   replicas    the expert and vocab shards' gradient all-reduce over their replica groups, after backward
   ulysses     the sequence group's all-to-all of q, k, v and the attention output (D > 1)
   dispatch    the expert group's dispatch and combine all-to-alls (E_p > 1)
@@ -25,8 +26,8 @@ used for every width. A term is one cost per step, per rank (every rank does the
               expert activations in blocks that are not checkpointed
   ring_dtp    Ring-DTP's schedule against the chunked loss the compute term holds: "recompute" adds its
               extra GEMM pass over the standard loss; "grad_in_forward" (three passes, no fp32 logits
-              replayed) is a saving, a share of the output projection's part of the compute term;
-              and its hops when P spans nodes
+              replayed) is a saving, a share of the output projection's part of the compute term (one
+              point on one H100: GRAD_IN_FORWARD_SHARE); and its hops when P spans nodes
   sco         the share of SCO's boundary traffic the prefetch does not hide
   optimizer   AdamW on the device, or OffloadStreamAdamW: the host link or host memory, whichever binds
               (with weights / gradients streamed, every element's gradient in and working copy out too)
