@@ -29,16 +29,20 @@ used for every width. A term is one cost per step, per rank (every rank does the
               replayed) is a saving, a share of the output projection's part of the compute term (one
               point on one H100: GRAD_IN_FORWARD_SHARE); and its hops when P spans nodes
   sco         the share of SCO's boundary traffic the prefetch does not hide
-  optimizer   AdamW on the device, or OffloadStreamAdamW: the host link or host memory, whichever binds
-              (with weights / gradients streamed, every element's gradient in and working copy out too)
+  optimizer   AdamW on the device, or OffloadStreamAdamW: the host link, host memory or the CPU share
+              (host_fraction, updated in place by the CPU while the rest streams), whichever binds (with
+              weights / gradients streamed, the gradient in and working copy out of every element the device
+              updates too); the share's time per parameter fitted on one H100's 16-core host with one rank
+              (HOST_ADAMW_S_PER_PARAM) and, where R ranks share a host, R / 2 times what two ranks measured
+              on an H200's (SHARED_HOST_ADAMW_S_PER_PARAM)
   streams     weights / gradients = "stream": the working weights in per gather, the gradients out, exposed
               beyond the compute (an assumption: not measured yet)
 
 Not modelled: LLEP's relocation under skewed routing (zero at balanced routing, what the router's
-bias balancing aims for), the CPU share of OffloadStreamAdamW (host_fraction), overlap of the
-optimizer with the next forward, document masks, grad_in_forward at P > 1 (its rounds' all-reduces and
-dX ring: charged as at P = 1, and not searched there), fsdp_reshard_after_forward = "always" (its extra
-gather of the last block).
+bias balancing aims for), overlap of the optimizer with the next forward (nor so how much of the CPU
+share's time the step hides: its constant takes the measured steps as they are), document masks,
+grad_in_forward at P > 1 (its rounds' all-reduces and dX ring: charged as at P = 1, and not searched
+there), fsdp_reshard_after_forward = "always" (its extra gather of the last block).
 
 Against the 19 measured `small` runs it was fitted on (1 and 2 H200s, 4K-524K, operators off and on; listed
 in tests/plan/test_auto_plan.py), the predicted tokens/s are within -12% .. +11%, except every operator on at 4K on
@@ -112,10 +116,39 @@ HOST_BYTES_PER_PARAM = 24
 and written): RESULTS.md "Why not 2.5x DeepSpeed" (2026-11-29)."""
 
 HOST_MEMORY_BYTES_PER_S = 144e9
-"""Useful host memory bandwidth of a node, shared by its ranks' streamed steps: RESULTS.md "Why not 2.5x
+"""Useful host memory bandwidth of a node, shared by its ranks' streamed steps (the streamed rest: a CPU
+share's own traffic is inside its constants below): RESULTS.md "Why not 2.5x
 DeepSpeed" (2026-11-29): copies and CPU updates together saturate at ~140-145 GB/s. With two ranks on a
 host it predicts 0.55 s for `small`'s 1.65B parameters per rank; RESULTS.md "small, 50 steps on 2 GPUs"
 (2026-11-30) measured 574 ms."""
+
+HOST_ADAMW_S_PER_PARAM = (16 * 3_290_190_336 * OFFLOAD_S_PER_PARAM / 12 - (1.8821 - 1.3229)) / 2_303_133_235
+"""OffloadStreamAdamW's CPU share (host_fraction): step seconds per parameter the CPU updates in place, one rank
+alone on its host (0.221 ns). Fitted on one host type, an H100's with 16 cores: RESULTS.md "Levers and streaming
+on one H100, 2026-12-06" (benchmarks/results/h100_2026-12-06/variants_2x4k.json, variants_host0.5.json,
+variants_host0.7.json), `small` at 2 x 4K, every operator, weights and gradients streamed with overlap, CPU share
+0 / 0.3 / 0.5 / 0.7: 1.882 / 1.585 / 1.391 / 1.323 s a step. Beside streamed gradients a share's 30 B per
+parameter leave the link (12 + 4 in, 12 + 2 out): this model's link term (H200 rates; 16 B in per parameter
+binds: 1.069 s for the 3,290,190,336 parameters at share 0) falls by 0.321 / 0.535 s at 0.3 / 0.5, where the
+link still binds (measured 0.297 / 0.491 s: +8% / +9%); at 0.7 the CPU binds, and the 0.559 s measured saved
+leave 1.069 - 0.559 = 0.510 s for its round(0.7 * 3,290,190,336) = 2,303,133,235 parameters. The H100's seconds
+are taken as they are. It is the step's cost, not the CPU's time: step() spent 0.30-0.32 ns per share parameter
+there (optimizer_s in the JSON), as torch's fused CPU AdamW does while pinned copies run (0.393 ns, 0.199 alone:
+RESULTS.md "Why not 2.5x DeepSpeed", H200 host, 16 threads); the rest of the step hides part of it. The share's
+own host memory traffic is in this figure (HOST_MEMORY_BYTES_PER_S charges the streamed rest only). Not measured
+in a training step: a share beside gradients on the device (4 B each way on the link), where the optimizer step
+alone gained less than this predicts (one rank, 1B parameters, share 0.6: 0.250 -> 0.232 s measured, 0.244 ->
+0.146 s predicted; RESULTS.md "OffloadStreamAdamW, two ranks sharing the host")."""
+
+SHARED_HOST_ADAMW_S_PER_PARAM = 1.240 / 0.6e9
+"""The CPU share's seconds per parameter of one rank when two ranks share the host (2.07 ns; R / 2 times that
+at R ranks): RESULTS.md "OffloadStreamAdamW, two ranks sharing the host" (2026-11-29, H200 host, 1B parameters per
+rank, gradients on the device, the optimizer step alone): two ranks at once took 0.620-0.628 / 0.912-0.932 /
+1.224-1.256 s at shares 0.3 / 0.45 / 0.6 (2.05-2.08 ns per share parameter alike; the link's rest is under 0.2
+s), against 0.232 s for one rank alone at 0.6 (0.39 ns): over five times slower per parameter. Charged as
+measured: where one rank alone hides part of the CPU's time in the training step (HOST_ADAMW_S_PER_PARAM),
+nothing is assumed hidden for ranks sharing a host. With it the model keeps host_fraction = 0 where ranks share
+a host, as measured there (0.256-0.345 s at share 0). Only R = 2 measured: more ranks are assumed linear."""
 
 DEVICE_ADAMW_S_PER_PARAM = 0.027 / 3.29e9
 """Fused AdamW on the device per local parameter: RESULTS.md "The optimizer in training on one H200"
@@ -203,6 +236,9 @@ class StepInputs:
     offload_optimizer: bool = False
     device_fraction: float = 0.0
     """OffloadStreamAdamW's share of the state kept and updated on the device."""
+    host_fraction: float = 0.0
+    """OffloadStreamAdamW's share of the streamed rest that the CPU updates in place ([mop.offload_adamw]
+    host_fraction): its state stays off the link, and its gradient and working weight too where they stream."""
     stream_weights: bool = False
     """[mop.offload_adamw] weights = "stream": each block's working weights copied in per gather."""
     stream_gradients: bool = False
@@ -254,19 +290,33 @@ def _ulysses_elements(a: MoEModelArgs) -> int:
 def _optimizer_term(x: StepInputs) -> tuple[float, str]:
     if not x.offload_optimizer:
         return x.local_params * DEVICE_ADAMW_S_PER_PARAM, "fused AdamW on the device"
-    streamed = x.local_params - round(x.device_fraction * x.local_params)
-    sharing = min(x.ranks_per_node, x.world)
-    # 12 B each way per streamed element; with streaming, every local element's gradient comes in from
-    # the host (4 B) and its working copy goes out to it (act B), the device share's too (its state is
-    # resident, its gradient and working weight are not): whichever direction that makes the longer
-    inward = 12 * streamed + 4 * x.local_params * x.stream_gradients
-    outward = 12 * streamed + x.act_bytes * x.local_params * x.stream_weights
+    return offload_step_seconds(x.local_params, device_fraction=x.device_fraction, host_fraction=x.host_fraction,
+                                stream_weights=x.stream_weights, stream_gradients=x.stream_gradients,
+                                sharing=min(x.ranks_per_node, x.world), act_bytes=x.act_bytes)
+
+
+def offload_step_seconds(local: int, *, device_fraction: float, host_fraction: float, stream_weights: bool,
+                         stream_gradients: bool, sharing: int, act_bytes: int) -> tuple[float, str]:
+    """OffloadStreamAdamW's step on one rank of `local` parameters, `sharing` ranks to a host: the host link,
+    host memory or the CPU share, whichever binds, then the device share. Every part is linear in `local`."""
+    streamed = local - round(device_fraction * local)
+    by_cpu = round(host_fraction * streamed)            # the streamed range's tail (host_update.host_split)
+    rest, by_device = streamed - by_cpu, local - by_cpu
+    # 12 B each way per streamed element; with streaming, every element the device updates has its gradient
+    # come in from the host (4 B) and its working copy go out to it (act B), the device share's too. The CPU
+    # share's gradient goes down (4 B) unless it streamed there, and its master up (4 B) unless the working
+    # weights are host tensors: nothing of it crosses with both streamed
+    inward = 12 * rest + 4 * by_device * stream_gradients + 4 * by_cpu * (not stream_weights)
+    outward = 12 * rest + act_bytes * by_device * stream_weights + 4 * by_cpu * (not stream_gradients)
     link = max(inward, outward) * OFFLOAD_S_PER_PARAM / 12
-    host = sharing * streamed * HOST_BYTES_PER_PARAM / HOST_MEMORY_BYTES_PER_S
-    on_device = (x.local_params - streamed) * DEVICE_ADAMW_S_PER_PARAM
-    bound = "host link" if link >= host else f"host memory shared by {sharing} ranks"
-    return max(link, host) + on_device, (f"OffloadStreamAdamW: {streamed / 1e9:.2f}B streamed ({bound}), "
-                                         f"{(x.local_params - streamed) / 1e9:.2f}B on the device")
+    memory = sharing * rest * HOST_BYTES_PER_PARAM / HOST_MEMORY_BYTES_PER_S
+    cpu = by_cpu * (HOST_ADAMW_S_PER_PARAM if sharing == 1 else sharing / 2 * SHARED_HOST_ADAMW_S_PER_PARAM)
+    phase, bound = max((link, "host link"), (memory, f"host memory shared by {sharing} ranks"),
+                       (cpu, "the CPU" if sharing == 1 else f"the CPU shared by {sharing} ranks"), key=lambda t: t[0])
+    share = f", {by_cpu / 1e9:.2f}B of them by the CPU (host_fraction {host_fraction:g})" if by_cpu else ""
+    return phase + (local - streamed) * DEVICE_ADAMW_S_PER_PARAM, (
+        f"OffloadStreamAdamW: {streamed / 1e9:.2f}B streamed ({bound}){share}, {(local - streamed) / 1e9:.2f}B on "
+        f"the device")
 
 
 def _shape(x: StepInputs) -> tuple[int, int, float]:
