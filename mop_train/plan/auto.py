@@ -72,7 +72,7 @@ class AutoPlanner(SearchSpace):
         keeps no less on the device; a host failure, more SCO and a level that pins no less on the host
         (AdamW on the device pins none; among OffloadStreamAdamW's levels: settings.keeps_no_less)."""
         grid = self.knobs(s)
-        levels = [(r[0].optimizer, r[0].device_fraction, r[0].weights, r[0].gradients) for r in grid]
+        levels = [row[0].level for row in grid]
         offloads = [row[0].offloads_optimizer for row in grid]
         order = sorted(((j, i) for j in range(len(grid)) for i in range(len(grid[j]))),
                        key=lambda ji: -self.predict(grid[ji[0]][ji[1]]).tokens_per_s)

@@ -10,7 +10,8 @@ checkpointing `[mop.attention] keep`, and FSDP2's `fsdp_reshard_after_forward` (
 holds every block unsharded through the loss; never beside streamed weights) -- its *structure* -- and
 two *knobs*: SCO's host budget (0 .. every checkpointed boundary, in quarters) and the optimizer
 (AdamW on the device, or OffloadStreamAdamW keeping 3/4 .. none of its state on the device, with bf16
-working weights at share 0 or weights and gradients streamed beside each share: settings.optimizer_levels). Memory
+working weights at share 0 or weights and gradients streamed beside each share, and the CPU updating 0.3 ..
+0.7 of the streamed rest where that pays beyond a tie: settings.optimizer_levels). Memory
 comes from the job's own plan (`plan_for_config`'s terms, with the meta model kept per flavor:
 settings.fast_plan); speed from the ranking model of mop_train.plan.cost_model.
 
@@ -32,12 +33,14 @@ from dataclasses import replace
 
 from mop_train.layout import divisors, plan_layout
 from mop_train.ops.moe_dispatch.pipelined_llep import num_chunks
+from mop_train.ops.offload_adamw import OFFLOAD_ADAMW
 from mop_train.ops.sco.budget import resolve_host_budget, retained_boundary_bytes
 from mop_train.parallel.parallelize import check_layout_fits, checkpointed_layer_ids
 from mop_train.parallel.precision import MixedPrecision
-from mop_train.plan.cost_model import StepInputs, StepPrediction, predict_step
+from mop_train.plan.cost_model import StepInputs, StepPrediction, offload_step_seconds, predict_step
 from mop_train.plan.job import operator_plan, plan_for_config, ring_dtp_plan_schedule
-from mop_train.plan.settings import Evaluation, Settings, configure, fast_plan, flavor_model, optimizer_levels
+from mop_train.plan.settings import (Evaluation, Level, Settings, configure, fast_plan, flavor_model,
+                                     optimizer_levels)
 from mop_train.plan.terms import GIB, loss_bound
 from mop_train.units import parse_device_fraction
 
@@ -98,13 +101,14 @@ class SearchSpace:
         # "default" first: "never" only adds to a plan (every block unsharded through the loss)
         self.reshards = options("parallelism.fsdp_reshard_after_forward", base.parallelism.fsdp_reshard_after_forward,
                                 ("default", "never"))
-        self.optimizers = optimizer_levels(self.base, self.fixed)
         self.granule = math.lcm(SEQ_GRANULE, *self.seq_degrees)
         self._memo: dict[Settings, Evaluation] = {}
         self._grids: dict[tuple, list[list[Settings]]] = {}
         self._predictions: dict[Settings, StepPrediction] = {}
         self._family_floor: dict[tuple, list] = {}    # family -> optimizer levels that can fit it
-        self._cache: dict[tuple, object] = {}          # loss bytes, layouts, checkpointed blocks
+        self._cache: dict[tuple, object] = {}          # loss bytes, layouts, checkpointed blocks, optimizer terms
+        levels = optimizer_levels(self.base, self.fixed)
+        self.optimizers = [level for level in levels if self._share_can_pay(level, levels)]
 
     # -- candidates -------------------------------------------------------------------------------
 
@@ -263,46 +267,116 @@ class SearchSpace:
                 return out
             c *= 2
 
-    def knobs(self, s: Settings, levels: list[tuple[str, str]] | None = None) -> list[list[Settings]]:
-        """grid[j][i]: optimizer level j (fastest first; those that can fit its family), SCO budget i (none
-        first). Along either axis the step gets slower; along i the device plan shrinks and the host plan
-        grows, and so along j among OffloadStreamAdamW's levels."""
+    def knobs(self, s: Settings, levels: list[Level] | None = None) -> list[list[Settings]]:
+        """grid[j][i]: optimizer level j (fastest first; those that can fit its family and, unless `levels`
+        are given, only the CPU shares that pay: `_cpu_shares`), SCO budget i (none first). Along i the step
+        gets slower, the device plan shrinks and the host plan grows; so along j among OffloadStreamAdamW's
+        levels, but for a CPU share, faster than its twin without one and just before it."""
+        search = levels is None
         levels = self._viable_levels(s) if levels is None else levels
         levels = [level for level in levels if self._level_runs(s, level)]
+        if search:
+            levels = self._cpu_shares(s, levels)
         key = (s, tuple(levels))
         if key not in self._grids:
             self._grids[key] = self._grid(s, levels)
         return self._grids[key]
 
-    def _grid(self, s: Settings, levels: list[tuple[str, str]]) -> list[list[Settings]]:
+    def _share_can_pay(self, level: Level, levels: list[Level]) -> bool:
+        """Whether a searched CPU share can make OffloadStreamAdamW's step faster than its twin without one
+        (a given host_fraction has no twin: kept). The step is linear in the parameters (cost_model), so
+        one count decides it for every layout; where it does not pay (ranks sharing a host, say) it is
+        left out of the whole search."""
+        twin = level._replace(host_fraction=0.0)
+        return not level.host_fraction or twin not in levels or (
+            self._offload_seconds(10**9, level) < self._offload_seconds(10**9, twin))
+
+    def _offload_seconds(self, local: int, level: Level) -> float:
+        """cost_model's optimizer term for `local` parameters per rank at OffloadStreamAdamW's `level`: all of
+        the step a CPU share changes."""
+        key = ("offload", local, level)
+        if key not in self._cache:
+            share = parse_device_fraction(level.device_fraction)
+            self._cache[key] = offload_step_seconds(
+                local, device_fraction=0.0 if share == "auto" else share, host_fraction=level.host_fraction,
+                stream_weights=level.weights == "stream", stream_gradients=level.gradients == "stream",
+                sharing=min(self.ranks_per_node, self.world),
+                act_bytes=MixedPrecision.from_training(self.base.training).activation_bytes)[0]
+        return self._cache[key]
+
+    def _cpu_shares(self, s: Settings, levels: list[Level]) -> list[Level]:
+        """`levels` with each searched CPU share that can be chosen over its twin without one at structure s:
+        by a predicted saving of at least TIE_SHARE of the twin's step (the same at any SCO budget); below
+        that the twin, one setting fewer and planning no more, wins or ties. Beside streamed gradients every
+        share plans the same, so only a twin's fastest is kept. The fastest level goes first."""
+        local = self.model.local_params(self._layout(s), s.dispatch)
+
+        def twin(level: Level) -> Level:
+            return level._replace(host_fraction=0.0)
+
+        def saving(level: Level) -> float:
+            return self._offload_seconds(local, twin(level)) - self._offload_seconds(local, level)
+
+        steps: dict[Level, float] = {}
+
+        def step(level: Level) -> float:
+            if level not in steps:
+                steps[level] = self.predict(_at(s, level)).seconds
+            return steps[level]
+
+        kept = [level for level in levels if not level.host_fraction or twin(level) not in levels
+                or (saving(level) > 0 and saving(level) >= TIE_SHARE * step(twin(level)))]
+        fastest: dict[Level, Level] = {}
+        for level in kept:
+            if level.host_fraction and level.gradients == "stream":
+                if twin(level) not in fastest or saving(level) > saving(fastest[twin(level)]):
+                    fastest[twin(level)] = level
+        out = [level for level in kept if not level.host_fraction or level.gradients != "stream"
+               or fastest[twin(level)] is level]
+
+        def share_step(level: Level) -> float:   # (a twin's step is predicted above: one prediction fewer)
+            return step(twin(level)) - saving(level) if twin(level) in levels else step(level)
+
+        first = min((level for level in out if level.host_fraction), key=share_step, default=None)
+        if first is not None and first is not out[-1] and step(first) < step(out[0]):   # (the last: `frugal`'s)
+            out.remove(first)
+            out.insert(0, first)
+        return out
+
+    def _grid(self, s: Settings, levels: list[Level]) -> list[list[Settings]]:
+        budgets = self._budgets(s)
+        return [[_at(s, level, b) for b in budgets] for level in levels]
+
+    def _budgets(self, s: Settings) -> list[str]:
+        """SCO's budgets of structure s: none first, every checkpointed boundary last."""
         if "mop.sco.host_budget" in self.fixed:
-            budgets = [self.base.mop.sco.host_budget]
-        elif s.ac_mode == "none":
-            budgets = ["0"]
-        else:
-            boundary, layers = self._boundary_bytes(s), self._checkpointed(s)
-            budgets = [_byte_text(n * boundary) for n in sorted({math.ceil(q * layers / 4) for q in SCO_QUARTERS})]
-        return [[replace(s, sco_budget=b, optimizer=o, device_fraction=f, weights=w, gradients=g) for b in budgets]
-                for o, f, w, g in levels]
+            return [self.base.mop.sco.host_budget]
+        if s.ac_mode == "none":
+            return ["0"]
+        boundary, layers = self._boundary_bytes(s), self._checkpointed(s)
+        return [_byte_text(n * boundary) for n in sorted({math.ceil(q * layers / 4) for q in SCO_QUARTERS})]
 
     @staticmethod
     def _level_runs(s: Settings, level) -> bool:
         """weights = "stream" reuses an expert block's slot after its forward: every block checkpointed; and
         it holds a window of blocks, where reshard "never" would hold every block (config_checks refuses it)."""
-        return level[2] != "stream" or ((s.dispatch == "local" or s.ac_mode == "full") and s.reshard != "never")
+        return level.weights != "stream" or ((s.dispatch == "local" or s.ac_mode == "full") and s.reshard != "never")
 
-    def frugal(self, s: Settings, levels: list[tuple[str, str]] | None = None) -> Evaluation:
+    def frugal(self, s: Settings, levels: list[Level] | None = None) -> Evaluation:
         """The knobs that leave the least on the device: every boundary SCO may hold and either the
         whole optimizer state streamed or AdamW on the device (whose moments are smaller than
         OffloadStreamAdamW's staging for a small model), whichever plans less."""
-        grid = self.knobs(s, levels)
-        e = self.evaluate(grid[-1][-1])
-        if e.fits_device or len(grid) == 1 or grid[0][0].offloads_optimizer:
+        levels = [level for level in (self._viable_levels(s) if levels is None else levels)
+                  if self._level_runs(s, level)]     # (before `_cpu_shares`, which keeps the last and AdamW)
+        most = self._budgets(s)[-1]
+        e = self.evaluate(_at(s, levels[-1], most))
+        on_device = next((level for level in levels if level.optimizer != OFFLOAD_ADAMW), None)
+        if e.fits_device or len(levels) == 1 or on_device is None:
             return e
-        other = self.evaluate(grid[0][-1])
+        other = self.evaluate(_at(s, on_device, most))
         return other if other.plan is not None and (e.plan is None or other.device < e.device) else e
 
-    def _viable_levels(self, s: Settings) -> list[tuple[str, str]]:
+    def _viable_levels(self, s: Settings) -> list[Level]:
         """The optimizer levels that can fit s's family (E_p, P, dispatch, Ring-DTP and its schedule,
         checkpointing, tiling, resharding): those that fit the device at the search's fewest tokens per rank
         (S = lcm of the D, the largest D), the smallest c and every boundary on the host. A plan only grows
@@ -327,10 +401,14 @@ class SearchSpace:
             elif not frugal.fits_device:
                 self._family_floor[key] = []
             else:
-                grid = self.knobs(floor, levels)
-                runs = [level for level in levels if self._level_runs(floor, level)]
-                self._family_floor[key] = [level for level, row in zip(runs, grid)
-                                           if self.evaluate(row[-1]).fits_device]
+                most, fits = self._budgets(floor)[-1], {}
+                for level in levels:
+                    # every CPU share plans the same on the device (its cast temporaries): one stands for all
+                    plans_as = (level._replace(host_fraction=0.0), level.host_fraction > 0)
+                    if plans_as not in fits and self._level_runs(floor, level):
+                        fits[plans_as] = self.evaluate(_at(floor, level, most)).fits_device
+                self._family_floor[key] = [level for level in levels if fits.get(
+                    (level._replace(host_fraction=0.0), level.host_fraction > 0))]
         return self._family_floor[key]
 
     def _boundary_bytes(self, s: Settings) -> int:
@@ -378,6 +456,7 @@ class SearchSpace:
             ring_dtp=s.ring_dtp, ring_schedule=self._ring_schedule_run(s, act), checkpointed_layers=layers,
             sco_offloaded_bytes=layers * boundary - retained_boundary_bytes([boundary] * layers, budget),
             offload_optimizer=s.offloads_optimizer, device_fraction=0.0 if share == "auto" else share,
+            host_fraction=s.host_fraction if s.offloads_optimizer else 0.0,
             stream_weights=s.offloads_optimizer and s.weights == "stream",
             stream_gradients=s.offloads_optimizer and s.gradients == "stream", tiled=s.tiled, keep_attention=s.keep,
             fsdp_gathers=1 if s.reshard == "never" else 2,
@@ -416,6 +495,13 @@ class SearchSpace:
             return []
         return [f"{e.settings.label()} at S={e.settings.seq_len:,}: cached plan {fast.device_bytes / GIB:.3f} / "
                 f"{fast.host_bytes_per_node / GIB:.3f} GiB, plan_for_config {e.device / GIB:.3f} / {e.host / GIB:.3f}"]
+
+
+def _at(s: Settings, level: Level, sco_budget: str | None = None) -> Settings:
+    """s with the optimizer level `level` (and SCO's budget when given)."""
+    return replace(s, optimizer=level.optimizer, device_fraction=level.device_fraction, weights=level.weights,
+                   gradients=level.gradients, host_fraction=level.host_fraction,
+                   sco_budget=s.sco_budget if sco_budget is None else sco_budget)
 
 
 def _byte_text(n: int) -> str:

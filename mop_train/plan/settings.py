@@ -20,6 +20,7 @@ import copy
 import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -37,15 +38,15 @@ from mop_train.plan.job import (JobPlan, fsdp_block_params, fsdp_head_params, fs
 SEARCHED_KEYS = ("training.seq_len", "mop.layout.seq_degree", "mop.layout.expert_degree", "mop.layout.vocab_degree",
                  "mop.moe.dispatch", "mop.moe.token_budget", "mop.ring_dtp.enable", "mop.sco.host_budget",
                  "optimizer.name", "mop.offload_adamw.device_fraction", "mop.offload_adamw.weights",
-                 "mop.offload_adamw.gradients", "activation_checkpoint.mode", "mop.tiling.ffn_tokens",
-                 "mop.tiling.block_tokens", "mop.attention.keep", "mop.ring_dtp.schedule",
+                 "mop.offload_adamw.gradients", "mop.offload_adamw.host_fraction", "activation_checkpoint.mode",
+                 "mop.tiling.ffn_tokens", "mop.tiling.block_tokens", "mop.attention.keep", "mop.ring_dtp.schedule",
                  "parallelism.fsdp_reshard_after_forward")
 
 
 def fixed_keys(overrides: list[str]) -> set[str]:
     """The keys the command line sets that constrain the search (`--mop.layout.seq_degree 2`,
     `--mop.ring_dtp.no-enable`): the searched ones, and OffloadStreamAdamW's own options (given, they
-    keep the optimizer offloaded)."""
+    keep the optimizer offloaded, as a given CPU share does)."""
     given = set()
     for arg in overrides:
         if arg.startswith("--"):
@@ -54,8 +55,7 @@ def fixed_keys(overrides: list[str]) -> set[str]:
     return given & (set(SEARCHED_KEYS) | set(OFFLOAD_ONLY_KEYS))
 
 
-OFFLOAD_ONLY_KEYS = ("mop.offload_adamw.host_fraction", "mop.offload_adamw.overlap", "mop.offload_adamw.host_init",
-                     "mop.offload_adamw.stage_in_backward")
+OFFLOAD_ONLY_KEYS = ("mop.offload_adamw.overlap", "mop.offload_adamw.host_init", "mop.offload_adamw.stage_in_backward")
 """OffloadStreamAdamW's own options that are not searched: given (and on), they keep the optimizer offloaded;
 host_init also keeps the working weights off the device (bf16 or streamed), where it takes effect."""
 
@@ -67,7 +67,7 @@ def search_base_flags(fixed: set[str]) -> list[str]:
     beside the config's AdamW). The search replaces every one of them."""
     flags = [] if "mop.moe.dispatch" in fixed else ["--mop.moe.dispatch", "ep"]
     offload_options = {*OFFLOAD_ONLY_KEYS, "mop.offload_adamw.device_fraction", "mop.offload_adamw.weights",
-                       "mop.offload_adamw.gradients"}
+                       "mop.offload_adamw.gradients", "mop.offload_adamw.host_fraction"}
     if "optimizer.name" not in fixed and fixed & offload_options:
         flags += ["--optimizer.name", OFFLOAD_ADAMW]
     if "mop.offload_adamw.weights" not in fixed:
@@ -84,11 +84,21 @@ def search_base_flags(fixed: set[str]) -> list[str]:
 # One configuration
 # ---------------------------------------------------------------------------------------------
 
+class Level(NamedTuple):
+    """One optimizer setting of the search: the optimizer and, for OffloadStreamAdamW, its device share,
+    where its working weights and gradients live, and its CPU share ([mop.offload_adamw] host_fraction)."""
+    optimizer: str
+    device_fraction: str
+    weights: str
+    gradients: str
+    host_fraction: float = 0.0
+
+
 @dataclass(frozen=True)
 class Settings:
     """The searched keys of one configuration (everything else is the job's own): its structure (the
     context, degrees, dispatch, c, Ring-DTP and its schedule, checkpointing, sequence tiling, kept attention,
-    FSDP2's resharding) and its knobs (SCO budget, optimizer)."""
+    FSDP2's resharding) and its knobs (SCO budget, optimizer level: settings.Level)."""
     seq_len: int
     seq_degree: int
     expert_degree: int
@@ -107,6 +117,7 @@ class Settings:
     keep: bool = False
     ring_schedule: str = "recompute"    # [mop.ring_dtp] schedule, where Ring-DTP runs (ring_dtp or P > 1)
     reshard: str = "default"            # [parallelism] fsdp_reshard_after_forward
+    host_fraction: float = 0.0          # [mop.offload_adamw] host_fraction: OffloadStreamAdamW's CPU share
 
     @property
     def runs_ring_dtp(self) -> bool:
@@ -121,13 +132,17 @@ class Settings:
         return self.optimizer == OFFLOAD_ADAMW
 
     @property
+    def level(self) -> Level:
+        return Level(self.optimizer, self.device_fraction, self.weights, self.gradients, self.host_fraction)
+
+    @property
     def operators_on(self) -> int:
         """How many of the four operators (and expert parallelism), sequence tiling, kept attention,
-        Ring-DTP's grad_in_forward schedule and a resharding policy other than the default this
-        configuration runs (the tie-break prefers fewer)."""
+        Ring-DTP's grad_in_forward schedule, a resharding policy other than the default and a CPU share
+        this configuration runs (the tie-break prefers fewer)."""
         return sum((self.dispatch != "local", self.runs_ring_dtp, self.sco_budget != "0", self.offloads_optimizer,
                     self.tiled, self.keep, self.runs_ring_dtp and self.ring_schedule != "recompute",
-                    self.reshard != "default"))
+                    self.reshard != "default", self.offloads_optimizer and self.host_fraction > 0))
 
     def label(self) -> str:
         ops = [self.dispatch + (f" c={self.token_budget}" if self.dispatch == "pipelined_llep" else "")]
@@ -136,6 +151,7 @@ class Settings:
         ops += [f"sco {self.sco_budget}"] if self.sco_budget != "0" else []
         streaming = f" {self.weights}/{self.gradients}" if (self.weights, self.gradients) != ("device", "device") else ""
         ops += [f"offload f={self.device_fraction}{streaming}" if self.offloads_optimizer else self.optimizer]
+        ops += [f"cpu share {self.host_fraction:g}"] if self.offloads_optimizer and self.host_fraction else []
         ops += [f"ac {self.ac_mode}"]
         if self.tiled:
             ops += ["tiled" + ("" if (self.ffn_tokens, self.block_tokens) == ("auto", "auto") else
@@ -166,7 +182,8 @@ class Settings:
             out += [("mop.offload_adamw.overlap", False)] if oa.overlap else []
             out += [("mop.offload_adamw.stage_in_backward", False)] if oa.stage_in_backward else []
         else:                             # and are part of the configuration where they are on
-            out += [("mop.offload_adamw.host_fraction", oa.host_fraction)] if oa.host_fraction else []
+            if self.host_fraction or oa.host_fraction:
+                out.append(("mop.offload_adamw.host_fraction", self.host_fraction))
             out += [("mop.offload_adamw.overlap", True)] if oa.overlap else []
             out += [("mop.offload_adamw.stage_in_backward", True)] if oa.stage_in_backward else []
             out += [("mop.offload_adamw.host_init", True)] if oa.host_init and self.weights != "device" else []
@@ -206,47 +223,69 @@ DEVICE_FRACTIONS = ("0.75", "0.5", "0.25", "0")
 """OffloadStreamAdamW's device shares tried, most on the device (fastest) first."""
 
 
-def optimizer_levels(base, fixed: set[str]) -> list[tuple[str, str, str, str]]:
-    """(optimizer.name, device_fraction, weights, gradients), fastest first; the last leaves the least
-    on the device. After OffloadStreamAdamW's device shares come bf16 working weights (under bf16
-    compute: no traffic) and then weights and gradients both streamed beside each device share: the
-    two compose (a share keeps its state resident while every block's weights and gradients stream), and
-    the share that fits beside the streams is the fastest of them (a CPU share, host_fraction > 0, reads
-    the streamed gradients where they land). Other mixes are left to the user; `keeps_no_less` orders the levels for the search's pruning."""
+HOST_FRACTIONS = (0.7, 0.5, 0.3)
+"""OffloadStreamAdamW's CPU shares tried beside none: the three measured on one H100 (2026-12-06, the fit of
+cost_model.HOST_ADAMW_S_PER_PARAM), none above the 0.7 measured fastest there."""
+
+
+def optimizer_levels(base, fixed: set[str]) -> list[Level]:
+    """The optimizer levels, fastest first; the last leaves the least on the device. After OffloadStreamAdamW's
+    device shares come bf16 working weights (under bf16 compute: no traffic) and then weights and gradients
+    both streamed beside each device share: the two compose (a share keeps its state resident while every
+    block's weights and gradients stream), and the share that fits beside the streams is the fastest of them.
+    Each OffloadStreamAdamW level comes with its CPU shares (HOST_FRACTIONS) just before it: a share updates
+    the tail of the streamed rest on the CPU (beside streamed gradients it reads them where they landed) and
+    plans a little more on the device (its cast temporaries), so the last level still leaves the least there.
+    A given host_fraction is every level's instead. Other mixes are left to the user; `keeps_no_less` orders
+    the levels for the search's pruning."""
     oa = base.mop.offload_adamw
     levels = _share_levels(base, fixed)
     if {"mop.offload_adamw.weights", "mop.offload_adamw.gradients"} & fixed:  # given: keep them, offloaded
-        return [(n, f, oa.weights, oa.gradients) for n, f in levels if n == OFFLOAD_ADAMW]
-    shares = [f for n, f in levels if n == OFFLOAD_ADAMW]
-    # host_init given: the working weights stay off the device (where host_init takes effect)
-    out = [] if oa.host_init else [(n, f, "device", "device") for n, f in levels]
-    if shares:
-        if MixedPrecision.from_training(base.training).activation_bytes == 2:   # (free under bf16 compute)
-            out.append((OFFLOAD_ADAMW, shares[-1], "bf16", "device"))
-        out += [(OFFLOAD_ADAMW, f, "stream", "stream") for f in shares]   # the least on the device last
-    return out
+        out = [Level(n, f, oa.weights, oa.gradients) for n, f in levels if n == OFFLOAD_ADAMW]
+    else:
+        shares = [f for n, f in levels if n == OFFLOAD_ADAMW]
+        # host_init given: the working weights stay off the device (where host_init takes effect)
+        out = [] if oa.host_init else [Level(n, f, "device", "device") for n, f in levels]
+        if shares:
+            if MixedPrecision.from_training(base.training).activation_bytes == 2:   # (free under bf16 compute)
+                out.append(Level(OFFLOAD_ADAMW, shares[-1], "bf16", "device"))
+            out += [Level(OFFLOAD_ADAMW, f, "stream", "stream") for f in shares]   # the least on the device last
+    if "mop.offload_adamw.host_fraction" in fixed:
+        return [lv._replace(host_fraction=oa.host_fraction) if lv.optimizer == OFFLOAD_ADAMW else lv for lv in out]
+    with_shares = []
+    for level in out:
+        if level.optimizer == OFFLOAD_ADAMW:
+            with_shares += [level._replace(host_fraction=h) for h in HOST_FRACTIONS]
+        with_shares.append(level)
+    return with_shares
 
 
 _WEIGHT_RANK = {"device": 0, "bf16": 1, "stream": 2}
 _WEIGHT_BYTES = {"device": 4, "bf16": 2, "stream": 0}     # per local element on the device (leading term)
 
 
-def keeps_no_less(a: tuple[str, str, str, str], b: tuple[str, str, str, str]) -> bool:
+def keeps_no_less(a: Level, b: Level) -> bool:
     """Whether optimizer level `a` keeps at least as much on the device as `b` and pins no more host
     memory (a partial order; False where it is not known). Both OffloadStreamAdamW: `a` keeps no smaller
     share (host: 12 B per element off the device) with weights and gradients no further off the device
     (host: + the working copies and gradient buffer), and its leading device bytes per element -- the
     weights' 4 / 2 / 0 B plus the share's 8 B (fp32 shards are their own masters) or 12 B -- are no
     fewer: fp32 shards at share 0.75 keep less than bf16 working weights at 0.75 (4 + 6 < 2 + 9). The
-    streamed windows and gradient staging are taken as smaller than the 2 B per element they replace."""
+    streamed windows and gradient staging are taken as smaller than the 2 B per element they replace.
+    A CPU share adds its cast temporaries on the device and, beside gradients on the device, its fp32
+    gradient buffer on the host: `a` has a share where `b` has one, and with gradients on the device a
+    CPU share no larger."""
     if a == b:
         return True
-    if a[0] != OFFLOAD_ADAMW or b[0] != OFFLOAD_ADAMW or "auto" in (a[1], b[1]):
+    if a.optimizer != OFFLOAD_ADAMW or b.optimizer != OFFLOAD_ADAMW or "auto" in (a.device_fraction, b.device_fraction):
         return False
-    fa, fb = float(a[1]), float(b[1])
+    fa, fb = float(a.device_fraction), float(b.device_fraction)
     device = lambda w, f: _WEIGHT_BYTES[w] + (8 if w == "device" else 12) * f  # noqa: E731
-    return (fa >= fb and _WEIGHT_RANK[a[2]] <= _WEIGHT_RANK[b[2]] and (a[3], b[3]) != ("stream", "device")
-            and device(a[2], fa) >= device(b[2], fb))
+    cpu_share = (a.host_fraction > 0 or b.host_fraction == 0) and (
+        a.gradients == "stream" or a.host_fraction <= b.host_fraction)
+    return (fa >= fb and _WEIGHT_RANK[a.weights] <= _WEIGHT_RANK[b.weights] and (a.gradients, b.gradients) !=
+            ("stream", "device") and device(a.weights, fa) >= device(b.weights, fb) and cpu_share)
+
 
 def _share_levels(base, fixed: set[str]) -> list[tuple[str, str]]:
     """(optimizer.name, device_fraction), fastest first; the last leaves the least on the device."""
@@ -276,7 +315,7 @@ def configure(base, s: Settings):
     mop.sco = replace(base.mop.sco, host_budget=s.sco_budget)
     oa = base.mop.offload_adamw
     mop.offload_adamw = replace(oa, device_fraction=s.device_fraction, weights=s.weights, gradients=s.gradients,
-                                host_fraction=oa.host_fraction if s.offloads_optimizer else 0.0,
+                                host_fraction=s.host_fraction if s.offloads_optimizer else 0.0,
                                 overlap=oa.overlap and s.offloads_optimizer,
                                 stage_in_backward=oa.stage_in_backward and s.offloads_optimizer)
     cfg.optimizer = replace(base.optimizer, name=s.optimizer)

@@ -88,7 +88,8 @@ ONLY_THE_LOSS_FREE = (*B1, "--mop.layout.seq_degree", "1", "--mop.layout.expert_
                       "none", "--mop.tiling.ffn_tokens", "auto", "--mop.tiling.block_tokens", "auto",
                       "--mop.attention.no-keep", "--optimizer.name", OSA, "--mop.offload_adamw.device_fraction", "0",
                       "--mop.offload_adamw.weights", "stream", "--mop.offload_adamw.gradients", "stream",
-                      "--mop.sco.host_budget", "0", "--parallelism.fsdp_reshard_after_forward", "default")
+                      "--mop.offload_adamw.host_fraction", "0", "--mop.sco.host_budget", "0",
+                      "--parallelism.fsdp_reshard_after_forward", "default")
 """Every searched key given but Ring-DTP's enable and schedule: at 1 x 32K with weights and gradients streamed
 and no checkpointing the loss is the plan's peak, where the three losses differ."""
 

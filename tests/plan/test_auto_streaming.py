@@ -35,7 +35,8 @@ from mop_train.layout import plan_layout
 from mop_train.plan.auto import TIE_SHARE, AutoPlanner
 from mop_train.plan.cost_model import OFFLOAD_S_PER_PARAM
 from mop_train.plan.job import plan_for_config
-from mop_train.plan.settings import DEVICE_FRACTIONS, configure, fixed_keys, keeps_no_less, search_base_flags
+from mop_train.plan.settings import (DEVICE_FRACTIONS, HOST_FRACTIONS, Level, configure, fixed_keys, keeps_no_less,
+                                    search_base_flags)
 from mop_train.plan.terms import GIB, check_host_memory, host_memory_fix, host_memory_plan
 from tests.plan.test_auto_plan import BIG, OSA, SMALL, job, planner, truth
 
@@ -65,13 +66,15 @@ def searched(S: int, gpu: int = 141 * GIB):
 
 def every_level(p: AutoPlanner, s):
     """Each knob the search could give structure `s`: every device share with weights and gradients on the
-    device, bf16, or streamed, and every SCO budget of its grid (planned by the cached planner, which
-    tests/plan/test_auto_plan.py checks against plan_for_config)."""
+    device, bf16, or streamed, each CPU share, and every SCO budget of its grid (planned by the cached
+    planner, which tests/plan/test_auto_plan.py checks against plan_for_config)."""
     budgets = {row.sco_budget for rows in p.knobs(s, p.optimizers) for row in rows}
     for f in DEVICE_FRACTIONS:
         for w, g in (("device", "device"), ("bf16", "device"), ("stream", "stream")):
-            for b in budgets:
-                yield dataclasses.replace(s, optimizer=OSA, device_fraction=f, weights=w, gradients=g, sco_budget=b)
+            for h in (0.0, *HOST_FRACTIONS):
+                for b in budgets:
+                    yield dataclasses.replace(s, optimizer=OSA, device_fraction=f, weights=w, gradients=g,
+                                              host_fraction=h, sco_budget=b)
 
 
 def assert_chosen_by_the_rule(p: AutoPlanner, chosen):
@@ -145,12 +148,14 @@ def test_streaming_never_predicts_faster_and_a_share_streams_less():
 
 def test_the_pruning_order_is_the_plans_order():
     """settings.keeps_no_less (the search's pruning) holds on the plans it prunes by: a level it says
-    keeps no less on the device does, and pins no more host memory."""
+    keeps no less on the device does, and pins no more host memory (CPU shares included: their cast
+    temporaries on the device, their gradient buffer on the host beside gradients on the device)."""
     p, r = searched(LONG)
     s = r.chosen.settings
-    levels = [(OSA, f, w, g) for f in DEVICE_FRACTIONS
+    levels = [Level(OSA, f, w, g, h) for f in DEVICE_FRACTIONS for h in (0.0, 0.3, 0.7)
               for w, g in (("device", "device"), ("bf16", "device"), ("stream", "stream"), ("stream", "device"))]
-    plans = {lv: p.evaluate(dataclasses.replace(s, device_fraction=lv[1], weights=lv[2], gradients=lv[3])).plan
+    plans = {lv: p.evaluate(dataclasses.replace(s, device_fraction=lv.device_fraction, weights=lv.weights,
+                                                gradients=lv.gradients, host_fraction=lv.host_fraction)).plan
              for lv in levels}
     ordered = 0
     for a in levels:
@@ -160,7 +165,11 @@ def test_the_pruning_order_is_the_plans_order():
                 assert plans[a].device_bytes >= plans[b].device_bytes, (a, b)
                 assert plans[a].host_bytes_per_node <= plans[b].host_bytes_per_node, (a, b)
     assert ordered > len(levels), "the order relates levels across settings, not only along one share"
-    assert not keeps_no_less((OSA, "0.75", "device", "device"), (OSA, "0.75", "bf16", "device"))  # 4+6 < 2+9 B
+    assert not keeps_no_less(Level(OSA, "0.75", "device", "device"), Level(OSA, "0.75", "bf16", "device"))  # 4+6 < 2+9 B
+    share, none = Level(OSA, "0.5", "device", "device", 0.3), Level(OSA, "0.5", "device", "device")
+    assert plans[share].device_bytes > plans[none].device_bytes and plans[share].host_bytes_per_node > plans[
+        none].host_bytes_per_node, "the case under test: a CPU share plans more on both sides"
+    assert not keeps_no_less(none, share) and not keeps_no_less(share, none)
 
 
 # -- the launch check on what the search returns ------------------------------------------------
@@ -196,7 +205,7 @@ def test_a_given_host_init_keeps_the_weights_off_the_device_and_the_launch_accep
     base = ("configs/small_1gpu.toml", *search_base_flags(fixed), *given)
     p = AutoPlanner(job(*base), fixed=fixed, world=1, ranks_per_node=1, gpu_bytes=141 * GIB,
                     host_bytes=1024 * GIB, headroom=2 * GIB)
-    assert p.optimizers and all(o == OSA and w != "device" for o, _, w, _ in p.optimizers), p.optimizers
+    assert p.optimizers and all(lv.optimizer == OSA and lv.weights != "device" for lv in p.optimizers), p.optimizers
     r = p.fastest_at(SHORT)
     planned = list(p._memo)
     assert planned and all(s.offloads_optimizer and s.weights != "device" for s in planned)
