@@ -153,7 +153,8 @@ class OffloadAdamW:
     gradients: Literal["device", "stream"] = "device"
     """"stream": each block's fp32 gradient is copied to the host as it becomes final (after FSDP2's
     reduce-scatter or the replica sum) and its device memory released; the norm is formed as they
-    leave. Same bits as "device"; OffloadStreamAdamW with host_fraction = 0 only."""
+    leave. Same bits as "device"; OffloadStreamAdamW only. Beside a CPU share (host_fraction > 0) the CPU
+    updates its share from the gradients where they landed (no copy back up)."""
 
     weight_window: int = 2
     """weights = "stream": block-sized device slots per window (2 copies one block ahead)."""
