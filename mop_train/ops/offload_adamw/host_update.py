@@ -23,7 +23,8 @@ as they became final, before the clipping norm existed), so step 1 copies nothin
 from the optimizer's pinned gradient buffer, once the stream's last copy has landed, and multiplies
 them by the clipping coefficient (copied to the host behind that copy) before AdamW, the same fp32
 multiply the device path makes; the share then costs no link bytes at all with weights = "stream"
-(its working weights are host tensors the CPU writes) and only the bf16 weights up with "bf16".
+(its working weights are host tensors the CPU writes) and with "bf16" only the fp32 masters up (step 3:
+4 B each, cast to bf16 on the device).
 Legend: N local elements, f host fraction, c chunk.
 """
 
