@@ -33,7 +33,8 @@ from mop_train.ops.sco import resolve_host_budget
 from mop_train.parallel.parallelize import check_layout_fits, check_titan_parallelism, checkpointed_layer_ids
 from mop_train.parallel.precision import MixedPrecision
 from mop_train.parallel.sharding import local
-from mop_train.plan.terms import MemoryPlanInputs, OperatorPlan, compute_dtype, host_memory_plan, memory_plan
+from mop_train.plan.terms import (MemoryPlanInputs, OperatorPlan, compute_dtype, host_memory_plan, memory_plan,
+                                 vocab_shard_dtype)
 from mop_train.units import parse_bytes, parse_device_fraction
 
 
@@ -85,9 +86,11 @@ def ring_dtp_plan_schedule(cfg, *, tokens: int, hidden: int, vocab: int, vocab_d
     if rd.memory_budget.strip() == "0" or rd.mode == "move_weights":
         return "recompute"
     budget = parse_bytes(rd.memory_budget, key="mop.ring_dtp.memory_budget")
+    weights = cfg.mop.offload_adamw.weights if cfg.optimizer.name == OFFLOAD_ADAMW else "device"
     bound = ring_dtp_peak_bytes(tokens, hidden, vocab, vocab_degree, dtype=compute_dtype(act_bytes),
                                 block_size=rd.block_size, schedule="grad_in_forward",
-                                token_chunk=rd.token_chunk or None)
+                                token_chunk=rd.token_chunk or None,
+                                weight_dtype=vocab_shard_dtype(vocab_degree, weights))
     return "grad_in_forward" if bound <= budget else "recompute"
 
 

@@ -178,7 +178,15 @@ def loss_bound(o: OperatorPlan, a: MoEModelArgs, *, tokens: int, vocab_degree: i
     settings = ring_dtp_memory.RingDTPSettings(mode=o.ring_dtp_mode, schedule=o.ring_dtp_schedule,
                                                block_size=o.ring_dtp_block_size, token_chunk=o.ring_dtp_token_chunk)
     return ring_dtp_memory.device_bound(settings, ring_dtp_memory.VocabShapes(
-        tokens, a.dim, a.vocab_size, vocab_degree, compute_dtype(act_bytes)))
+        tokens, a.dim, a.vocab_size, vocab_degree, compute_dtype(act_bytes),
+        vocab_shard_dtype(vocab_degree, o.offload_weights)))
+
+
+def vocab_shard_dtype(vocab_degree: int, offload_weights: str) -> torch.dtype | None:
+    """The dtype of the projection Ring-DTP is handed where it is not the compute dtype: at P > 1 the vocab
+    shard is kept out of FSDP2 as an fp32 master unless OffloadStreamAdamW keeps it as bf16 working weights
+    ("bf16", "stream"); at P = 1 FSDP2 hands over its compute-dtype copy (None)."""
+    return torch.float32 if vocab_degree > 1 and offload_weights == "device" else None
 
 
 PHASES = ("loss", "first block backward", "last block backward", "embedding backward")

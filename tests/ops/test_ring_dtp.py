@@ -272,6 +272,33 @@ def _two_vocab_groups(rank, world_size, seed):
         kw = {"block_size": 4, "impl": "torch", **kw}
         _check_case(member, group, [7, 4], 37, 16, torch.float32, "none" if kw["impl"] == "reference" else "sum",
                     seed + case, **kw)
+    _inputs_in_another_dtype(member, group, [5, 3], seed + 50)
+
+
+def _inputs_in_another_dtype(rank, group, counts, seed):
+    """The bound with inputs not in the compute dtype (bf16): an fp32 shard (the vocab shard kept out of
+    FSDP2 under bf16 mixed precision) and fp32 hidden states under autocast. Sized so that the shard's
+    casts are a large part of the peak: leaving them out of the bound fails this."""
+    vocab, hidden = 2048, 256
+    weight, xs, ts, _ = _problem(seed, counts, vocab, hidden, torch.float32)
+    shard_rows = -(-vocab // len(counts))
+    lo, hi = min(vocab, rank * shard_rows), min(vocab, (rank + 1) * shard_rows)
+    for schedule in ("recompute", "grad_in_forward"):
+        for hidden_dtype, autocast in ((torch.bfloat16, False), (torch.float32, True)):
+            x = xs[rank].detach().to(hidden_dtype).requires_grad_()
+            w = weight[lo:hi].clone().requires_grad_()
+            with AllocatedBytes() as seen:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    loss = ring_dtp_cross_entropy(x, w, ts[rank], group, vocab_size=vocab, reduction="sum",
+                                                  schedule=schedule, impl="torch", block_size=512)
+                loss.backward(loss.new_tensor(_SHARED))
+                del loss
+            assert x.grad.dtype == hidden_dtype and w.grad.dtype == torch.float32
+            bound = ring_dtp_peak_bytes(counts[rank], hidden, vocab, len(counts), dtype=torch.bfloat16,
+                                        n_max=max(counts), impl="torch", schedule=schedule, block_size=512,
+                                        hidden_dtype=hidden_dtype, weight_dtype=torch.float32)
+            tag = f"P={len(counts)} rank={rank} {schedule} hidden {hidden_dtype}, fp32 shard"
+            assert seen.peak <= bound <= 6.0 * seen.peak, f"{tag}: peak {seen.peak} B, bound {bound} B"
 
 
 @pytest.mark.slow
@@ -295,6 +322,7 @@ def test_single_device_path_and_largest_block():
         for schedule in ("recompute", "grad_in_forward"):
             _check_case(0, None, [11], 41, 12, dtype, "mean", seed, block_size=6, impl="torch", schedule=schedule,
                         token_chunk=4 if schedule == "grad_in_forward" else None)
+    _inputs_in_another_dtype(0, None, [9], seed + 1)
     for schedule in ("recompute", "grad_in_forward"):                 # logits in the hundreds
         _check_case(0, None, [11], 41, 12, torch.float32, "sum", seed, block_size=6, impl="torch", schedule=schedule,
                     logit_scale=100.0)

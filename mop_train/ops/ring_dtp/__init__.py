@@ -85,12 +85,13 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-def _grad_in_forward_fits(rows, h, v, p, dtype, weight_dtype, block_size, impl, token_chunk) -> bool:
+def _grad_in_forward_fits(rows, h, v, p, dtype, hidden_dtype, weight_dtype, block_size, impl, token_chunk) -> bool:
     """auto's test, on every rank's gathered (N, budget): each rank's bound within its own budget."""
     n_max = max(r[0] for r in rows)
     return all(r[4] >= 0 and ring_dtp_peak_bytes(r[0], h, v, p, dtype=dtype, block_size=block_size, n_max=n_max,
                                                  impl=impl, schedule="grad_in_forward", token_chunk=token_chunk,
-                                                 weight_dtype=weight_dtype) <= r[4] for r in rows)
+                                                 hidden_dtype=hidden_dtype, weight_dtype=weight_dtype) <= r[4]
+               for r in rows)
 
 
 def _reduce(loss: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -161,7 +162,7 @@ def ring_dtp_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, tar
     dtype = _compute_dtype(hidden)
     if schedule == "auto":
         allowed = reduction != "none" and mode != "move_weights"
-        fits = allowed and _grad_in_forward_fits(rows, hidden.shape[1], vocab_size, ring.size, dtype,
+        fits = allowed and _grad_in_forward_fits(rows, hidden.shape[1], vocab_size, ring.size, dtype, hidden.dtype,
                                                  weight_shard.dtype, block_size, impl, token_chunk)
         schedule = "grad_in_forward" if fits else "recompute"
     hidden, weight_shard = hidden.contiguous(), weight_shard.contiguous()

@@ -7,7 +7,9 @@ The op's live set is fixed by (N, H, V, P, dtype, mode, block size), never by N 
   - backward: the fp32 gradient of what stays (dW_r [S, H] or dX [N, H]) and two fp32 buffers of the
     travelling gradient, the final casts to the input dtype, bounded fp32 partial products; at P = 1
     in a 2-byte dtype dX accumulates inside dW's unwritten rows (local.single_shard_backward);
-  - O(N_max) per-token fp32 accumulators.
+  - O(N_max) per-token fp32 accumulators;
+  - inputs not in the compute dtype (an fp32 vocab shard under bf16 mixed precision, kept out of FSDP2
+    at P > 1): their compute copies, cast whole in each pass, and the gradients' casts back.
 That is the recompute schedule. The grad_in_forward schedule (grad_in_forward.py) keeps instead:
   - fp32 dW_r [S, H] and dX [N, H] from forward to backward, then their casts to the input dtypes;
   - per round: every owner's stored logits [c, V_r] (about c x V), its chunk [c, H], and at P > 1
@@ -54,6 +56,27 @@ def _grad_accumulator_bytes(n: int, n_max: int, s: int, h: int, p: int, mode: st
     return s * h * 4 + 2 * n_max * h * 4
 
 
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _cast_terms(n: int, s: int, h: int, p: int, dtype, hidden_dtype, weight_dtype, schedule: str) -> dict[str, int]:
+    """Bytes for inputs not in the compute dtype `dtype` (None: in it): the compute copies of X [N, H] and
+    W_r [S, H], cast whole in forward and again in backward (function.per_token_loss, _backward;
+    grad_in_forward.RingDTPGradInForward.forward); and, for the recompute schedule, the gradients' casts
+    back to their inputs' dtypes beyond the compute-dtype outputs `_terms` counts: at P = 1 dX and dW are
+    formed in the compute dtype (local.single_shard_backward), at P > 1 in fp32, so an fp32 input costs
+    a new tensor at P = 1 only. grad_in_forward's casts back are in its `outputs` term."""
+    hidden_dtype, weight_dtype = hidden_dtype or dtype, weight_dtype or dtype
+    it = _size(dtype)
+    terms = {"input_casts": n * h * it * (hidden_dtype != dtype) + s * h * it * (weight_dtype != dtype)}
+    if schedule == "recompute":
+        formed = dtype if p == 1 else torch.float32
+        terms["output_casts"] = (n * h * _size(hidden_dtype) * (hidden_dtype not in (formed, dtype))
+                                 + s * h * _size(weight_dtype) * (weight_dtype not in (formed, dtype)))
+    return terms
+
+
 def _terms(n, h, v, p, dtype, mode, block_size, n_max, impl) -> dict[str, int]:
     it = torch.empty((), dtype=dtype).element_size()
     n_max = n if n_max is None else max(n_max, n)
@@ -89,9 +112,9 @@ def default_token_chunk(n_max: int, v: int, p: int, block_size: int) -> int:
     return max(1, min(n_max, max(_MIN_CHUNK_TOKENS, n_max * min(block_size, s) // (p * s))))
 
 
-def _grad_in_forward_terms(n, h, v, p, dtype, block_size, n_max, impl, token_chunk, weight_dtype):
-    it = torch.empty((), dtype=dtype).element_size()
-    it_w = torch.empty((), dtype=weight_dtype or dtype).element_size()
+def _grad_in_forward_terms(n, h, v, p, dtype, block_size, n_max, impl, token_chunk, hidden_dtype, weight_dtype):
+    it = _size(dtype)
+    it_x, it_w = _size(hidden_dtype or dtype), _size(weight_dtype or dtype)
     n_max = n if n_max is None else max(n_max, n)
     s = -(-v // p)
     b = min(block_size, s)
@@ -101,7 +124,7 @@ def _grad_in_forward_terms(n, h, v, p, dtype, block_size, n_max, impl, token_chu
         round_bytes += c * b * (16 + it) + (c * b + (c + b) * h) * 4
     elif it < 4:          # fp32 partial products where the fused fp32-output addmm is missing
         round_bytes += _PARTIAL_ROWS * h * 4
-    outputs = n * h * it * (it < 4) + s * h * it_w * (it_w < 4)     # backward's casts; fp32 scales in place
+    outputs = n * h * it_x * (it_x < 4) + s * h * it_w * (it_w < 4)  # backward's casts; fp32 scales in place
     return {
         "tokens": _PER_TOKEN_BYTES * n_max,
         "stored_grads": n * h * 4 + s * h * 4,                       # fp32 dX, dW_r: forward -> backward
@@ -112,7 +135,7 @@ def _grad_in_forward_terms(n, h, v, p, dtype, block_size, n_max, impl, token_chu
 def ring_dtp_peak_bytes(n: int, h: int, v: int, p: int, *, dtype: torch.dtype, mode: str = "auto",
                         block_size: int = 8192, n_max: int | None = None, impl: str = "triton",
                         schedule: str = "recompute", token_chunk: int | None = None,
-                        weight_dtype: torch.dtype | None = None) -> int:
+                        hidden_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None) -> int:
     """Upper bound on the bytes one rank allocates in forward + backward (inputs excluded).
 
     Args:
@@ -122,14 +145,18 @@ def ring_dtp_peak_bytes(n: int, h: int, v: int, p: int, *, dtype: torch.dtype, m
             ("auto" resolved with n_max; grad_in_forward always moves activations); block_size:
             vocabulary rows per logits block; impl: "triton" or "torch".
         schedule: "recompute" or "grad_in_forward"; token_chunk: c for grad_in_forward (None:
-            `default_token_chunk`); weight_dtype: the shard's dtype if not `dtype` (grad_in_forward).
+            `default_token_chunk`).
+        hidden_dtype, weight_dtype: the inputs' dtypes where not `dtype` (None: `dtype`), e.g. the fp32
+            vocab shard under bf16 mixed precision; their casts both ways are counted.
     """
+    s = -(-v // p)
+    casts = sum(_cast_terms(n, s, h, p, dtype, hidden_dtype, weight_dtype, schedule).values())
     if schedule == "grad_in_forward":
-        return sum(_grad_in_forward_terms(n, h, v, p, dtype, block_size, n_max, impl, token_chunk,
-                                          weight_dtype).values())
+        return casts + sum(_grad_in_forward_terms(n, h, v, p, dtype, block_size, n_max, impl, token_chunk,
+                                                  hidden_dtype, weight_dtype).values())
     if schedule != "recompute":
         raise ValueError(f"schedule={schedule!r} must be 'recompute' or 'grad_in_forward' for a bound")
-    return sum(_terms(n, h, v, p, dtype, mode, block_size, n_max, impl).values())
+    return casts + sum(_terms(n, h, v, p, dtype, mode, block_size, n_max, impl).values())
 
 
 def ring_dtp_largest_tensor_bytes(n: int, h: int, v: int, p: int, *, dtype: torch.dtype, mode: str = "auto",
@@ -172,6 +199,7 @@ class VocabShapes:
     vocab: int              # V
     vocab_degree: int       # P
     dtype: torch.dtype      # the compute dtype
+    weight_dtype: torch.dtype | None = None  # the shard's, where not the compute dtype (an fp32 vocab shard)
 
 
 def device_bound(settings: RingDTPSettings, shapes: VocabShapes) -> DeviceBound:
@@ -179,5 +207,5 @@ def device_bound(settings: RingDTPSettings, shapes: VocabShapes) -> DeviceBound:
     s = shapes
     peak = ring_dtp_peak_bytes(s.tokens, s.hidden, s.vocab, s.vocab_degree, dtype=s.dtype, mode=settings.mode,
                                block_size=settings.block_size, schedule=settings.schedule,
-                               token_chunk=settings.token_chunk)
+                               token_chunk=settings.token_chunk, weight_dtype=s.weight_dtype)
     return DeviceBound(0, peak, f"Ring-DTP bound ({settings.schedule}, P={s.vocab_degree})")
