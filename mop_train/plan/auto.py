@@ -110,8 +110,10 @@ class AutoPlanner(SearchSpace):
         tried: list[Evaluation] = []
         for n, s in enumerate(structures):
             ranked = sorted(best.values(), key=lambda e: -e.tokens_per_s)
-            if len(ranked) >= keep and self.predict(self.knobs(s)[0][0]).tokens_per_s < ranked[keep - 1].tokens_per_s:
-                break                                  # nothing further down can enter the top `keep`
+            bound = self.predict(self.knobs(s)[0][0]).tokens_per_s
+            if (len(ranked) >= keep and bound < ranked[keep - 1].tokens_per_s
+                    and bound < (1 - TIE_SHARE) * ranked[0].tokens_per_s):
+                break      # nothing further down can enter the top `keep`, nor tie the best (_finish's tie-break)
             if self.dominated(s):                      # a twin (untiled, or with keep) fits and is faster
                 continue
             frugal = self.frugal(s)
@@ -124,7 +126,8 @@ class AutoPlanner(SearchSpace):
             family = _family(s)
             if e is not None and (family not in best or e.tokens_per_s > best[family].tokens_per_s):
                 best[family] = e
-        fits = sorted(best.values(), key=lambda e: -e.tokens_per_s)[:keep]
+        ranked = sorted(best.values(), key=lambda e: -e.tokens_per_s)
+        fits = [e for n, e in enumerate(ranked) if n < keep or e.tokens_per_s >= (1 - TIE_SHARE) * ranked[0].tokens_per_s]
         if not fits:
             if not explain:
                 raise NothingFits(f"nothing fits at training.seq_len = {seq_len:,} on W={self.world} ranks")

@@ -213,3 +213,15 @@ def test_the_cached_planner_is_plan_for_config_with_the_levers(config, world, s)
     assert cfg.mop.ring_dtp.schedule == (s.ring_schedule if s.runs_ring_dtp else p.base.mop.ring_dtp.schedule)
     got = fast_plan(cfg, world=world, ranks_per_node=p.ranks_per_node, host_bytes=p.host_bytes)
     assert got == plan_for_config(cfg, world=world, ranks_per_node=p.ranks_per_node, host_bytes=p.host_bytes)
+
+
+def test_the_choice_does_not_depend_on_how_many_runners_up_are_kept():
+    """fastest_at stops once no structure left can enter the top `keep` nor tie the best within TIE_SHARE
+    (the tie goes to the fewest operators, which may be a slower family): keeping one family or five, the
+    search chooses the same configuration. At 1 x 256K on two 40 GiB ranks the fastest family (D1, streamed
+    weights, 15,647 tok/s predicted) ties a simpler one (D2, 15,581); a search that stopped at the first family
+    kept chose the former."""
+    for args, seq_len, world, gpu in (((SMALL, *B1), 262144, 2, 40), ((SMALL,), 4096, 1, 141)):
+        chosen = {keep: planner(*args, world=world, gpu=gpu * GIB, host=256 * GIB).fastest_at(seq_len, keep).chosen
+                  for keep in (1, 5)}
+        assert chosen[1].settings == chosen[5].settings, (seq_len, {k: e.settings.label() for k, e in chosen.items()})
