@@ -109,19 +109,13 @@ def estimate_seconds(point: dict) -> float:
     from mop_train.config import load_job_config
     from mop_train.models import zoo
     from mop_train.plan.auto import AutoPlanner
-    from mop_train.plan.settings import Settings
+    from mop_train.plan.settings import settings_of
 
     cfg = load_job_config(["--job.config_file", os.path.join(ROOT, point["config"]), *point["flags"]],
                           model_flavors=zoo.names())
-    lay, moe = cfg.mop.layout, cfg.mop.moe
     planner = AutoPlanner(cfg, fixed=set(), world=point["world"], ranks_per_node=min(point["world"], 8),
                           gpu_bytes=141 * GIB, host_bytes=2 * 1024 * GIB)
-    s = Settings(cfg.training.seq_len, lay.seq_degree, lay.expert_degree, lay.vocab_degree, moe.dispatch,
-                 moe.token_budget, cfg.mop.ring_dtp.enable or lay.vocab_degree > 1, cfg.activation_checkpoint.mode,
-                 cfg.mop.sco.host_budget, cfg.optimizer.name, str(cfg.mop.offload_adamw.device_fraction),
-                 ffn_tokens=cfg.mop.tiling.ffn_tokens, block_tokens=cfg.mop.tiling.block_tokens,
-                 keep=cfg.mop.attention.keep)
-    terms = planner.predict(s).terms
+    terms = planner.predict(settings_of(cfg)).terms
     step = sum(sec for name, sec, _ in terms if name not in ("ulysses", "dispatch"))
     return SETUP_S + step * point["n_layers"] / point["full_layers"]
 

@@ -327,6 +327,22 @@ def configure(base, s: Settings):
     return cfg
 
 
+def settings_of(cfg, ring_schedule: str | None = None) -> Settings:
+    """The searched keys of the job `cfg` as it stands (the inverse of `configure`). Its [mop.ring_dtp]
+    schedule is taken as given unless `ring_schedule` names the one "auto" resolves to (plan.job.
+    ring_dtp_plan_schedule); an unresolved "auto" is planned as "recompute", the schedule it falls back to."""
+    lay, moe, rd, oa = cfg.mop.layout, cfg.mop.moe, cfg.mop.ring_dtp, cfg.mop.offload_adamw
+    schedule = ring_schedule or (rd.schedule if rd.schedule != "auto" else "recompute")
+    offload = cfg.optimizer.name == OFFLOAD_ADAMW
+    return Settings(cfg.training.seq_len, lay.seq_degree, lay.expert_degree, lay.vocab_degree, moe.dispatch,
+                    moe.token_budget, rd.enable, cfg.activation_checkpoint.mode, str(cfg.mop.sco.host_budget),
+                    cfg.optimizer.name, str(oa.device_fraction), oa.weights, oa.gradients,
+                    ffn_tokens=cfg.mop.tiling.ffn_tokens, block_tokens=cfg.mop.tiling.block_tokens,
+                    keep=cfg.mop.attention.keep, ring_schedule=schedule,
+                    reshard=cfg.parallelism.fsdp_reshard_after_forward,
+                    host_fraction=oa.host_fraction if offload else 0.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # The memory plan with the meta model kept per flavor
 # ---------------------------------------------------------------------------------------------

@@ -225,3 +225,19 @@ def test_the_choice_does_not_depend_on_how_many_runners_up_are_kept():
         chosen = {keep: planner(*args, world=world, gpu=gpu * GIB, host=256 * GIB).fastest_at(seq_len, keep).chosen
                   for keep in (1, 5)}
         assert chosen[1].settings == chosen[5].settings, (seq_len, {k: e.settings.label() for k, e in chosen.items()})
+
+
+def test_settings_of_a_job_is_the_inverse_of_configure():
+    """What a job's own keys plan as (settings_of: benchmarks' estimates, fake_world's) is the searched
+    configuration the job was made from, every key included (levels, CPU share, schedule, resharding)."""
+    from mop_train.plan.settings import settings_of
+
+    p = planner(SMALL, world=2, gpu=80 * GIB, host=256 * GIB)
+    seen = 0
+    for seq_len in (4096, 131072):
+        for s in p.structures(seq_len):
+            for row in p.knobs(s):          # rows of SCO budgets x optimizer levels
+                for x in row:
+                    assert settings_of(configure(p.base, x)) == x, x.label()
+                    seen += 1
+    assert seen > 100
