@@ -31,6 +31,10 @@
 #   reshard_2x4k       ours-auto at 2 x 4K profiled as planned, then with [parallelism] fsdp_reshard_after_forward
 #                      = "never" (one FSDP2 gather a block per step instead of two; free at the peak at W = 1)
 #   fake_667b_1m_snapshot  the memory snapshot of issue 35's largest point, mop-667b at W=64 and 1M (~480 s)
+#   long_start, long_wait  one step of `small` longer than a command (issue 37's reach at 16x torchtitan's 90,112:
+#                      SEQ default 1441792, ~1,200 s): long_start launches it in its own process session (it outlives
+#                      the command, device README "Notes") and waits LONG_WAIT_S (default 570); each long_wait, in the
+#                      next commands of the same lease, waits again; both copy its log and metrics to $OUT
 #   e2e_tps            issue 37's throughput points against torchtitan's grid (benchmarks/e2e_vs_torchtitan.py
 #                      --phases tps); E2E_S (default 570), E2E_SERIES (default "torchtitan ours-auto"),
 #                      E2E_EXTRA (more flags, e.g. --resume benchmarks/results/.../e2e.json)
@@ -74,6 +78,24 @@ TAIL=30 step small_1m 590 torchrun --standalone --nproc_per_node=1 -m mop_train.
   --job.config_file configs/small_1gpu.toml --job.dump_folder /tmp/run_1m --training.steps 1 \
   --training.seq_len ${SEQ:-1048576} "${ALL_OPS[@]}" ${SMALL_1M_FLAGS:-}
 [[ -f /tmp/run_1m/metrics.jsonl ]] && cp /tmp/run_1m/metrics.jsonl "$OUT/small_1m_metrics.jsonl"
+LONG_RUN=/tmp/run_long
+if [[ $want == *" long_start "* ]]; then   # every operator, tiling without keep, weights and gradients streamed
+  mkdir -p $LONG_RUN && echo "=== long_start: small at ${SEQ:-1441792} tokens, one step, in its own session"
+  setsid nohup env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True torchrun --standalone --nproc_per_node=1 \
+    -m mop_train.train --job.config_file configs/small_1gpu.toml --job.dump_folder $LONG_RUN --training.steps 1 \
+    --training.seq_len ${SEQ:-1441792} "${ALL_OPS[@]}" --mop.tiling.ffn_tokens auto --mop.tiling.block_tokens auto \
+    --mop.moe.max_chunks 40 --mop.sco.host_budget ${LONG_SCO:-56GiB} --mop.offload_adamw.weights stream \
+    --mop.offload_adamw.gradients stream ${LONG_FLAGS:-} > $LONG_RUN/train.log 2>&1 < /dev/null &
+  echo $! > $LONG_RUN/pid
+fi
+if [[ $want == *" long_start "* || $want == *" long_wait "* ]]; then
+  pid=$(cat $LONG_RUN/pid 2>/dev/null) || { echo "=== long_wait: no long run on this machine (a fresh one?)"; exit 1; }
+  t0=$(date +%s); limit=${LONG_WAIT_S:-570}
+  while kill -0 "$pid" 2>/dev/null && (( $(date +%s) - t0 < limit )); do sleep 5; done
+  kill -0 "$pid" 2>/dev/null && state=running || state=ended
+  echo "=== long run $state after $(( $(date +%s) - t0 ))s of waiting"; tail -n 30 $LONG_RUN/train.log
+  cp $LONG_RUN/train.log "$OUT/long_train.log"; cp $LONG_RUN/metrics.jsonl "$OUT/long_metrics.jsonl" 2>/dev/null || true
+fi
 TAIL=30 step compile_2x4k 420 python3 benchmarks/compile_gain.py --shapes 2x4096 --out "$OUT/compile"
 TAIL=30 step compile_32k 580 python3 benchmarks/compile_gain.py --shapes 1x32768 --out "$OUT/compile_32k"
 TAIL=25 step levers_32k 200 bash -c "python3 benchmarks/step_profile.py --config configs/small_1gpu.toml --auto \
