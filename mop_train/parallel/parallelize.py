@@ -43,6 +43,7 @@ from mop_train.ops.moe_dispatch import DispatchOptions, dispatch_options
 from mop_train.ops.tiling import TilingOptions
 from mop_train.parallel.apply import apply_expert_parallel, apply_sequence_parallel, apply_vocab_parallel
 from mop_train.parallel.compile import CompileOptions, apply_compile
+from mop_train.parallel.one_rank_reduce import OneRankReduce
 from mop_train.parallel.precision import MixedPrecision
 
 
@@ -251,4 +252,7 @@ def apply_fsdp(root: nn.Module, model: nn.Module, mesh, *, param_dtype: torch.dt
             if summed_over_ranks:
                 module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM/AVG
+    if not summed_over_ranks:  # no copy of each unit's gradients from the reduction's input to its output
+        for unit in [model.tok_embeddings, *blocks, model.norm]:       # (root holds no parameters)
+            unit.set_custom_reduce_scatter(OneRankReduce())
     return [model.tok_embeddings, model.norm]

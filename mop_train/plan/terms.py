@@ -248,8 +248,11 @@ def memory_plan(x: MemoryPlanInputs) -> list[tuple[str, int, str]]:
     streamed = o.offload_gradients == "stream"
     head_grads = 4 * x.first_grad_params                              # formed by the loss's backward
     # the embedding's own backward: its unsharded gradient (compute dtype), FSDP2's fp32 reduce-scatter
-    # input and this rank's fp32 shard of the result (counted in 4 * mine when the gradients stay)
-    embedding_grad = x.embedding_params * (act + 4) + (4 * -(-x.embedding_params // x.world_size) if streamed else 0)
+    # input and this rank's fp32 shard of the result (counted in 4 * mine when the gradients stay); at one
+    # rank the input is the shard (parallel/one_rank_reduce.py)
+    shard = -(-x.embedding_params // x.world_size)
+    reduce_input = 4 * x.embedding_params if x.world_size > 1 or streamed else 0
+    embedding_grad = x.embedding_params * act + reduce_input + (4 * shard if streamed and x.world_size > 1 else 0)
     blocks_gathered = (2 * x.largest_block_params + x.root_params) * act
     if x.ops.reshard_after_forward == "never" and x.blocks_params < x.largest_block_params:
         raise ValueError(f"MemoryPlanInputs.blocks_params = {x.blocks_params:,} is below the largest block's "
