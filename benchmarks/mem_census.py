@@ -61,8 +61,6 @@ def run(model: str, world: int, n_layers: int, seq_len: int, vocab: int | None, 
         steps: int = 2, resolution: int = 8 * 2**20) -> dict:
     """Build and step the rank under a StorageCensus; per step its peak, the peak's make-up by site
     (device side) and the plan of the built run."""
-    import torch
-
     from mop_train.config import load_job_config
     from mop_train.models import zoo
     from mop_train.plan.job import plan_from_parts
