@@ -10,7 +10,7 @@ during it; the step must still train (finite, positive loss).
 At world size 1 the reduction's output is its input (mop_train/parallel/one_rank_reduce.py): a step with two
 micro-batches (the second accumulates into the first's gradients) copies no unit's gradients from one fp32
 buffer to another, and two such steps give the losses, gradient norms and parameters of FSDP2's own comm
-bit for bit (bf16 and fp32 compute).
+bit for bit (bf16 and fp32 compute; on one GPU with NCCL, bf16).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import requires_gpus, run_distributed, worker_device
 from tests.train.cli import DEBUG_CONFIG
 
 DIVISIONS = {torch.ops.aten.div.Tensor, torch.ops.aten.div.Scalar, torch.ops.aten.div_.Tensor,
@@ -117,14 +117,14 @@ def _two_steps(root, precision, seed, mode):
                            "--metrics.no-enable-tensorboard", "--debug.seed", str(seed),
                            "--mop.moe.dispatch", "local", "--job.dump_folder", root],
                           model_flavors=zoo.names(), world_size=dist.get_world_size())
-    device = torch.device("cpu")
+    device = worker_device()
     run = build_run(cfg, device)
     assert run.micro_batches == 2
     results = drive(cfg, run, device, steps=2, around_step=lambda step: mode)
     return results, {n: local(p).detach().clone() for n, p in run.parts.model.named_parameters()}
 
 
-def _reference_worker(rank, world, root):
+def _reference_worker(rank, world, root, precisions=("bfloat16", "float32")):
     from torchtitan.tools.logging import logger
     logger.setLevel("ERROR")
 
@@ -132,7 +132,7 @@ def _reference_worker(rank, world, root):
     seed = int(os.environ.get("MOP_TEST_SEED", "5")) % 100_000 + 11
     ours_allocate = OneRankReduce.allocate
     fresh = lambda self, size, *, dtype, device: torch.empty(tuple(size), dtype=dtype, device=device)  # noqa: E731
-    for precision in ("bfloat16", "float32"):
+    for precision in precisions:
         runs = {}
         for name, allocate in (("ours", ours_allocate), ("torch", fresh)):    # torch: FSDP2's own fresh output
             handed: set[int] = set()
@@ -158,3 +158,10 @@ def _reference_worker(rank, world, root):
 @pytest.mark.slow
 def test_one_rank_reduction_copies_nothing_and_changes_no_bit(tmp_path):
     run_distributed(_reference_worker, 1, str(tmp_path), timeout_s=600)
+
+
+@pytest.mark.gpu
+@requires_gpus(1)
+def test_one_rank_reduction_on_a_gpu(tmp_path):
+    """The same on one CUDA device under NCCL, as a one-GPU run trains (bf16 compute)."""
+    run_distributed(_reference_worker, 1, str(tmp_path), ("bfloat16",), backend="nccl", timeout_s=300)
