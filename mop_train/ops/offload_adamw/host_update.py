@@ -111,8 +111,12 @@ class HostUpdate:
             self._scale = None
             if self.streamed_grads:
                 s.wait(landed)
-                if scale is not None:   # behind the compute stream's norm and clip: `ready`
-                    self._scale = self._scale_host.copy_(scale, non_blocking=True) if s.cuda else scale
+                if scale is not None and self.chunks:  # behind the compute stream's norm and clip: `ready`
+                    if s.cuda:                            # (an empty share reads no coefficient)
+                        self._scale = self._scale_host.copy_(scale, non_blocking=True)
+                        self._count(d2h=host_bytes(self._scale_host))
+                    else:
+                        self._scale = scale
             last = -1
             for c, seg, flat, view in self._segments():
                 if c != last and last >= 0:
