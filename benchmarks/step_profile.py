@@ -25,8 +25,9 @@ stands in for kernels. `classify` names its kind from those names and the GEMM's
   idle            the device window (first to last activity) not covered by any activity
 Kernels on several streams overlap: each kind's time is its own kernels' sum; `exposed_*` is the part
 of communication and copies that no compute kernel overlaps. Prints a table (ms per step, % of the
-window), the largest kernels, and the host link's busy share by phase (forward, backward, optimizer:
-link_phases); writes <out>/step_profile.json (and trace.json.gz; --analyse reads either form).
+window), the largest kernels, the host link's busy share by phase (forward, backward, optimizer:
+link_phases), and what the host did while the device waited (idle_causes: a gap after a blocking
+call such as aten::item's sync, or the host behind the device, each by CPU op); writes <out>/step_profile.json (and trace.json.gz; --analyse reads either form).
 Taken as a model: Holistic Trace Analysis (HTA, Meta) kernel and temporal breakdowns over kineto traces.
 
 Legend: V vocab, P vocab degree, S context, B local batch.
@@ -35,6 +36,7 @@ Legend: V vocab, P vocab degree, S context, B local batch.
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import math
@@ -281,6 +283,102 @@ def link_phases(acts: list[dict], *, steps: int = 1, bin_us: float = 1000.0) -> 
     return out
 
 
+def _thread_nesting(cpu: list[dict]) -> dict[tuple, tuple[list[dict], list[float], dict[int, int]]]:
+    """Per (pid, tid): its spans by start (outer first at a tie), their starts, and each span's parent
+    (the innermost span enclosing it), so the spans holding a time are one parent walk."""
+    out = {}
+    for e in cpu:
+        out.setdefault((e["pid"], e["tid"]), []).append(e)
+    for key, spans in out.items():
+        spans.sort(key=lambda e: (e["ts"], -e["dur"]))
+        parent, stack = {}, []
+        for i, e in enumerate(spans):
+            while stack and e["ts"] >= spans[stack[-1]]["ts"] + spans[stack[-1]]["dur"]:
+                stack.pop()
+            if stack:
+                parent[i] = stack[-1]
+            stack.append(i)
+        out[key] = (spans, [e["ts"] for e in spans], parent)
+    return out
+
+
+SYNC_CALLS = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$|^cudaMemcpyAsync$|^cuStreamSynchronize$")
+RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
+
+
+def idle_causes(trace: dict, *, steps: int = 1, min_gap_us: float = 50.0, top: int = 12) -> dict:
+    """Why the device waits: each gap of at least `min_gap_us` between device activities (all streams
+    merged) is charged to what the host did then. A gap that opens as a blocking runtime call
+    (cudaStreamSynchronize, a synchronous cudaMemcpy, ...) returns was made by that call: the host
+    waited for the device to drain, then had to refill its queue; it is charged to "sync: <call> in
+    <op chain>" (the CPU ops around the call, innermost first: aten::item, aten::nonzero, ...). Any
+    other gap is the host falling behind the device (launch-bound: Python, kernel launches, host
+    work); it is charged to "launch: <op chain>" of the op that launched the activity ending the gap.
+    Returns {gaps_ms_per_step, attributed: [{cause, ms_per_step, count}], ...}; the same trace's
+    `breakdown` idle also counts gaps shorter than `min_gap_us`.
+    Taken as a model: HTA's idle-time breakdown (host wait / kernel wait) and CUDA sync debug mode."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    device = sorted(((e["ts"], e["ts"] + e["dur"], e) for e in events if e.get("cat") in DEVICE_CATS),
+                    key=lambda t: t[:2])
+    if not device:
+        return {"gaps_ms_per_step": 0.0, "gaps": 0, "attributed": [], "min_gap_us": min_gap_us}
+    threads = _thread_nesting([e for e in events if e.get("cat") in CPU_CATS])
+    syncs = sorted(((e["ts"] + e["dur"], e) for e in events
+                    if e.get("cat") in RUNTIME_CATS and SYNC_CALLS.search(e["name"])), key=lambda t: t[0])
+    by_external = {e["args"]["External id"]: e for e in events
+                   if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
+
+    def around(e: dict) -> list[str]:
+        """CPU ops and annotations on e's thread whose span holds e's start, innermost first."""
+        if (e["pid"], e["tid"]) not in threads:
+            return []
+        spans, starts, parent = threads[(e["pid"], e["tid"])]
+        t, out = e["ts"], []
+        i = bisect.bisect_right(starts, t) - 1   # the last span to start by t; the others holding t enclose it
+        while i >= 0:
+            if spans[i] is not e and t < spans[i]["ts"] + spans[i]["dur"]:
+                out.append(spans[i]["name"])
+            i = parent.get(i, -1)
+        return out
+
+    def label(chain: list[str]) -> str:
+        kept = [n for n in chain if not n.startswith("ProfilerStep")]
+        return " < ".join(kept[:3]) if kept else "(no CPU op)"
+
+    causes: dict[str, list[float]] = {}
+    total, count, end = 0.0, 0, device[0][1]
+    k = 0  # syncs ending before the current gap are behind k
+    for start, stop, e in device[1:]:
+        gap = start - end
+        if gap >= min_gap_us:
+            while k < len(syncs) and syncs[k][0] < end - min_gap_us:
+                k += 1
+            hit = syncs[k][1] if k < len(syncs) and syncs[k][0] <= start else None  # returned as the queue ran dry
+            if hit is not None:
+                cause = f"sync: {hit['name']} in {label(around(hit))}"
+            else:
+                op = by_external.get(e.get("args", {}).get("External id"))
+                cause = "launch: " + label(([op["name"]] + around(op)) if op is not None else [])
+            entry = causes.setdefault(cause, [0.0, 0])
+            entry[0] += gap
+            entry[1] += 1
+            total += gap
+            count += 1
+        end = max(end, stop)
+    ms = lambda us: round(us / 1e3 / steps, 3)  # noqa: E731
+    ranked = sorted(causes.items(), key=lambda kv: -kv[1][0])
+    return {"gaps_ms_per_step": ms(total), "gaps": count, "min_gap_us": min_gap_us,
+            "sync_ms_per_step": ms(sum(v[0] for c, v in causes.items() if c.startswith("sync:"))),
+            "attributed": [{"cause": c, "ms_per_step": ms(v[0]), "count": v[1]} for c, v in ranked[:top]]}
+
+
+def format_idle_causes(ic: dict) -> str:
+    lines = [f"device idle in gaps >= {ic['min_gap_us']:g} us: {ic['gaps_ms_per_step']} ms per step in {ic['gaps']} gaps, "
+             f"{ic.get('sync_ms_per_step', 0.0)} ms after host syncs; largest causes:"]
+    lines += [f"  {x['ms_per_step']:>9.3f} ms  x{x['count']:<5} {x['cause']}" for x in ic["attributed"]]
+    return "\n".join(lines)
+
+
 def format_link_phases(lp: dict) -> str:
     lines = [f"by phase ({lp['bin_ms']:g} ms bins, each to the phase that launched most of it):",
              f"{'phase':<10} {'ms/step':>9} {'h2d busy':>9} {'d2h busy':>9} {'compute':>8}"]
@@ -406,16 +504,21 @@ def main(argv=None) -> None:
         profiled = meta["step_s"][args.wait + args.warmup:]
         meta["tokens_per_s_profiled"] = meta["tokens_per_step"] * len(profiled) / sum(profiled)
     with (gzip.open if meta["trace"].endswith(".gz") else open)(meta["trace"], "rt") as f:
-        acts, on_device = activities(json.load(f))
+        trace = json.load(f)
+    acts, on_device = activities(trace)
     result = {**meta, "on_device": on_device,
               **breakdown(acts, vocab_dims=frozenset(meta["vocab_dims"]), steps=meta["steps"]),
               "link_phases": link_phases(acts, steps=meta["steps"])}
+    if on_device:
+        result["idle_causes"] = idle_causes(trace, steps=meta["steps"])
     with open(os.path.join(args.out, "step_profile.json"), "w") as f:
         json.dump(result, f, indent=1)
     title = ("device kernels" if on_device else "CPU ops (no device: their self time stands in for kernels)") + \
         (f"; {result['tokens_per_s_profiled']:,.0f} tokens/s under the profiler" if "tokens_per_s_profiled" in result else "")
     print(format_breakdown(result, title))
     print(format_link_phases(result["link_phases"]))
+    if "idle_causes" in result:
+        print(format_idle_causes(result["idle_causes"]))
     print(f"results: {os.path.join(args.out, 'step_profile.json')}, trace {meta['trace']}")
 
 

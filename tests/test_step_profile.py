@@ -182,3 +182,50 @@ def test_link_phases_match_a_brute_force_count():
         for lane in ("h2d", "d2h", "compute"):
             busy = {t for a in acts if a["kind"] == lane for t in range(a["ts"], a["ts"] + a["dur"])} & us
             assert row[f"{lane}_busy_pct"] == (round(100 * len(busy) / len(us), 1) if us else 0.0), (p, lane)
+
+
+def test_idle_gaps_are_charged_to_the_sync_that_opened_them_or_to_the_next_launch():
+    """Device busy [0, 100), idle [100, 400) after aten::item's cudaStreamSynchronize returns at 102,
+    busy [400, 450) and [445, 500) on two streams (no gap), idle [500, 560) with no sync (launch-bound,
+    the next kernel launched by aten::mm under aten::linear), busy [560, 600), a 20 us gap (below the
+    threshold) and [620, 640). Two steps: every figure is halved."""
+    trace = {"traceEvents": [
+        event("ProfilerStep#1", 0, 700, cat="user_annotation"),
+        event("Block.forward", 1, 300, cat="user_annotation"),
+        event("aten::item", 20, 90), event("aten::_local_scalar_dense", 21, 88),
+        event("cudaStreamSynchronize", 22, 80, cat="cuda_runtime"),
+        event("aten::linear", 380, 40, ext=5), event("aten::mm", 390, 25, ext=6),
+        event("aten::linear", 520, 40, ext=7), event("aten::mm", 530, 25, ext=8),
+        event("cudaMemcpyAsync", 10, 5, cat="cuda_runtime"),             # ends long before any gap
+        event("k0", 0, 100, cat="kernel", tid=7, ext=1),
+        event("k1", 400, 50, cat="kernel", tid=7, ext=6),
+        event("Memcpy HtoD (Pinned -> Device)", 445, 55, cat="gpu_memcpy", tid=8, ext=2),
+        event("k2", 560, 40, cat="kernel", tid=7, ext=8),
+        event("k3", 620, 20, cat="kernel", tid=7, ext=9),
+    ]}
+    ic = sp.idle_causes(trace, steps=2, min_gap_us=50)
+    assert ic["gaps"] == 2 and ic["gaps_ms_per_step"] == pytest.approx((300 + 60) / 2e3)
+    assert ic["sync_ms_per_step"] == pytest.approx(300 / 2e3)
+    by = {x["cause"]: x for x in ic["attributed"]}
+    assert set(by) == {"sync: cudaStreamSynchronize in aten::_local_scalar_dense < aten::item < Block.forward",
+                       "launch: aten::mm < aten::linear"}, by
+    assert by["launch: aten::mm < aten::linear"]["ms_per_step"] == pytest.approx(0.03)
+    assert "after host syncs" in sp.format_idle_causes(ic)
+    assert sp.idle_causes(trace, steps=2, min_gap_us=10)["gaps"] == 3
+
+
+def test_idle_causes_on_random_timelines_sum_to_the_gaps():
+    """The charged time is the sum of the gaps of at least the threshold between merged device activity."""
+    rng = random.Random(fresh_seed())
+    for _ in range(20):
+        kernels = [(rng.uniform(0, 5000), rng.uniform(1, 200)) for _ in range(rng.randint(2, 40))]
+        trace = {"traceEvents": [event(f"k{i}", t, d, cat="kernel", tid=rng.choice([7, 8]), ext=i)
+                                 for i, (t, d) in enumerate(kernels)]}
+        spans, gaps, end = sorted((t, t + d) for t, d in kernels), [], None
+        for s, e in spans:
+            if end is not None and s - end >= 50:
+                gaps.append(s - end)
+            end = e if end is None else max(end, e)
+        ic = sp.idle_causes(trace, min_gap_us=50)
+        assert ic["gaps"] == len(gaps) and ic["gaps_ms_per_step"] == pytest.approx(round(sum(gaps) / 1e3, 3))
+        assert ic["sync_ms_per_step"] == 0 and all(x["cause"] == "launch: (no CPU op)" for x in ic["attributed"])
