@@ -166,3 +166,87 @@ def _sharded_weights(rank, world_size, seed):
 @pytest.mark.parametrize("backend,world_size", backend_params([2, 4]))
 def test_sharded_weights_and_norm(backend, world_size):
     run_distributed(_sharded_weights, world_size, torch.seed() % 10_000, backend=backend)
+
+
+def _ragged_grads(device, seed):
+    """Random gradients of sizes on both sides of the foreach kernels' 65,536-element chunk, in fp32 and
+    bf16, with an empty one (a rank holding no rows)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(3,), (257, 300), (70_001,), (2, 65_536), (0, 8), (1,), (513, 129)]
+    grads = [torch.randn(s, generator=g) * (1 + k) for k, s in enumerate(shapes)]
+    grads += [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes[:4]]
+    return [t.to(device) for t in grads]
+
+
+def _count_ops(fn):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Count() as mode:
+        fn()
+    return mode.calls
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, math.inf])
+def test_norm_terms_come_from_one_foreach_launch_per_dtype_and_match_torch(norm_type):
+    from mop_train.parallel.sharding import grad_norm_term, grad_norm_terms
+    grads = _ragged_grads("cpu", fresh_seed())
+    terms = grad_norm_terms(grads, norm_type)
+    for grad, term in zip(grads, terms):
+        want = torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32) if grad.numel() else torch.zeros(())
+        want = want if math.isinf(norm_type) else want.pow(norm_type)
+        assert term.dtype == torch.float32 and term.dim() == 0
+        assert_close(term, want, name=f"term of a {tuple(grad.shape)} {grad.dtype} gradient, p={norm_type}")
+        # the streamed path's term, formed alone, is the same bits as the one formed in the list
+        assert_bitwise_equal(grad_norm_term(grad, norm_type), term, name="a term alone against in its list")
+    calls = _count_ops(lambda: grad_norm_terms(grads, norm_type))
+    assert calls.count("_foreach_norm") == 2 and "linalg_vector_norm" not in calls, calls  # fp32 and bf16
+    assert calls.count("_foreach_pow") == (0 if math.isinf(norm_type) else 2), calls
+
+
+def test_clipping_is_one_foreach_multiply_per_dtype_and_the_same_bits_as_one_by_one():
+    grads = _ragged_grads("cpu", fresh_seed())
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    total = total_grad_norm(params)
+    calls = _count_ops(lambda: total_grad_norm(params))
+    assert calls.count("_foreach_norm") == 2 and "linalg_vector_norm" not in calls, calls
+    from mop_train.parallel.sharding import clip_coefficient, clip_grads_with_norm_
+    max_norm = 0.25 * total.item()  # clips: the coefficient is about 1/4
+    coef = clip_coefficient(max_norm, total)
+    calls = _count_ops(lambda: clip_grads_with_norm_(params, max_norm, total))
+    assert calls.count("_foreach_mul_") == 2 and "mul_" not in calls, calls
+    for p, g in zip(params, grads):
+        assert_bitwise_equal(p.grad, g.mul_(coef.to(g.dtype)), name=f"clipped {tuple(g.shape)} {g.dtype}")
+
+
+@pytest.mark.gpu
+def test_norm_terms_on_cuda_do_not_depend_on_their_list():
+    """On CUDA `_foreach_norm` takes its fast path: the terms formed in one list (the device-gradient
+    path) must be bit for bit those formed one gradient at a time (the streamed path), and the clipped
+    gradients those of one multiply each."""
+    from mop_train.parallel.sharding import clip_coefficient, clip_grads_with_norm_, grad_norm_term, grad_norm_terms
+    grads = _ragged_grads("cuda", fresh_seed())
+    for norm_type in (2.0, 1.0, math.inf):
+        together = grad_norm_terms(grads, norm_type)
+        for k, (grad, term) in enumerate(zip(grads, together)):
+            assert_bitwise_equal(grad_norm_term(grad, norm_type), term, name=f"gradient {k}, p={norm_type}")
+            assert_bitwise_equal(grad_norm_terms(grads[k:] + grads[:k], norm_type)[0], term,
+                                 name=f"gradient {k} first in its list, p={norm_type}")
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    total = total_grad_norm(params)
+    clip_grads_with_norm_(params, 0.25 * total.item(), total)
+    coef = clip_coefficient(0.25 * total.item(), total)
+    for p, g in zip(params, grads):
+        assert_bitwise_equal(p.grad, g * coef.to(g.dtype), name=f"clipped {tuple(g.shape)} {g.dtype}")

@@ -8,7 +8,8 @@ every group hold the same rows. DCP then saves and reshards them like any other 
 uses the local tensor; after backward, `reduce_replica_grads` sums each local gradient over its
 replica group (those ranks saw different tokens), one collective per parameter, and
 `total_grad_norm` computes one global norm over FSDP DTensors and these from per-parameter terms
-(`grad_norm_term`), which the streamed-gradient path computes the same way as gradients leave.
+(`grad_norm_terms`, foreach kernels as torch's clip_grad_norm_), which the streamed-gradient path
+computes the same way as gradients leave.
 """
 
 from __future__ import annotations
@@ -75,14 +76,36 @@ def reduce_replica_grad(grad: torch.Tensor, group, *, reduce_dtype: torch.dtype 
         grad.copy_(flat.view_as(grad))
 
 
+def grad_norm_terms(grads: list[torch.Tensor], norm_type: float = 2.0) -> list[torch.Tensor]:
+    """Each local gradient's share of the global norm, in order: ||g||_p^p (||g||_inf for p = inf),
+    a 0-dim fp32 tensor on the gradient's device.
+
+    One `_foreach_norm` and one `_foreach_pow` per (device, dtype) of the list, the kernels torch's own
+    `clip_grad_norm_` uses, instead of two launches per gradient (at 2 x 4K on one H100 those launches
+    left the device idle 3.3 ms a step: RESULTS.md 2026-12-07). A term depends on its own gradient
+    only, never on the rest of its list (the foreach kernels reduce each tensor's chunks apart and the
+    grouping keeps every list on one fast path), so the streamed path, which forms each term alone as
+    its gradient leaves (`grad_norm_term`), gets the same bits; tests/test_sharding.py holds CUDA to it."""
+    terms: list = [None] * len(grads)
+    groups: dict = {}
+    for i, grad in enumerate(grads):
+        if grad.numel() == 0:  # an empty shard (a rank holding no rows) adds nothing, also to the inf norm
+            terms[i] = torch.zeros((), dtype=torch.float32, device=grad.device)
+        else:
+            groups.setdefault((grad.device, grad.dtype), []).append(i)
+    for members in groups.values():
+        norms = torch._foreach_norm([grads[i] for i in members], norm_type, dtype=torch.float32)
+        if not math.isinf(norm_type):
+            norms = torch._foreach_pow(norms, norm_type)
+        for i, term in zip(members, norms):
+            terms[i] = term
+    return terms
+
+
 def grad_norm_term(grad: torch.Tensor, norm_type: float = 2.0) -> torch.Tensor:
-    """One local gradient's share of the global norm: ||g||_p^p (||g||_inf for p = inf), a 0-dim fp32
-    tensor on the gradient's device. Both gradient paths compute it with this one kernel on the same
-    final gradient (the streamed path as the gradient leaves the device), so the norms agree bit for bit."""
-    if grad.numel() == 0:  # an empty shard (a rank holding no rows) adds nothing, also to the inf norm
-        return torch.zeros((), dtype=torch.float32, device=grad.device)
-    norm = torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32)
-    return norm if math.isinf(norm_type) else norm.pow(norm_type)
+    """One local gradient's share of the global norm (`grad_norm_terms` of a list of one): the streamed
+    path's term, formed as the gradient leaves the device, bit for bit the one `total_grad_norm` forms."""
+    return grad_norm_terms([grad], norm_type)[0]
 
 
 def _group_key(p: torch.Tensor):
@@ -100,12 +123,15 @@ def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, *, t
     summed (max for inf) in parameter order and all-reduced over each mesh dimension the gradient is
     sharded on; the groups' sums are added and the p-th root taken."""
     inf = math.isinf(norm_type)
+    params = list(params)
+    formed = [p for p in params if not (terms is not None and id(p) in terms) and p.grad is not None]
+    own = dict(zip(map(id, formed), grad_norm_terms([local(p.grad) for p in formed], norm_type)))
     groups: dict = {}
     for p in params:
         if terms is not None and id(p) in terms:
             term = terms[id(p)]
-        elif p.grad is not None:
-            term = grad_norm_term(local(p.grad), norm_type)
+        elif id(p) in own:
+            term = own[id(p)]
         else:
             continue
         groups.setdefault(_group_key(p), (p, []))[1].append(term)
@@ -138,9 +164,13 @@ def clip_grads_with_norm_(params: Iterable[torch.Tensor], max_norm: float, total
     coef = clip_coefficient(max_norm, total_norm)
     if coef is None:
         return
+    groups: dict = {}  # one foreach multiply per (device, dtype), each element as its own mul_ would give
     for p in params:
         if p.grad is not None:
-            local(p.grad).mul_(coef.to(local(p.grad).device, local(p.grad).dtype))
+            grad = local(p.grad)
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, dtype), grads in groups.items():
+        torch._foreach_mul_(grads, coef.to(device, dtype))
 
 
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
