@@ -175,7 +175,8 @@ def _ragged_grads(device, seed):
     shapes = [(3,), (257, 300), (70_001,), (2, 65_536), (0, 8), (1,), (513, 129)]
     grads = [torch.randn(s, generator=g) * (1 + k) for k, s in enumerate(shapes)]
     grads += [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes[:4]]
-    return [t.to(device) for t in grads]
+    grads = [t.to(device) for t in grads]
+    return grads + [torch.randn(300, 257, generator=g).to(device).t()]  # non-contiguous: a list of its own
 
 
 def _count_ops(fn):
@@ -208,8 +209,9 @@ def test_norm_terms_come_from_one_foreach_launch_per_dtype_and_match_torch(norm_
         # the streamed path's term, formed alone, is the same bits as the one formed in the list
         assert_bitwise_equal(grad_norm_term(grad, norm_type), term, name="a term alone against in its list")
     calls = _count_ops(lambda: grad_norm_terms(grads, norm_type))
-    assert calls.count("_foreach_norm") == 2 and "linalg_vector_norm" not in calls, calls  # fp32 and bf16
-    assert calls.count("_foreach_pow") == (0 if math.isinf(norm_type) else 2), calls
+    # fp32, bf16, and the non-contiguous gradient alone
+    assert calls.count("_foreach_norm") == 3 and "linalg_vector_norm" not in calls, calls
+    assert calls.count("_foreach_pow") == (0 if math.isinf(norm_type) else 3), calls
 
 
 def test_clipping_is_one_foreach_multiply_per_dtype_and_the_same_bits_as_one_by_one():
@@ -219,7 +221,7 @@ def test_clipping_is_one_foreach_multiply_per_dtype_and_the_same_bits_as_one_by_
         p.grad = g.clone()
     total = total_grad_norm(params)
     calls = _count_ops(lambda: total_grad_norm(params))
-    assert calls.count("_foreach_norm") == 2 and "linalg_vector_norm" not in calls, calls
+    assert calls.count("_foreach_norm") == 3 and "linalg_vector_norm" not in calls, calls
     from mop_train.parallel.sharding import clip_coefficient, clip_grads_with_norm_
     max_norm = 0.25 * total.item()  # clips: the coefficient is about 1/4
     coef = clip_coefficient(max_norm, total)

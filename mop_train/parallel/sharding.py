@@ -83,16 +83,20 @@ def grad_norm_terms(grads: list[torch.Tensor], norm_type: float = 2.0) -> list[t
     One `_foreach_norm` and one `_foreach_pow` per (device, dtype) of the list, the kernels torch's own
     `clip_grad_norm_` uses, instead of two launches per gradient (at 2 x 4K on one H100 those launches
     left the device idle 3.3 ms a step: RESULTS.md 2026-12-07). A term depends on its own gradient
-    only, never on the rest of its list (the foreach kernels reduce each tensor's chunks apart and the
-    grouping keeps every list on one fast path), so the streamed path, which forms each term alone as
-    its gradient leaves (`grad_norm_term`), gets the same bits; tests/test_sharding.py holds CUDA to it."""
+    only, never on the rest of its list: the foreach kernels reduce each tensor's chunks apart, and
+    each list holds contiguous gradients of one device and dtype, so it takes the kernel path each
+    would take alone (a non-contiguous gradient, which would send its whole list down the slow path,
+    is a list of its own). The streamed path forms each term alone as its gradient leaves
+    (`grad_norm_term`) and so gets the same bits; tests/test_sharding.py holds CUDA to it."""
     terms: list = [None] * len(grads)
     groups: dict = {}
     for i, grad in enumerate(grads):
         if grad.numel() == 0:  # an empty shard (a rank holding no rows) adds nothing, also to the inf norm
             terms[i] = torch.zeros((), dtype=torch.float32, device=grad.device)
-        else:
+        elif grad.is_contiguous():
             groups.setdefault((grad.device, grad.dtype), []).append(i)
+        else:  # one off the foreach fast path would take its whole list off it: alone, as it is alone
+            groups[("alone", i)] = [i]
     for members in groups.values():
         norms = torch._foreach_norm([grads[i] for i in members], norm_type, dtype=torch.float32)
         if not math.isinf(norm_type):
