@@ -304,6 +304,8 @@ def _thread_nesting(cpu: list[dict]) -> dict[tuple, tuple[list[dict], list[float
 
 SYNC_CALLS = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$|^cudaMemcpyAsync$|^cuStreamSynchronize$")
 RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
+_WRAPPER_FRAMES = re.compile(r"torch/nn/modules/module\.py|torch/_ops\.py|torch/autograd/profiler\.py"
+                             r"|torch/utils/_contextlib\.py|torch/_dynamo/eval_frame\.py|torch/_compile\.py|^threading\.py")
 
 
 def idle_causes(trace: dict, *, steps: int = 1, min_gap_us: float = 50.0, top: int = 12) -> dict:
@@ -342,7 +344,13 @@ def idle_causes(trace: dict, *, steps: int = 1, min_gap_us: float = 50.0, top: i
         return out
 
     def label(chain: list[str]) -> str:
+        """The innermost op and, with --with-stack, the two innermost Python frames that say whose code it is
+        (torch's module, dispatch and profiler wrappers skipped), else the three innermost names."""
         kept = [n for n in chain if not n.startswith("ProfilerStep")]
+        frames = [n for n in kept if ".py(" in n and not _WRAPPER_FRAMES.search(n)]
+        if frames:
+            ops = [n for n in kept if ".py(" not in n and not n.startswith("<built-in")]
+            return " < ".join(ops[:1] + frames[:2])
         return " < ".join(kept[:3]) if kept else "(no CPU op)"
 
     causes: dict[str, list[float]] = {}

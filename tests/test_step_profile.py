@@ -229,3 +229,22 @@ def test_idle_causes_on_random_timelines_sum_to_the_gaps():
         ic = sp.idle_causes(trace, min_gap_us=50)
         assert ic["gaps"] == len(gaps) and ic["gaps_ms_per_step"] == pytest.approx(round(sum(gaps) / 1e3, 3))
         assert ic["sync_ms_per_step"] == 0 and all(x["cause"] == "launch: (no CPU op)" for x in ic["attributed"])
+
+
+def test_idle_causes_name_our_python_frames_when_the_trace_has_them():
+    """With --with-stack the cause names the innermost op and the two innermost frames of real code,
+    not torch's module and dispatch wrappers."""
+    trace = {"traceEvents": [
+        event("mop_train/train/loop.py(150): train_step", 0, 900, cat="python_function"),
+        event("mop_train/parallel/sharding.py(120): total_grad_norm", 300, 200, cat="python_function"),
+        event("torch/nn/modules/module.py(1783): _call_impl", 305, 190, cat="python_function"),
+        event("mop_train/parallel/sharding.py(95): grad_norm_terms", 310, 180, cat="python_function"),
+        event("torch/_ops.py(1257): __call__", 315, 170, cat="python_function"),
+        event("aten::_foreach_norm", 320, 100, ext=2),
+        event("k0", 0, 100, cat="kernel", tid=7, ext=1),
+        event("k1", 400, 50, cat="kernel", tid=7, ext=2),
+    ]}
+    ic = sp.idle_causes(trace, min_gap_us=50)
+    assert [x["cause"] for x in ic["attributed"]] == [
+        "launch: aten::_foreach_norm < mop_train/parallel/sharding.py(95): grad_norm_terms < "
+        "mop_train/parallel/sharding.py(120): total_grad_norm"], ic
