@@ -304,6 +304,7 @@ def _thread_nesting(cpu: list[dict]) -> dict[tuple, tuple[list[dict], list[float
 
 SYNC_CALLS = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$|^cudaMemcpyAsync$|^cuStreamSynchronize$")
 RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
+SYNC_RETURN_US = 10.0  # a blocking call returns this soon, at most, before the trace shows the device idle
 _WRAPPER_FRAMES = re.compile(r"torch/nn/modules/module\.py|torch/_ops\.py|torch/autograd/profiler\.py"
                              r"|torch/utils/_contextlib\.py|torch/_dynamo/eval_frame\.py|torch/_compile\.py|^threading\.py")
 
@@ -311,8 +312,10 @@ _WRAPPER_FRAMES = re.compile(r"torch/nn/modules/module\.py|torch/_ops\.py|torch/
 def idle_causes(trace: dict, *, steps: int = 1, min_gap_us: float = 50.0, top: int = 12) -> dict:
     """Why the device waits: each gap of at least `min_gap_us` between device activities (all streams
     merged) is charged to what the host did then. A gap that opens as a blocking runtime call
-    (cudaStreamSynchronize, a synchronous cudaMemcpy, ...) returns was made by that call: the host
-    waited for the device to drain, then had to refill its queue; it is charged to "sync: <call> in
+    (cudaStreamSynchronize, a copy to or from pageable memory: `.item()`, `.cpu()`, ...) returns, a call
+    made while the device was
+    still busy, was made by that call: the host waited for the device to drain, then had to refill its
+    queue (a copy queued inside the gap blocked nothing); it is charged to "sync: <call> in
     <op chain>" (the CPU ops around the call, innermost first: aten::item, aten::nonzero, ...). Any
     other gap is the host falling behind the device (launch-bound: Python, kernel launches, host
     work); it is charged to "launch: <op chain>" of the op that launched the activity ending the gap.
@@ -325,8 +328,12 @@ def idle_causes(trace: dict, *, steps: int = 1, min_gap_us: float = 50.0, top: i
     if not device:
         return {"gaps_ms_per_step": 0.0, "gaps": 0, "attributed": [], "min_gap_us": min_gap_us}
     threads = _thread_nesting([e for e in events if e.get("cat") in CPU_CATS])
+    pinned = {e["args"]["correlation"] for e in events  # copies from or to pinned memory never block the host
+              if e.get("cat") == "gpu_memcpy" and "Pinned" in e["name"] and "correlation" in e.get("args", {})}
     syncs = sorted(((e["ts"] + e["dur"], e) for e in events
-                    if e.get("cat") in RUNTIME_CATS and SYNC_CALLS.search(e["name"])), key=lambda t: t[0])
+                    if e.get("cat") in RUNTIME_CATS and SYNC_CALLS.search(e["name"])
+                    and e.get("args", {}).get("correlation") not in pinned), key=lambda t: t[0])
+    sync_ends = [t for t, _ in syncs]
     by_external = {e["args"]["External id"]: e for e in events
                    if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
 
@@ -359,9 +366,10 @@ def idle_causes(trace: dict, *, steps: int = 1, min_gap_us: float = 50.0, top: i
     for start, stop, e in device[1:]:
         gap = start - end
         if gap >= min_gap_us:
-            while k < len(syncs) and syncs[k][0] < end - min_gap_us:
+            while k < len(syncs) and syncs[k][0] < end - SYNC_RETURN_US:
                 k += 1
-            hit = syncs[k][1] if k < len(syncs) and syncs[k][0] <= start else None  # returned as the queue ran dry
+            waited = [c for _, c in syncs[k:bisect.bisect_right(sync_ends, start)] if c["ts"] <= end]
+            hit = min(waited, key=lambda c: c["ts"]) if waited else None  # the one that waited longest
             if hit is not None:
                 cause = f"sync: {hit['name']} in {label(around(hit))}"
             else:
@@ -375,13 +383,14 @@ def idle_causes(trace: dict, *, steps: int = 1, min_gap_us: float = 50.0, top: i
         end = max(end, stop)
     ms = lambda us: round(us / 1e3 / steps, 3)  # noqa: E731
     ranked = sorted(causes.items(), key=lambda kv: -kv[1][0])
-    return {"gaps_ms_per_step": ms(total), "gaps": count, "min_gap_us": min_gap_us,
+    return {"gaps_ms_per_step": ms(total), "gaps": count, "steps": steps, "min_gap_us": min_gap_us,
             "sync_ms_per_step": ms(sum(v[0] for c, v in causes.items() if c.startswith("sync:"))),
             "attributed": [{"cause": c, "ms_per_step": ms(v[0]), "count": v[1]} for c, v in ranked[:top]]}
 
 
 def format_idle_causes(ic: dict) -> str:
-    lines = [f"device idle in gaps >= {ic['min_gap_us']:g} us: {ic['gaps_ms_per_step']} ms per step in {ic['gaps']} gaps, "
+    lines = [f"device idle in gaps >= {ic['min_gap_us']:g} us: {ic['gaps_ms_per_step']} ms per step in {ic['gaps']} gaps "
+             f"over {ic.get('steps', 1)} step(s), "
              f"{ic.get('sync_ms_per_step', 0.0)} ms after host syncs; largest causes:"]
     lines += [f"  {x['ms_per_step']:>9.3f} ms  x{x['count']:<5} {x['cause']}" for x in ic["attributed"]]
     return "\n".join(lines)

@@ -197,6 +197,9 @@ def test_idle_gaps_are_charged_to_the_sync_that_opened_them_or_to_the_next_launc
         event("aten::linear", 380, 40, ext=5), event("aten::mm", 390, 25, ext=6),
         event("aten::linear", 520, 40, ext=7), event("aten::mm", 530, 25, ext=8),
         event("cudaMemcpyAsync", 10, 5, cat="cuda_runtime"),             # ends long before any gap
+        event("cudaMemcpyAsync", 510, 20, cat="cuda_runtime"),           # queued inside a gap: blocked nothing
+        {**event("cudaMemcpyAsync", 480, 30, cat="cuda_runtime"), "args": {"correlation": 77}},  # pinned: neither
+        {**event("Memcpy HtoD (Pinned -> Device)", 420, 1, cat="gpu_memcpy", tid=9), "args": {"correlation": 77}},
         event("k0", 0, 100, cat="kernel", tid=7, ext=1),
         event("k1", 400, 50, cat="kernel", tid=7, ext=6),
         event("Memcpy HtoD (Pinned -> Device)", 445, 55, cat="gpu_memcpy", tid=8, ext=2),
