@@ -7,7 +7,9 @@
     print(describe_offload(optimizers))
     lr_schedulers = build_lr_schedulers(optimizers, cfg.lr_scheduler, cfg.training.steps)
 
-`[optimizer] name` = "AdamW" | "Adam" goes to torchtitan's `build_optimizers`;
+`[optimizer] name` = "AdamW" | "Adam" builds torchtitan's `OptimizersContainer` with the kwargs its
+`build_optimizers` gives, around torch's optimizer stepping the DTensor parameters' local shards
+(`local_shard_optim`: the same kernels and bits, without DTensor's per-step dispatch);
 "OffloadStreamAdamW" builds `mop_train.ops.offload_adamw.OffloadStreamAdamW` (fp32 master weights
 and moments in pinned host memory, streamed through the device in buckets) inside torchtitan's
 `OptimizersContainer`, so it checkpoints through DCP like the others; its parameters are laid out in
@@ -28,11 +30,10 @@ from torch import nn
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.lr_scheduler import build_lr_schedulers as titan_build_lr_schedulers
 from torchtitan.components.optimizer import OptimizersContainer
-from torchtitan.components.optimizer import build_optimizers as titan_build_optimizers
-from torchtitan.distributed import ParallelDims
 
 from mop_train.ops.offload_adamw import OFFLOAD_ADAMW  # noqa: F401  (re-exported for the loop)
 from mop_train.ops.offload_adamw.buckets import PIECE_ALIGN
+from mop_train.train.local_shard_optim import LOCAL_SHARD_OPTIMIZERS
 from mop_train.units import parse_device_fraction
 
 TITAN_OPTIMIZERS = ("AdamW", "Adam")
@@ -231,9 +232,14 @@ def build_optimizers(model_parts: list[nn.Module], optimizer, offload_adamw, *,
     if optimizer.early_step_in_backward:
         raise ValueError("optimizer.early_step_in_backward = true is not supported (it skips gradient "
                          "clipping and the router-bias update order); set it to false")
-    dims = ParallelDims(dp_replicate=1, dp_shard=world_size, cp=1, tp=1, pp=1, ep=1, etp=1,
-                        world_size=world_size)
-    return titan_build_optimizers(model_parts, optimizer, dims)
+    if optimizer.implementation not in ("fused", "foreach", "for-loop"):
+        raise ValueError(f"optimizer.implementation = {optimizer.implementation!r} is not one of "
+                         f"'fused', 'foreach', 'for-loop'")
+    # torchtitan's build_optimizers' kwargs and container, with the optimizer stepping local shards
+    kwargs = dict(lr=optimizer.lr, betas=(optimizer.beta1, optimizer.beta2), eps=optimizer.eps,
+                  weight_decay=optimizer.weight_decay, fused=optimizer.implementation == "fused",
+                  foreach=optimizer.implementation == "foreach")
+    return OptimizersContainer(model_parts, LOCAL_SHARD_OPTIMIZERS[optimizer.name], kwargs)
 
 
 def build_lr_schedulers(optimizers: OptimizersContainer, lr_scheduler, training_steps: int) -> LRSchedulersContainer:
