@@ -6,8 +6,8 @@ and moment a DTensor, so torch.optim's fused (or foreach) AdamW goes through DTe
 dispatch once per step with every one of them as an argument: unwrapping each, and placing each
 scalar step count on the mesh. That is host time, the same at any world size, and the device waits
 it out because the non-finite check reads the gradient norm just before the step: 3.7 ms of device
-idle per step of `small` at 2 x 4K on one H100 (RESULTS.md 2026-12-07, `idle_causes`), 4.4 against
-1.6 ms of host time for 160 small parameters on CPU.
+idle per step of `small` at 2 x 4K on one H100 (RESULTS.md 2026-12-07, `idle_causes`); 4.8 against
+2.2 ms of host time per fused step over 160 small parameters on CPU (`benchmarks/optimizer_host_overhead.py`).
 
 Adam's update is elementwise, so on shards whose gradient and moments carry the parameter's own
 placements it is the same arithmetic on each rank's local tensors, which is what DTensor's dispatch
