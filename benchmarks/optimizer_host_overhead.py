@@ -49,7 +49,8 @@ def main(argv=None) -> None:
             q.grad = distribute_tensor(torch.randn(q.shape, generator=g), mesh, [Shard(0)])
         return params, cls(params, lr=1e-3, weight_decay=0.1, **flags[args.implementation])
 
-    runs = {name: build(cls) for name, cls in (("torch AdamW", torch.optim.AdamW), ("LocalShardAdamW", LocalShardAdamW))}
+    runs = {name: build(cls) for name, cls in (("torch AdamW", torch.optim.AdamW),
+                                                ("LocalShardAdamW", LocalShardAdamW))}
     for _, opt in runs.values():
         for _ in range(3):
             opt.step()

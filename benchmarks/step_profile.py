@@ -27,7 +27,8 @@ Kernels on several streams overlap: each kind's time is its own kernels' sum; `e
 of communication and copies that no compute kernel overlaps. Prints a table (ms per step, % of the
 window), the largest kernels, the host link's busy share by phase (forward, backward, optimizer:
 link_phases), and what the host did while the device waited (idle_causes: a gap after a blocking
-call such as aten::item's sync, or the host behind the device, each by CPU op); writes <out>/step_profile.json (and trace.json.gz; --analyse reads either form).
+call such as aten::item's sync, or the host behind the device, each by CPU op); writes
+<out>/step_profile.json (and trace.json.gz; --analyse reads either form).
 Taken as a model: Holistic Trace Analysis (HTA, Meta) kernel and temporal breakdowns over kineto traces.
 
 Legend: V vocab, P vocab degree, S context, B local batch.
@@ -389,8 +390,8 @@ def idle_causes(trace: dict, *, steps: int = 1, min_gap_us: float = 50.0, top: i
 
 
 def format_idle_causes(ic: dict) -> str:
-    lines = [f"device idle in gaps >= {ic['min_gap_us']:g} us: {ic['gaps_ms_per_step']} ms per step in {ic['gaps']} gaps "
-             f"over {ic.get('steps', 1)} step(s), "
+    lines = [f"device idle in gaps >= {ic['min_gap_us']:g} us: {ic['gaps_ms_per_step']} ms per step in "
+             f"{ic['gaps']} gaps over {ic.get('steps', 1)} step(s), "
              f"{ic.get('sync_ms_per_step', 0.0)} ms after host syncs; largest causes:"]
     lines += [f"  {x['ms_per_step']:>9.3f} ms  x{x['count']:<5} {x['cause']}" for x in ic["attributed"]]
     return "\n".join(lines)

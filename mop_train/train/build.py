@@ -257,8 +257,7 @@ def build_run(cfg, device: torch.device, *, model_args: MoEModelArgs | None = No
     if device_share:  # the printed plan holds the optimizer state that stays on the device
         plan_terms, host_terms = plan_from_parts(cfg, layout.plan, parts, spec.args, spec.total_params,
                                                  device_fraction=device_share)
-    optimizers = build_optimizers([parts.module], cfg.optimizer, cfg.mop.offload_adamw,
-                                  world_size=dist.get_world_size(), device_fraction=device_share)
+    optimizers = build_optimizers([parts.module], cfg.optimizer, cfg.mop.offload_adamw, device_fraction=device_share)
     if cfg.mop.offload_adamw.overlap:
         for opt in optimizers:
             if hasattr(opt, "wait_in_forward"):

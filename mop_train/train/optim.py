@@ -2,7 +2,7 @@
 
     share = resolve_device_fraction(cfg.mop.offload_adamw, local_numel=n, fp32_weights=True,
                                     free_device_bytes=free_device_bytes(plan_terms, device))
-    optimizers = build_optimizers([module], cfg.optimizer, cfg.mop.offload_adamw, world_size=W,
+    optimizers = build_optimizers([module], cfg.optimizer, cfg.mop.offload_adamw,
                                   device_fraction=share)
     print(describe_offload(optimizers))
     lr_schedulers = build_lr_schedulers(optimizers, cfg.lr_scheduler, cfg.training.steps)
@@ -203,13 +203,12 @@ def wait_for_weights(optimizers) -> None:
 
 
 def build_optimizers(model_parts: list[nn.Module], optimizer, offload_adamw, *,
-                     world_size: int, device_fraction: float | None = None,
+                     device_fraction: float | None = None,
                      piece_align: int = PIECE_ALIGN) -> OptimizersContainer:
     """Args:
         optimizer: the `[optimizer]` section (name, lr, beta1, beta2, eps, weight_decay, implementation).
         offload_adamw: the `[mop.offload_adamw]` section (bucket_params, slots, host_fraction,
             device_fraction, overlap).
-        world_size: W; the model is FSDP-sharded over all W ranks (pure data parallel).
         device_fraction: the resolved share (`resolve_device_fraction`); None takes the section's
             number (ValueError if it is "auto").
         piece_align: OffloadStreamAdamW's lane alignment of its cuts (its docstring; 1 for tests that

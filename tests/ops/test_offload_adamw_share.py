@@ -192,7 +192,7 @@ def _fsdp2_share_worker(rank, world_size, path):
             from torchtitan.components.optimizer import OptimizersContainer
             return model, OptimizersContainer([model], torch.optim.AdamW, dict(**HP, foreach=False))
         cfg = SimpleNamespace(**dict(vars(section), device_fraction=share))
-        return model, build_optimizers([model], optimizer, cfg, world_size=world_size, piece_align=1)
+        return model, build_optimizers([model], optimizer, cfg, piece_align=1)
 
     full, full_opt = build(0, 0.4)  # device-resident, streamed and CPU-updated parts, forward order, overlap
     ref, ref_opt = build(0)
@@ -373,11 +373,11 @@ def test_build_optimizers_forward_order_and_plan_line():
     section = SimpleNamespace(bucket_params=4, slots=3, host_fraction=0.0, device_fraction="auto", overlap=False)
     optimizer = SimpleNamespace(name="OffloadStreamAdamW", lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
     with pytest.raises(ValueError, match="auto"):
-        build_optimizers([model], optimizer, section, world_size=1)
+        build_optimizers([model], optimizer, section)
     numel = sum(p.numel() for p in model.parameters())
     free = AUTO_MARGIN_BYTES + staging_bytes_bound(4, 3) + 8 * numel // 2
     share = resolve_device_fraction(section, local_numel=numel, fp32_weights=True, free_device_bytes=free)
-    container = build_optimizers([model], optimizer, section, world_size=1, device_fraction=share, piece_align=1)
+    container = build_optimizers([model], optimizer, section, device_fraction=share, piece_align=1)
     opt = container.optimizers[0]
     assert opt.device_fraction == 0.5 and opt.device_state_bytes == 8 * round(0.5 * numel)
     assert free_device_bytes([("parameters", 10, ""), ("gradients", 10, "")], "cpu") == 0
