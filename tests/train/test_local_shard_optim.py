@@ -112,3 +112,9 @@ def _misaligned(rank, world, seed):
 
 def test_a_gradient_off_its_parameter_placements_is_left_to_dtensor():
     run_distributed(_misaligned, 2, fresh_seed())
+
+
+@pytest.mark.parametrize("backend,world_size", backend_params([], nccl_world_size=1))
+def test_local_shard_adam_on_one_gpu(backend, world_size):
+    """The one-GPU run's case (W = 1 under NCCL, the fused CUDA kernel)."""
+    run_distributed(_compare, world_size, fresh_seed(), backend=backend)
