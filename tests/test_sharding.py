@@ -12,7 +12,7 @@ from mop_train.layout import RankLayout, plan_layout
 from mop_train.parallel.sharding import (chunk_rows, clip_grad_norm_, local, reduce_replica_grads,
                                          shard_rows, total_grad_norm)
 from tests.dist_utils import backend_params, run_distributed, worker_device
-from tests.utils import assert_bitwise_equal, assert_close, fresh_seed
+from tests.utils import assert_bitwise_equal, assert_close, dispatched_ops, fresh_seed
 
 
 def test_chunk_rows_matches_torch_chunk_and_spec():
@@ -180,20 +180,7 @@ def _ragged_grads(device, seed):
 
 
 def _count_ops(fn):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.calls.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    with Count() as mode:
-        fn()
-    return mode.calls
+    return [name for name, _ in dispatched_ops(fn)]
 
 
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, math.inf])

@@ -103,6 +103,24 @@ def no_host_syncs():
         gc.enable()
 
 
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, list]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func.overloadpacket.__name__, tree_flatten((args, kwargs or {}))[0]))
+        return func(*args, **(kwargs or {}))
+
+
+def dispatched_ops(fn) -> list[tuple[str, list]]:
+    """(op name, flattened arguments) of every op `fn()` dispatches, in order (a TorchDispatchMode,
+    which sees DTensor arguments before DTensor's own dispatch unwraps them)."""
+    with _OpRecorder() as mode:
+        fn()
+    return mode.calls
+
+
 def bf16_moe_layer(gen: torch.Generator, N: int, H: int, I: int, E: int, k: int) -> tuple[torch.Tensor, ...]:
     """Random inputs of one MoE layer at group size one, leaves requiring grad: x [N, H], w1 and w3
     [E, I, H], w2 [E, H, I] in bf16, the top-k routing weights [N, k] (fp32) and their expert indices."""

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from mop_train.train.local_shard_optim import LocalShardAdam, LocalShardAdamW, _local_when_aligned
 from tests.dist_utils import backend_params, run_distributed, worker_device
-from tests.utils import assert_bitwise_equal, fresh_seed
+from tests.utils import assert_bitwise_equal, dispatched_ops, fresh_seed
 
 SHAPES = [(6, 5), (7,), (4, 3, 2), (1, 9), (10, 10)]  # uneven rows at 2 ranks, one shard empty at 2
 
@@ -21,21 +21,7 @@ def _dtensor_args(calls) -> list[str]:
 
 
 def _record(fn):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            flat = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])]
-            self.calls.append((func.overloadpacket.__name__, flat))
-            return func(*args, **(kwargs or {}))
-
-    with Record() as mode:
-        fn()
-    return [(n, a) for n, a in mode.calls if n.startswith(("_fused_adam", "_foreach_", "addcdiv", "lerp"))]
+    return [(n, a) for n, a in dispatched_ops(fn) if n.startswith(("_fused_adam", "_foreach_", "addcdiv", "lerp"))]
 
 
 def _params(mesh, placements, seed, device):
