@@ -109,50 +109,64 @@ CPU_CATS = ("cpu_op", "user_annotation", "python_function")
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
+def _thread_nesting(cpu: list[dict]) -> dict[tuple, tuple[list[dict], list[float], dict[int, int]]]:
+    """Per (pid, tid): its spans by start (outer first at a tie), their starts, and each span's parent
+    (the innermost span enclosing it), so the spans holding a time are one parent walk."""
+    out = {}
+    for e in cpu:
+        out.setdefault((e["pid"], e["tid"]), []).append(e)
+    for key, spans in out.items():
+        spans.sort(key=lambda e: (e["ts"], -e["dur"]))
+        parent, stack = {}, []
+        for i, e in enumerate(spans):
+            while stack and e["ts"] >= spans[stack[-1]]["ts"] + spans[stack[-1]]["dur"]:
+                stack.pop()
+            if stack:
+                parent[i] = stack[-1]
+            stack.append(i)
+        out[key] = (spans, [e["ts"] for e in spans], parent)
+    return out
+
+
 def activities(trace: dict) -> tuple[list[dict], bool]:
     """([{name, ts, dur, ancestors, shapes}], on_device) from a Chrome trace: the device's kernels,
     memcpys and memsets when there are any (each with its launching op's ancestry), else the CPU ops'
     self time (the parts of each op's span its children do not cover)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    cpu = sorted((e for e in events if e.get("cat") in CPU_CATS), key=lambda e: (e["pid"], e["tid"], e["ts"], -e["dur"]))
-    parent, children, stack = {}, {}, []
-    for i, e in enumerate(cpu):  # nesting by time on each thread
-        while stack and (cpu[stack[-1]]["pid"], cpu[stack[-1]]["tid"]) == (e["pid"], e["tid"]) and \
-                e["ts"] >= cpu[stack[-1]]["ts"] + cpu[stack[-1]]["dur"]:
-            stack.pop()
-        if stack and (cpu[stack[-1]]["pid"], cpu[stack[-1]]["tid"]) != (e["pid"], e["tid"]):
-            stack = []
-        if stack:
-            parent[i] = stack[-1]
-            children.setdefault(stack[-1], []).append(i)
-        stack.append(i)
+    threads = _thread_nesting([e for e in events if e.get("cat") in CPU_CATS])
 
-    def chain(i: int) -> list[str]:
+    def chain(key: tuple, i: int) -> list[str]:
+        spans, _, parent = threads[key]
         out = []
         while i in parent:
             i = parent[i]
-            out.append(cpu[i]["name"])
+            out.append(spans[i]["name"])
         return out
 
-    by_external = {e["args"]["External id"]: i for i, e in enumerate(cpu)
-                   if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
+    by_external = {e["args"]["External id"]: (key, i) for key, (spans, _, _) in threads.items()
+                   for i, e in enumerate(spans) if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
     device = [e for e in events if e.get("cat") in DEVICE_CATS]
     if device:
         out = []
         for e in device:
-            i = by_external.get(e.get("args", {}).get("External id"))
-            op = cpu[i] if i is not None else None
+            key, i = by_external.get(e.get("args", {}).get("External id"), (None, None))
+            op = threads[key][0][i] if key is not None else None
             out.append({"name": e["name"], "ts": e["ts"], "dur": e["dur"],
-                        "ancestors": ([op["name"]] + chain(i)) if op else [],
+                        "ancestors": ([op["name"]] + chain(key, i)) if op else [],
                         "shapes": op.get("args", {}).get("Input Dims") if op else None})
         return out, True
     out = []  # CPU alone: each op's self time (its span less its children's), pieces on the timeline
-    for i, e in enumerate(cpu):
-        if e.get("cat") != "cpu_op":
-            continue
-        for s, t in self_segments(e, [cpu[c] for c in children.get(i, [])]):
-            out.append({"name": e["name"], "ts": s, "dur": t - s, "ancestors": chain(i),
-                        "shapes": e.get("args", {}).get("Input Dims")})
+    for key in sorted(threads):
+        spans, _, parent = threads[key]
+        children: dict[int, list[int]] = {}
+        for i, p in sorted(parent.items()):
+            children.setdefault(p, []).append(i)
+        for i, e in enumerate(spans):
+            if e.get("cat") != "cpu_op":
+                continue
+            for s, t in self_segments(e, [spans[c] for c in children.get(i, [])]):
+                out.append({"name": e["name"], "ts": s, "dur": t - s, "ancestors": chain(key, i),
+                            "shapes": e.get("args", {}).get("Input Dims")})
     return out, False
 
 
@@ -284,25 +298,6 @@ def link_phases(acts: list[dict], *, steps: int = 1, bin_us: float = 1000.0) -> 
     return out
 
 
-def _thread_nesting(cpu: list[dict]) -> dict[tuple, tuple[list[dict], list[float], dict[int, int]]]:
-    """Per (pid, tid): its spans by start (outer first at a tie), their starts, and each span's parent
-    (the innermost span enclosing it), so the spans holding a time are one parent walk."""
-    out = {}
-    for e in cpu:
-        out.setdefault((e["pid"], e["tid"]), []).append(e)
-    for key, spans in out.items():
-        spans.sort(key=lambda e: (e["ts"], -e["dur"]))
-        parent, stack = {}, []
-        for i, e in enumerate(spans):
-            while stack and e["ts"] >= spans[stack[-1]]["ts"] + spans[stack[-1]]["dur"]:
-                stack.pop()
-            if stack:
-                parent[i] = stack[-1]
-            stack.append(i)
-        out[key] = (spans, [e["ts"] for e in spans], parent)
-    return out
-
-
 SYNC_CALLS = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$|^cudaMemcpyAsync$|^cuStreamSynchronize$")
 RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
 SYNC_RETURN_US = 10.0  # a blocking call returns this soon, at most, before the trace shows the device idle
@@ -314,9 +309,9 @@ def idle_causes(trace: dict, *, steps: int = 1, min_gap_us: float = 50.0, top: i
     """Why the device waits: each gap of at least `min_gap_us` between device activities (all streams
     merged) is charged to what the host did then. A gap that opens as a blocking runtime call
     (cudaStreamSynchronize, a copy to or from pageable memory: `.item()`, `.cpu()`, ...) returns, a call
-    made while the device was
-    still busy, was made by that call: the host waited for the device to drain, then had to refill its
-    queue (a copy queued inside the gap blocked nothing); it is charged to "sync: <call> in
+    made while the device was still busy, was made by that call: the host waited for the device to
+    drain, then had to refill its queue (a copy queued inside the gap blocked nothing); it is charged
+    to "sync: <call> in
     <op chain>" (the CPU ops around the call, innermost first: aten::item, aten::nonzero, ...). Any
     other gap is the host falling behind the device (launch-bound: Python, kernel launches, host
     work); it is charged to "launch: <op chain>" of the op that launched the activity ending the gap.
@@ -327,7 +322,8 @@ def idle_causes(trace: dict, *, steps: int = 1, min_gap_us: float = 50.0, top: i
     device = sorted(((e["ts"], e["ts"] + e["dur"], e) for e in events if e.get("cat") in DEVICE_CATS),
                     key=lambda t: t[:2])
     if not device:
-        return {"gaps_ms_per_step": 0.0, "gaps": 0, "attributed": [], "min_gap_us": min_gap_us}
+        return {"gaps_ms_per_step": 0.0, "gaps": 0, "steps": steps, "min_gap_us": min_gap_us,
+                "sync_ms_per_step": 0.0, "attributed": []}
     threads = _thread_nesting([e for e in events if e.get("cat") in CPU_CATS])
     pinned = {e["args"]["correlation"] for e in events  # copies from or to pinned memory never block the host
               if e.get("cat") == "gpu_memcpy" and "Pinned" in e["name"] and "correlation" in e.get("args", {})}
