@@ -36,7 +36,7 @@ from mop_train.ops.offload_adamw.buckets import PIECE_ALIGN
 from mop_train.train.local_shard_optim import LOCAL_SHARD_OPTIMIZERS
 from mop_train.units import parse_device_fraction
 
-TITAN_OPTIMIZERS = ("AdamW", "Adam")
+TITAN_OPTIMIZERS = tuple(LOCAL_SHARD_OPTIMIZERS)  # torchtitan's names, stepped on local shards
 
 __all__ = ["build_optimizers", "build_lr_schedulers", "resolve_device_fraction", "free_device_bytes",
            "describe_offload", "OFFLOAD_ADAMW"]
