@@ -1,7 +1,7 @@
 """LocalShardAdam / LocalShardAdamW against torch's Adam / AdamW on DTensor parameters: the same bits
 for parameters and every state tensor after several steps, the state still DTensors, and no DTensor
 among the arguments of the update's kernels; on gloo at 1 and 2 ranks (FSDP-like Shard(0) on a 1-D
-mesh, the expert shards' [Replicate, Shard(0)] on a 2-D one), on NCCL at 2 GPUs (gpu)."""
+mesh, the expert shards' [Replicate, Shard(0)] on a 2-D one), on NCCL at 1 and 2 GPUs (gpu)."""
 
 import pytest
 import torch
