@@ -29,6 +29,9 @@
 #   levers_32k         issue 37's two loss/combine levers at 1 x 32K, ours-auto profiled twice (~70 s): as planned
 #                      (chunked cross-entropy; the combine is combine.sum_token_rows since 2026-12-03), then with
 #                      Ring-DTP's grad_in_forward schedule as the P = 1 loss (three GEMM passes, no recompute)
+#   attention_kernels  the attention core at `small`'s shape (mla-h16: 16 heads, d_qk 192, d_v 128) at 32K and 128K:
+#                      every kernel's forward and forward+backward TFLOP/s (benchmarks/attention.py; issue 37's third
+#                      lever); ATTN_METHODS overrides the method list, ATTN_S the limit
 #   reshard_2x4k       ours-auto at 2 x 4K profiled as planned, then with [parallelism] fsdp_reshard_after_forward
 #                      = "never" (one FSDP2 gather a block per step instead of two; free at the peak at W = 1)
 #   fake_667b_1m_snapshot  the memory snapshot of issue 35's largest point, mop-667b at W=64 and 1M (~480 s)
@@ -104,6 +107,10 @@ TAIL=25 step levers_32k 200 bash -c "python3 benchmarks/step_profile.py --config
   --seq-len 32768 --batch 1 --out $OUT/levers_32k/auto && python3 benchmarks/step_profile.py \
   --config configs/small_1gpu.toml --auto --seq-len 32768 --batch 1 --out $OUT/levers_32k/auto_gif -- \
   --mop.ring_dtp.enable --mop.ring_dtp.schedule grad_in_forward; rm -f $OUT/levers_32k/*/trace.json.gz"
+ATTN_S=${ATTN_S:-170}
+TAIL=25 step attention_kernels $ATTN_S env OUT="$OUT" python3 benchmarks/attention.py --shapes mla-h16 \
+  --seq-lens 32K,128K --time-budget $((ATTN_S - 15)) \
+  --methods ${ATTN_METHODS:-sdpa_default,sdpa_cudnn,sdpa_cudnn_pad_v,sdpa_flash_pad_v,sdpa_efficient,flex_block_mask}
 TAIL=25 step reshard_2x4k 200 bash -c "python3 benchmarks/step_profile.py --config configs/small_1gpu.toml --auto \
   --seq-len 4096 --batch 2 --out $OUT/reshard_2x4k/default && python3 benchmarks/step_profile.py \
   --config configs/small_1gpu.toml --auto --seq-len 4096 --batch 2 --out $OUT/reshard_2x4k/never -- \
