@@ -32,6 +32,8 @@
 #   attention_kernels  the attention core at `small`'s shape (mla-h16: 16 heads, d_qk 192, d_v 128) at 32K and 128K:
 #                      every kernel's forward and forward+backward TFLOP/s (benchmarks/attention.py; issue 37's third
 #                      lever); ATTN_METHODS overrides the method list, ATTN_S the limit
+#   optim_host         host time of a fused AdamW step over 160 small DTensor parameters on CUDA: torch's against
+#                      LocalShardAdamW (benchmarks/optimizer_host_overhead.py --device cuda)
 #   reshard_2x4k       ours-auto at 2 x 4K profiled as planned, then with [parallelism] fsdp_reshard_after_forward
 #                      = "never" (one FSDP2 gather a block per step instead of two; free at the peak at W = 1)
 #   fake_667b_1m_snapshot  the memory snapshot of issue 35's largest point, mop-667b at W=64 and 1M (~480 s)
@@ -111,6 +113,7 @@ ATTN_S=${ATTN_S:-170}
 TAIL=25 step attention_kernels $ATTN_S env OUT="$OUT" python3 benchmarks/attention.py --shapes mla-h16 \
   --seq-lens 32K,128K --time-budget $((ATTN_S - 15)) \
   --methods ${ATTN_METHODS:-sdpa_default,sdpa_cudnn,sdpa_cudnn_pad_v,sdpa_flash_pad_v,sdpa_efficient,flex_block_mask}
+TAIL=6 step optim_host 60 python3 benchmarks/optimizer_host_overhead.py --device cuda
 TAIL=25 step reshard_2x4k 200 bash -c "python3 benchmarks/step_profile.py --config configs/small_1gpu.toml --auto \
   --seq-len 4096 --batch 2 --out $OUT/reshard_2x4k/default && python3 benchmarks/step_profile.py \
   --config configs/small_1gpu.toml --auto --seq-len 4096 --batch 2 --out $OUT/reshard_2x4k/never -- \
