@@ -2,8 +2,8 @@
 
     python benchmarks/optimizer_host_overhead.py [--params 160] [--side 8] [--implementation fused] [--device cuda]
 
-One process, a one-rank mesh (gloo on CPU, NCCL on CUDA) (the host cost of DTensor's dispatch does not depend on the world
-size), `--params` parameters of `--side` x `--side` (tiny, so the kernels' own time is negligible
+One process, a one-rank mesh (gloo on CPU, NCCL on CUDA; the host cost of DTensor's dispatch does not
+depend on the world size), `--params` parameters of `--side` x `--side` (tiny, so the kernels' own time is negligible
 and what is timed is the host's), each sharded Shard(0) as FSDP2 shards them; the median of 5
 repeats of 20 steps after 3 warm-up steps, both optimizers alternating; on CUDA each repeat ends with a
 synchronize, so a step's time is the larger of its launches and its kernels. Prints ms per step and
