@@ -32,6 +32,10 @@
 #   attention_kernels  the attention core at `small`'s shape (mla-h16: 16 heads, d_qk 192, d_v 128) at 32K and 128K:
 #                      every kernel's forward and forward+backward TFLOP/s (benchmarks/attention.py; issue 37's third
 #                      lever); ATTN_METHODS overrides the method list, ATTN_S the limit
+#   ab_step_end        `small` as configs/small_1gpu.toml has it (AdamW on the device) at 2 x 4K, tokens/s of the tree
+#                      against the tree copied into baseline/ (AB_BASE; `git archive` of an earlier commit, untracked so
+#                      the device copy carries it), run A B A B (benchmarks/train_variants.py --variants plain; a record
+#                      every 5th step, since a record reads the device: 20 steps, the windows ending at 10, 15, 20 timed)
 #   optim_host         host time of a fused AdamW step over 160 small DTensor parameters on CUDA: torch's against
 #                      LocalShardAdamW (benchmarks/optimizer_host_overhead.py --device cuda)
 #   reshard_2x4k       ours-auto at 2 x 4K profiled as planned, then with [parallelism] fsdp_reshard_after_forward
@@ -113,6 +117,18 @@ ATTN_S=${ATTN_S:-170}
 TAIL=25 step attention_kernels $ATTN_S env OUT="$OUT" python3 benchmarks/attention.py --shapes mla-h16 \
   --seq-lens 32K,128K --time-budget $((ATTN_S - 15)) \
   --methods ${ATTN_METHODS:-sdpa_default,sdpa_cudnn,sdpa_cudnn_pad_v,sdpa_flash_pad_v,sdpa_efficient,flex_block_mask}
+AB_BASE=${AB_BASE:-baseline}
+ab_run() {  # ab_run TREE TAG: train_variants.py of that tree, its own modules first on the path
+  (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/train_variants.py --variants plain --steps 20 --warmup 6 \
+    --extra=--metrics.log_freq=5 --out "$OUT/ab_step_end/$2") || echo "=== $2 failed"
+}
+if [[ $want == *" ab_step_end "* ]]; then
+  [[ -d $AB_BASE/mop_train ]] || { echo "=== ab_step_end: no $AB_BASE/mop_train"; exit 1; }
+  export -f ab_run; export OUT
+  TAIL=40 step ab_step_end 420 bash -c "ab_run $AB_BASE base1; ab_run . new1; ab_run $AB_BASE base2; ab_run . new2; \
+    python3 -c 'import json,sys; [print(p, [round(r[\"tokens_per_s\"]) for r in json.load(open(p))[\"rows\"]]) for p in sys.argv[1:]]' \
+    $OUT/ab_step_end/*/train_variants.json"
+fi
 TAIL=6 step optim_host 60 python3 benchmarks/optimizer_host_overhead.py --device cuda
 TAIL=25 step reshard_2x4k 200 bash -c "python3 benchmarks/step_profile.py --config configs/small_1gpu.toml --auto \
   --seq-len 4096 --batch 2 --out $OUT/reshard_2x4k/default && python3 benchmarks/step_profile.py \

@@ -51,6 +51,7 @@ from torchtitan.components.checkpoint import CheckpointManager
 
 from mop_train.hf.load import load_hf_weights
 from mop_train.train import integrity
+from mop_train.train.device_count import DeviceCount
 from mop_train.train.optim import wait_for_weights
 from mop_train.train.reliability import CheckpointError, state_is_finite, tensors_of
 
@@ -128,15 +129,24 @@ def _weights_only_dcp_load(manager: CheckpointManager):
 
 
 class TrainState(Stateful):
-    """Step counter, tokens seen, and this rank's RNG states, as one checkpointable entry."""
+    """Step counter, tokens seen, and this rank's RNG states, as one checkpointable entry. Tokens are
+    counted on the device (`tokens.add`, mop_train.train.device_count) and read when logged or saved."""
 
     def __init__(self, rank: int):
         self.rank = rank
         self.step = 0
-        self.tokens_seen = 0
+        self.tokens = DeviceCount()
         self.skipped_steps = 0   # non-finite steps that updated nothing
         self.rng_source = rank   # whose saved RNG state a load takes (another when the world shrank/grew)
         self.loaded_rng: dict[str, torch.Tensor] | None = None   # applied by restore_rng()
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.tokens.value
+
+    @tokens_seen.setter
+    def tokens_seen(self, value: int) -> None:
+        self.tokens.value = value
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": torch.tensor(self.step, dtype=torch.int64),

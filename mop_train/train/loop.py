@@ -40,6 +40,7 @@ from mop_train.parallel.fake_world import fake_world_from_env, fake_world_note, 
 from mop_train.parallel.sharding import (clip_coefficient, clip_grads_with_norm_, reduce_replica_grads,
                                          total_grad_norm)
 from mop_train.train.build import ModelParts, Run, build_run
+from mop_train.train.device_count import DeviceCount
 from mop_train.train.loss import IGNORE_INDEX
 from mop_train.train.optim import grad_streams, stage_ahead
 from mop_train.train.metrics import DeviceSpan, MetricLogger, flops_per_token, peak_tflops
@@ -173,7 +174,7 @@ def train_step(parts: ModelParts, layout, batches: list, optimizers, lr_schedule
         optimizers.zero_grad()
         model.update_router_biases(bias_rate, reduce_fn=dist.all_reduce)
     return {"loss_sum": loss_sum, "n_tokens": n_tokens, "grad_norm": grad_norm, "lr": lr,
-            "optimizer_span": optimizer_span, "dispatch": dispatch_metrics(model), "verdict": verdict}
+            "optimizer_span": optimizer_span, "verdict": verdict}
 
 
 def lock_dump_folder(cfg) -> DumpFolderLock | None:
@@ -248,7 +249,7 @@ def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards:
     micro_batches = run.micro_batches
     batches = iter(run.dataloader)        # draws its seed from the torch CPU generator
     train_state.restore_rng()             # so a resumed run's generators continue where they were saved
-    window_start, window_tokens = time.perf_counter(), 0
+    window_start, window_tokens = time.perf_counter(), DeviceCount()
     timeout_set = in_fake_world()  # a fake world's collectives never wait: no timeout to set
     while train_state.step < steps:
         train_state.step += 1
@@ -272,23 +273,27 @@ def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards:
             timeout_set = True
         verdict: StepVerdict = out["verdict"]
         train_state.skipped_steps += verdict.skip
-        n_tokens = int(out["n_tokens"].item())
         # A fake world's count all-reduce leaves this rank's own count; its world of identical ranks
         # trains W times as many, which tokens/s (and so TFLOP/s and MFU) and tokens_seen count.
-        world_tokens = n_tokens * (dist.get_world_size() if in_fake_world() else 1)
-        train_state.tokens_seen += world_tokens
-        window_tokens += world_tokens
+        # Both counts stay on the device until a record needs them: no read ends a step that logs nothing.
+        world_times = dist.get_world_size() if in_fake_world() else 1
+        train_state.tokens.add(out["n_tokens"], world_times)
+        window_tokens.add(out["n_tokens"], world_times)
         last = step == steps
-        validation = validator.run(step) if validator and validator.due(step) and not verdict.stop_requested else {}
+        validating = validator is not None and validator.due(step) and not verdict.stop_requested
+        logging = metrics.should_log(step, last) or verdict.skip or validating
+        # read before validation's forward refills them (each MoE layer keeps its last call's figures)
+        dispatch = dispatch_metrics(run.parts.model) if logging else {}
+        validation = validator.run(step) if validating else {}
         window_start += validation.get("validation/s", 0.0)               # tokens/s: training time only
-        if metrics.should_log(step, last) or verdict.skip or validation:
+        if logging:
             loss_sum = out["loss_sum"].clone()
             dist.all_reduce(loss_sum)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - window_start
-            tokens_per_s = window_tokens / elapsed
-            values = {"loss": (loss_sum / n_tokens).item(), "grad_norm": float(out["grad_norm"]),
+            tokens_per_s = window_tokens.value / elapsed
+            values = {"loss": (loss_sum / out["n_tokens"]).item(), "grad_norm": float(out["grad_norm"]),
                       "lr": out["lr"], "tokens_per_s": tokens_per_s,
                       "tokens_per_s_per_rank": tokens_per_s / dist.get_world_size(),
                       "tokens_seen": train_state.tokens_seen, "elapsed_s": elapsed,
@@ -304,12 +309,12 @@ def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards:
             values.update(offload_link_metrics(optimizers))
             if sco is not None:
                 values.update({f"sco_{k}": v for k, v in sco.last_step_stats().items()})
-            values.update({f"moe_{k}": v for k, v in out["dispatch"].items()})
+            values.update({f"moe_{k}": v for k, v in dispatch.items()})
             values.update(validation)
             if in_fake_world():
                 values["fake_world"] = fake_world_note()
             metrics.log(step, values)
-            window_start, window_tokens = time.perf_counter(), 0
+            window_start, window_tokens = time.perf_counter(), DeviceCount()
         if verdict.stop_requested:
             stop_cleanly(cfg, checkpointer, step)
         checkpointer.save(step, last_step=last)
