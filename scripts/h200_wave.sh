@@ -125,7 +125,7 @@ ab_run() {  # ab_run TREE TAG: train_variants.py of that tree, its own modules f
 if [[ $want == *" ab_step_end "* ]]; then
   [[ -d $AB_BASE/mop_train ]] || { echo "=== ab_step_end: no $AB_BASE/mop_train"; exit 1; }
   export -f ab_run; export OUT
-  TAIL=40 step ab_step_end 420 bash -c "ab_run $AB_BASE base1; ab_run . new1; ab_run $AB_BASE base2; ab_run . new2; \
+  TAIL=40 step ab_step_end ${AB_S:-300} bash -c "ab_run $AB_BASE base1; ab_run . new1; ab_run $AB_BASE base2; ab_run . new2; \
     python3 -c 'import json,sys; [print(p, [round(r[\"tokens_per_s\"]) for r in json.load(open(p))[\"rows\"]]) for p in sys.argv[1:]]' \
     $OUT/ab_step_end/*/train_variants.json"
 fi
