@@ -58,6 +58,10 @@ VARIANTS = {
     "all-control": list(ALL_OPS),
     # the compute of "all" with nothing on the host link: AdamW on the device, no SCO
     "ops-device": ["--mop.moe.dispatch", "pipelined_llep", "--mop.ring_dtp.enable"],
+    # what `mop-train plan --auto` picks for one 80 GB GPU at 2 x 4K (2026-12-07): no activation checkpointing,
+    # Ring-DTP's grad_in_forward as the P = 1 loss, one FSDP2 gather a block per step; AdamW on the device
+    "auto-1gpu-2x4k": ["--activation_checkpoint.mode", "none", "--mop.ring_dtp.enable", "--mop.ring_dtp.schedule",
+                       "grad_in_forward", "--parallelism.fsdp_reshard_after_forward", "never"],
     "all-auto": [*ALL_OPS, "--mop.offload_adamw.device_fraction", "auto", "--mop.offload_adamw.overlap"],
     "accum4-plain": ["--training.global_batch_size", "8"],
     "accum4-streamed": ["--training.global_batch_size", "8", *OFFLOAD],

@@ -32,9 +32,9 @@
 #   attention_kernels  the attention core at `small`'s shape (mla-h16: 16 heads, d_qk 192, d_v 128) at 32K and 128K:
 #                      every kernel's forward and forward+backward TFLOP/s (benchmarks/attention.py; issue 37's third
 #                      lever); ATTN_METHODS overrides the method list, ATTN_S the limit
-#   ab_step_end        `small` as configs/small_1gpu.toml has it (AdamW on the device) at 2 x 4K, tokens/s of the tree
-#                      against the tree copied into baseline/ (AB_BASE; `git archive` of an earlier commit, untracked so
-#                      the device copy carries it), run A B A B (benchmarks/train_variants.py --variants plain; a record
+#   ab_step_end        `small` as plan --auto runs it on one 80 GB GPU at 2 x 4K (AdamW on the device), tokens/s of the
+#                      tree against the mop_train/ copied into baseline/ (AB_BASE; `git archive` of an earlier commit,
+#                      carried), run A B A B (benchmarks/train_variants.py --variants auto-1gpu-2x4k; a record
 #                      every 5th step, since a record reads the device: 20 steps, the windows ending at 10, 15, 20 timed)
 #   optim_host         host time of a fused AdamW step over 160 small DTensor parameters on CUDA: torch's against
 #                      LocalShardAdamW (benchmarks/optimizer_host_overhead.py --device cuda)
@@ -119,7 +119,7 @@ TAIL=25 step attention_kernels $ATTN_S env OUT="$OUT" python3 benchmarks/attenti
   --methods ${ATTN_METHODS:-sdpa_default,sdpa_cudnn,sdpa_cudnn_pad_v,sdpa_flash_pad_v,sdpa_efficient,flex_block_mask}
 AB_BASE=${AB_BASE:-baseline}
 ab_run() {  # ab_run TREE TAG: train_variants.py of that tree, its own modules first on the path
-  (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/train_variants.py --variants plain --steps 20 --warmup 6 \
+  (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/train_variants.py --variants auto-1gpu-2x4k --steps 20 --warmup 6 \
     --extra=--metrics.log_freq=5 --out "$OUT/ab_step_end/$2") || echo "=== $2 failed"
 }
 if [[ $want == *" ab_step_end "* ]]; then
