@@ -69,7 +69,7 @@ TAIL=40 step profile_stream_2x4k 170 python3 benchmarks/step_profile.py --config
 GPU_TEST_FILES=${GPU_TEST_FILES:-tests/test_sharding.py tests/train/test_local_shard_optim.py \
   tests/train/test_offload_streaming_gpu.py tests/ops/test_offload_adamw_working.py tests/train/test_fsdp_reduce.py \
   tests/train/test_profiling.py tests/models/test_core_workspace.py tests/train/test_compile.py \
-  tests/train/test_host_init_gpu.py}
+  tests/train/test_host_init_gpu.py tests/train/test_validation_gpu.py}
 TAIL=30 step gpu_tests ${GPU_TESTS_S:-300} python3 -m pytest -q -m gpu $GPU_TEST_FILES -p no:cacheprovider
 V2_S=${V2_S:-560}
 TAIL=30 step variants_2x4k $V2_S python3 benchmarks/train_variants.py --variants ${V2_VARIANTS:-ops-device all all-stream \
