@@ -218,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--point-timeout-s", type=float, default=180)
     ap.add_argument("--budget-s", type=float, default=540)
     ap.add_argument("--out", default=os.environ.get("OUT", "train_variants_out"))
-    ap.add_argument("--extra", nargs="+", default=[], metavar="OVERRIDE",
-                    help="overrides appended to every variant, e.g. --extra=--debug.deterministic (one token per item)")
+    ap.add_argument("--extra", nargs="+", action="extend", default=[], metavar="OVERRIDE",
+                    help="overrides appended to every variant, e.g. --extra=--debug.deterministic (one token per item; "
+                         "repeat --extra=... for several)")
     ap.add_argument("--base", default="plain", help="the variant the x-column and the bitwise check compare with")
     ap.add_argument("--compute", default="plain", choices=sorted(VARIANTS), help="the variant whose step is the compute-only step of `x floor`")
     a = ap.parse_args(argv)

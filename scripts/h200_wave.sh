@@ -35,7 +35,8 @@
 #   ab_step_end        `small` as plan --auto runs it on one 80 GB GPU at 2 x 4K (AdamW on the device), tokens/s of the
 #                      tree against the mop_train/ copied into baseline/ (AB_BASE; `git archive` of an earlier commit,
 #                      carried), run A B A B (benchmarks/train_variants.py --variants auto-1gpu-2x4k; a record
-#                      every 5th step, since a record reads the device: 20 steps, the windows ending at 10, 15, 20 timed)
+#                      every 5th step, since a record reads the device: 20 steps, the windows ending at 10, 15, 20 timed);
+#                      AB_EXTRA adds one override to every run (AB_EXTRA=--debug.deterministic: are the trees' losses bitwise?)
 #   optim_host         host time of a fused AdamW step over 160 small DTensor parameters on CUDA: torch's against
 #                      LocalShardAdamW (benchmarks/optimizer_host_overhead.py --device cuda)
 #   reshard_2x4k       ours-auto at 2 x 4K profiled as planned, then with [parallelism] fsdp_reshard_after_forward
@@ -120,7 +121,7 @@ TAIL=25 step attention_kernels $ATTN_S env OUT="$OUT" python3 benchmarks/attenti
 AB_BASE=${AB_BASE:-baseline}
 ab_run() {  # ab_run TREE TAG: train_variants.py of that tree, its own modules first on the path
   (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/train_variants.py --variants auto-1gpu-2x4k --steps 20 --warmup 6 \
-    --extra=--metrics.log_freq=5 --out "$OUT/ab_step_end/$2") || echo "=== $2 failed"
+    --extra=--metrics.log_freq=5 ${AB_EXTRA:+--extra=$AB_EXTRA} --out "$OUT/ab_step_end/$2") || echo "=== $2 failed"
 }
 if [[ $want == *" ab_step_end "* ]]; then
   [[ -d $AB_BASE/mop_train ]] || { echo "=== ab_step_end: no $AB_BASE/mop_train"; exit 1; }
