@@ -7,7 +7,8 @@
 A training step that reads a device value at its end makes the host wait for the device to finish
 the step (its optimizer included) before it can launch the next step's first kernels; the device
 then idles while the host draws the next batch and launches them. Counts that only logs and
-checkpoints need (tokens seen, tokens in the throughput window) therefore stay on the device.
+checkpoints need (tokens seen, from which a record's throughput window is derived) therefore stay on
+the device.
 """
 
 from __future__ import annotations

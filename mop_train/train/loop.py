@@ -40,7 +40,6 @@ from mop_train.parallel.fake_world import fake_world_from_env, fake_world_note, 
 from mop_train.parallel.sharding import (clip_coefficient, clip_grads_with_norm_, reduce_replica_grads,
                                          total_grad_norm)
 from mop_train.train.build import ModelParts, Run, build_run
-from mop_train.train.device_count import DeviceCount
 from mop_train.train.loss import IGNORE_INDEX
 from mop_train.train.optim import grad_streams, stage_ahead
 from mop_train.train.metrics import DeviceSpan, MetricLogger, flops_per_token, peak_tflops
@@ -249,7 +248,8 @@ def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards:
     micro_batches = run.micro_batches
     batches = iter(run.dataloader)        # draws its seed from the torch CPU generator
     train_state.restore_rng()             # so a resumed run's generators continue where they were saved
-    window_start, window_tokens = time.perf_counter(), DeviceCount()
+    # the throughput window: its start time and the tokens seen then (read only at a record)
+    window_start, window_first = time.perf_counter(), train_state.tokens_seen
     timeout_set = in_fake_world()  # a fake world's collectives never wait: no timeout to set
     while train_state.step < steps:
         train_state.step += 1
@@ -275,10 +275,8 @@ def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards:
         train_state.skipped_steps += verdict.skip
         # A fake world's count all-reduce leaves this rank's own count; its world of identical ranks
         # trains W times as many, which tokens/s (and so TFLOP/s and MFU) and tokens_seen count.
-        # Both counts stay on the device until a record needs them: no read ends a step that logs nothing.
-        world_times = dist.get_world_size() if in_fake_world() else 1
-        train_state.tokens.add(out["n_tokens"], world_times)
-        window_tokens.add(out["n_tokens"], world_times)
+        # The count stays on the device until a record or a checkpoint needs it: no read ends a step that logs nothing.
+        train_state.tokens.add(out["n_tokens"], dist.get_world_size() if in_fake_world() else 1)
         last = step == steps
         validating = validator is not None and validator.due(step) and not verdict.stop_requested
         logging = metrics.should_log(step, last) or verdict.skip or validating
@@ -292,11 +290,12 @@ def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - window_start
-            tokens_per_s = window_tokens.value / elapsed
+            tokens_seen = train_state.tokens_seen
+            tokens_per_s = (tokens_seen - window_first) / elapsed
             values = {"loss": (loss_sum / out["n_tokens"]).item(), "grad_norm": float(out["grad_norm"]),
                       "lr": out["lr"], "tokens_per_s": tokens_per_s,
                       "tokens_per_s_per_rank": tokens_per_s / dist.get_world_size(),
-                      "tokens_seen": train_state.tokens_seen, "elapsed_s": elapsed,
+                      "tokens_seen": tokens_seen, "elapsed_s": elapsed,
                       "optimizer_s": None if verdict.skip else out["optimizer_span"].seconds(),
                       "optimizer_exposed_s": None if verdict.skip else exposed_optimizer_seconds(optimizers),
                       "skipped": verdict.skip, "skipped_steps": train_state.skipped_steps,
@@ -314,7 +313,7 @@ def run_steps(cfg, run: Run, metrics, *, device, flops_per_token: float, guards:
             if in_fake_world():
                 values["fake_world"] = fake_world_note()
             metrics.log(step, values)
-            window_start, window_tokens = time.perf_counter(), DeviceCount()
+            window_start, window_first = time.perf_counter(), tokens_seen
         if verdict.stop_requested:
             stop_cleanly(cfg, checkpointer, step)
         checkpointer.save(step, last_step=last)

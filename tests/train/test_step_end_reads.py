@@ -2,7 +2,7 @@
 
 A read at a step's end (`.item()`, `.tolist()`, `int()` of a tensor) makes the host wait for the
 device to finish the step, optimizer included, before it launches the next step's first kernels.
-The loop's own counts (tokens seen, the throughput window: mop_train.train.device_count) and the
+The loop's token count (tokens seen, and from it the throughput window: mop_train.train.device_count) and the
 expert dispatch's figures (DispatchStats) are read only when a record is written.
 
 On CPU there is no device to wait for, so the test watches the Python-level reads themselves:
