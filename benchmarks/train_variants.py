@@ -62,6 +62,11 @@ VARIANTS = {
     # Ring-DTP's grad_in_forward as the P = 1 loss, one FSDP2 gather a block per step; AdamW on the device
     "auto-1gpu-2x4k": ["--activation_checkpoint.mode", "none", "--mop.ring_dtp.enable", "--mop.ring_dtp.schedule",
                        "grad_in_forward", "--parallelism.fsdp_reshard_after_forward", "never"],
+    # its choice at 1 x 32K on 80 GB (2026-12-07): PipelinedLLEP as one chunk (it saves only the rows, not the
+    # [R, I] activations), no activation checkpointing, grad_in_forward
+    "auto-80gb-32k": ["--training.seq_len", "32768", "--training.local_batch_size", "1", "--activation_checkpoint.mode",
+                      "none", "--mop.moe.dispatch", "pipelined_llep", "--mop.moe.token_budget", "32768",
+                      "--mop.ring_dtp.enable", "--mop.ring_dtp.schedule", "grad_in_forward"],
     "all-auto": [*ALL_OPS, "--mop.offload_adamw.device_fraction", "auto", "--mop.offload_adamw.overlap"],
     "accum4-plain": ["--training.global_batch_size", "8"],
     "accum4-streamed": ["--training.global_batch_size", "8", *OFFLOAD],

@@ -36,7 +36,9 @@
 #                      tree against the mop_train/ copied into baseline/ (AB_BASE; `git archive` of an earlier commit,
 #                      carried), run A B A B (benchmarks/train_variants.py --variants auto-1gpu-2x4k; a record
 #                      every 5th step, since a record reads the device: 20 steps, the windows ending at 10, 15, 20 timed);
-#                      AB_EXTRA adds one override to every run (AB_EXTRA=--debug.deterministic: are the trees' losses bitwise?)
+#                      AB_EXTRA adds one override to every run (AB_EXTRA=--debug.deterministic: are the trees' losses bitwise?);
+#                      AB_VARIANT another variant (auto-80gb-32k: plan --auto's 1 x 32K on 80 GB, PipelinedLLEP, for the
+#                      combine's segment sums against AB_BASE=baseline_combine, a `git archive` of ef0b7a2)
 #   optim_host         host time of a fused AdamW step over 160 small DTensor parameters on CUDA: torch's against
 #                      LocalShardAdamW (benchmarks/optimizer_host_overhead.py --device cuda)
 #   reshard_2x4k       ours-auto at 2 x 4K profiled as planned, then with [parallelism] fsdp_reshard_after_forward
@@ -120,7 +122,7 @@ TAIL=25 step attention_kernels $ATTN_S env OUT="$OUT" python3 benchmarks/attenti
   --methods ${ATTN_METHODS:-sdpa_default,sdpa_cudnn,sdpa_cudnn_pad_v,sdpa_flash_pad_v,sdpa_efficient,flex_block_mask}
 AB_BASE=${AB_BASE:-baseline}
 ab_run() {  # ab_run TREE TAG: train_variants.py of that tree, its own modules first on the path
-  (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/train_variants.py --variants auto-1gpu-2x4k --steps 20 --warmup 6 \
+  (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/train_variants.py --variants ${AB_VARIANT:-auto-1gpu-2x4k} --steps 20 --warmup 6 \
     --extra=--metrics.log_freq=5 ${AB_EXTRA:+--extra=$AB_EXTRA} --out "$OUT/ab_step_end/$2") || echo "=== $2 failed"
 }
 if [[ $want == *" ab_step_end "* ]]; then

@@ -14,8 +14,8 @@ needed), so per chunk the expert GEMMs run once in the forward and once in the b
 recomputed there), never a third time.
 The layer's `MigrateExperts` node (llep.py) is upstream of every chunk (each takes its zero anchor
 as input), so autograd runs it after the last chunk; it hands the sums back once, with the migrated copies' grads already added to their owners. The token rows each chunk
-gathers from x are handled the same way (`GatherTokens` adds into one [N, H] sum that `TokenSource`
-returns), instead of one [N, H] gradient per chunk. Per chunk, with
+gathers from x are handled the same way (`GatherTokens` adds each token's summed row gradients into
+one [N, H] sum that `TokenSource` returns), instead of one [N, H] gradient per chunk. Per chunk, with
 h1 = x W1^T, h3 = x W3^T, a = silu(h1) * h3, out = (a W2^T) * r and g the grad of out:
     g2 = g W2;  dr = sum_I g2 * a;  da = g2 * r;  dh3 = da * silu(h1);  dh1 = silu'(h1) * da * h3
     dx = dh1 W1 + dh3 W3;   dW1[e] += dh1_e^T x_e;  dW3[e] += dh3_e^T x_e;  dW2[e] += (g r)_e^T a_e
@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mop_train.ops.moe_dispatch.combine import sum_slots
 from mop_train.ops.moe_dispatch.comm import host_to_device
 from mop_train.ops.moe_dispatch.ep import weighted_experts
 from mop_train.ops.moe_dispatch.local import group_offsets, grouped_mm
@@ -205,11 +206,12 @@ class TokenGradSum:
     def __init__(self, x: torch.Tensor):
         self.meta, self.buf = (x.shape, x.dtype, x.device), None
 
-    def add(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+    def add(self, tokens: slice, grad: torch.Tensor) -> None:
+        """Rows `tokens` of the sum += grad [n, H] (one chunk's tokens, each once: no index, no atomics)."""
         if self.buf is None:
             shape, dtype, device = self.meta
             self.buf = torch.zeros(shape, dtype=dtype, device=device)
-        self.buf.index_put_((ids,), grad, accumulate=True)
+        self.buf[tokens].add_(grad)
 
     def take(self) -> torch.Tensor:
         buf, self.buf = self.buf, None
@@ -234,16 +236,18 @@ class TokenSource(torch.autograd.Function):
 
 
 class GatherTokens(torch.autograd.Function):
-    """x[ids] -> [R_i, H]; backward adds the rows' grads into `sums` instead of returning them."""
+    """x[ids] -> [R_i, H] for one chunk, whose tokens (the slice `tokens` of x's rows) hold all k of their
+    routes; backward sums each token's k row gradients (`slots` [n, k]: the rows of token t, combine.py's
+    segment sum) and adds them into `sums` instead of returning a gradient of x's size."""
 
     @staticmethod
-    def forward(ctx, sums: TokenGradSum, anchor, x, ids):
-        ctx.sums, ctx.anchor_dtype = sums, anchor.dtype
-        ctx.save_for_backward(ids)
+    def forward(ctx, sums: TokenGradSum, anchor, x, ids, tokens: slice, slots):
+        ctx.sums, ctx.anchor_dtype, ctx.tokens = sums, anchor.dtype, tokens
+        ctx.save_for_backward(slots)
         return x.index_select(0, ids)
 
     @staticmethod
     def backward(ctx, grad):
-        (ids,) = ctx.saved_tensors
-        ctx.sums.add(ids, grad)
-        return None, torch.zeros((), dtype=ctx.anchor_dtype, device=grad.device), None, None
+        (slots,) = ctx.saved_tensors
+        ctx.sums.add(ctx.tokens, sum_slots(grad, slots))
+        return None, torch.zeros((), dtype=ctx.anchor_dtype, device=grad.device), None, None, None, None

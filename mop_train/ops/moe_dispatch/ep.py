@@ -21,7 +21,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from mop_train.ops.moe_dispatch.combine import inverse_permutation, sum_token_rows, token_slots
+from mop_train.ops.moe_dispatch.combine import (gather_token_rows, inverse_permutation, permute_rows, sum_token_rows,
+                                                token_slots)
 from mop_train.ops.moe_dispatch.comm import (all_to_all, exchange_counts, group_size, host_to_device,
                                              stands_for_identical_ranks)
 from mop_train.ops.moe_dispatch.local import grouped_swiglu, local_experts_forward
@@ -78,8 +79,10 @@ def exchange_and_compute(rows: torch.Tensor, route_w: torch.Tensor, send_splits:
     recv_splits = recv_counts.sum(1).tolist()
     recv_rows, recv_w = all_to_all((rows, route_w), send_splits, recv_splits, group)  # [R', H], [R']
     perm, slot_counts = receive_order(recv_counts, rows.device, slot_of_col)
-    out = expert_fn(recv_rows[perm], recv_w[perm], slot_counts)    # [R', H]
-    out = out[inverse_permutation(perm)]                           # back to arrival order
+    inverse = inverse_permutation(perm)
+    out = expert_fn(permute_rows(recv_rows, perm, inverse), permute_rows(recv_w, perm, inverse),
+                    slot_counts)                                   # [R', H] slot order
+    out = permute_rows(out, inverse, perm)                         # back to arrival order
     (back,) = all_to_all((out,), recv_splits, send_splits, group)  # [R, H]
     return back
 
@@ -110,9 +113,11 @@ def ep_experts_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
         record_stats(stats, [int(recv_counts.sum())], group, x.device, chunk_sent=[sum(send_splits)],
                      identical_world_peak=peak)
     expert_fn = functools.partial(weighted_experts, w1=w1, w2=w2, w3=w3)
-    out = exchange_and_compute(x[token], weights.reshape(-1)[order], send_splits, recv_counts,
-                               expert_fn, group)                   # [R, H]
-    return sum_token_rows(out, token_slots(order, k), token)       # [N, H]; `out` not saved
+    slots = token_slots(order, k)                                  # [N, k] row of each route
+    out = exchange_and_compute(gather_token_rows(x, token, slots),
+                               permute_rows(weights.reshape(-1), order, slots.reshape(-1)), send_splits,
+                               recv_counts, expert_fn, group)      # [R, H]
+    return sum_token_rows(out, slots, token)                       # [N, H]; `out` not saved
 
 
 __all__ = ["ep_experts_forward", "exchange_and_compute", "receive_order",

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from mop_train.ops.moe_dispatch.chunked_experts import (ChunkExperts, ExpertGradSum, GatherTokens,
                                                         TokenGradSum, TokenSource, in_backward,
                                                         slot_swiglu)
-from mop_train.ops.moe_dispatch.combine import combine_rows, inverse_permutation
+from mop_train.ops.moe_dispatch.combine import add_token_rows, gather_token_rows, inverse_permutation, permute_rows
 from mop_train.ops.moe_dispatch.comm import (AllToAllStart, AllToAllWait, Ticket, all_gather_counts,
                                              exchange_counts, group_rank, group_size, host_to_device,
                                              stands_for_identical_ranks)
@@ -145,7 +145,10 @@ def build_plan(indices: torch.Tensor, num_experts: int, group, options: LLEPOpti
 
 @dataclass
 class _Chunk:
+    tokens: slice                # its token positions (every one with all k of its routes)
+    start: int                   # its first row in the layer's send order
     ids: torch.Tensor            # [R_i] route ids (token * k + slot) in send order
+    slots: torch.Tensor          # [n_i, k] row (in `ids`) of each of its tokens' routes
     send_splits: list[int]       # [P] rows to each destination
     recv_splits: list[int]       # [P] rows from each source
     perm: torch.Tensor           # [R'_i] arrival order -> slot order
@@ -181,14 +184,28 @@ def _identical_ranks_recv_counts(flat, order, plan, C, chunk, num_chunks, P, ran
     return torch.stack(rows), totals.view(num_chunks, P)
 
 
-def _plan_chunks(indices, plan, C, chunk_of_token, num_chunks, group) -> list[_Chunk]:
-    """Route ids, split sizes and receive order of every chunk (one count exchange per layer)."""
+def chunk_of_token(chunk_tokens: list[slice], num_tokens: int, device) -> torch.Tensor:
+    """[N] chunk id of each token position, from each chunk's slice of them (which must partition them)."""
+    sizes = [len(range(num_tokens)[s]) for s in chunk_tokens]
+    if sum(sizes) != num_tokens:
+        raise ValueError(f"chunk token slices {chunk_tokens} hold {sum(sizes)} positions, not the {num_tokens} "
+                         f"tokens once each")
+    chunk = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+    for i, s in enumerate(chunk_tokens):
+        chunk[s] = i
+    return chunk
+
+
+def _plan_chunks(indices, plan, C, chunk_tokens: list[slice], group):
+    """Route ids, split sizes, receive order and token slots of every chunk (one count exchange per layer),
+    and the layer's send order with its inverse ([R] each)."""
     N, k = indices.shape
+    num_chunks = len(chunk_tokens)
     P, rank = group_size(group), group_rank(group)
     E, device = C.shape[1], indices.device
     flat = indices.reshape(-1)                                               # [R]
     order = torch.argsort(flat, stable=True)                                 # expert-sorted routes
-    chunk = chunk_of_token.to(device).repeat_interleave(k)                   # [R]
+    chunk = chunk_of_token(chunk_tokens, N, device).repeat_interleave(k)     # [R]
     key = _route_keys(flat, order, plan, C, chunk, rank, P)                  # (chunk, dest, expert)
     send_order = torch.argsort(key, stable=True)                             # [R]
     send_counts = torch.zeros(num_chunks * P * E, dtype=torch.int64, device=device)
@@ -204,27 +221,28 @@ def _plan_chunks(indices, plan, C, chunk_of_token, num_chunks, group) -> list[_C
     if peaks is not None:
         peaks = peaks.tolist()                                               # (computed by now)
     send_counts, recv_counts = both[0].permute(1, 0, 2), both[1]             # [K, P, E], [P, K, E]
-    slots = slot_of_expert(plan, rank)
+    expert_slots = slot_of_expert(plan, rank)
+    send_position = inverse_permutation(send_order).view(N, k)               # [N, k] row of each route
     chunks, start = [], 0
-    for i in range(num_chunks):
+    for i, tokens in enumerate(chunk_tokens):
         n = int(send_counts[i].sum())
-        perm, slot_counts = receive_order(recv_counts[:, i, :], device, slots)
-        chunks.append(_Chunk(send_order[start:start + n], send_counts[i].sum(1).tolist(),
-                             recv_counts[:, i, :].sum(1).tolist(), perm, inverse_permutation(perm),
-                             slot_counts, None if peaks is None else peaks[i]))
+        perm, slot_counts = receive_order(recv_counts[:, i, :], device, expert_slots)
+        chunks.append(_Chunk(tokens, start, send_order[start:start + n], send_position[tokens] - start,
+                             send_counts[i].sum(1).tolist(), recv_counts[:, i, :].sum(1).tolist(), perm,
+                             inverse_permutation(perm), slot_counts, None if peaks is None else peaks[i]))
         start += n
-    return chunks
+    return chunks, send_order, send_position.view(-1)
 
 
 def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.Tensor,
-               chunk_of_token: torch.Tensor, num_chunks: int, *, recompute_experts: bool,
+               chunk_tokens: list[slice], *, recompute_experts: bool,
                stats: DispatchStats | None = None, received_bound: int = 0) -> torch.Tensor:
     """Execute `plan` over K chunks: dispatch(i+1) and combine(i-1) are in flight during compute(i).
 
     Args:
         x [N, H]; indices, weights [N, k]; w1, w3 [M, I, H]; w2 [M, H, I] this rank's experts.
         plan, C: the layer's LLEP plan and the count matrix [P, E] it was built from.
-        chunk_of_token: [N] int64 chunk id in [0, K) of each token.
+        chunk_tokens: K slices of the token positions [0, N), each position in exactly one.
         recompute_experts: run each chunk's expert matmul as ChunkExperts (recomputed in backward,
             weight grads summed in place once per layer) instead of plain autograd.
     Returns:
@@ -232,14 +250,14 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
     """
     k, M = indices.shape[1], w1.shape[0]
     rank = group_rank(group)
-    chunks = _plan_chunks(indices, plan, C, chunk_of_token, num_chunks, group)
+    chunks, send_order, send_inverse = _plan_chunks(indices, plan, C, chunk_tokens, group)
     migration = Ticket()          # the weight copies travel while the first dispatch is issued
     sums = None
     if recompute_experts:
         num_foreign = len(plan.foreign_experts(rank))
         sums = (ExpertGradSum(M, w1, w2, w3), ExpertGradSum(num_foreign, w1, w2, w3))
     f1, f2, f3, anchor = MigrateExperts.apply(migration, plan.transfers, rank, M, group, sums, w1, w2, w3)
-    w_flat = weights.reshape(-1)                                             # [R]
+    w_sent = permute_rows(weights.reshape(-1), send_order, send_inverse)    # [R] in send order
     token_sums = token_anchor = None
     if recompute_experts and torch.is_grad_enabled() and x.requires_grad:
         token_sums = TokenGradSum(x)
@@ -248,8 +266,15 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
     def launch_dispatch(c: _Chunk):
         ticket = Ticket()
         ids = c.ids // k                                                     # [R_i] token of each route
-        rows = x[ids] if token_sums is None else GatherTokens.apply(token_sums, token_anchor, x, ids)
-        return ticket, AllToAllStart.apply(ticket, c.send_splits, c.recv_splits, group, rows, w_flat[c.ids])
+        if token_sums is not None:
+            rows = GatherTokens.apply(token_sums, token_anchor, x, ids, c.tokens, c.slots)
+        elif torch.is_grad_enabled() and x.requires_grad:                    # LLEP: plain autograd
+            first, step = range(x.shape[0])[c.tokens].start, range(x.shape[0])[c.tokens].step
+            rows = gather_token_rows(x[c.tokens], (ids - first) // step, c.slots)
+        else:
+            rows = x.index_select(0, ids)
+        route_w = w_sent[c.start:c.start + c.ids.shape[0]]                   # [R_i]
+        return ticket, AllToAllStart.apply(ticket, c.send_splits, c.recv_splits, group, rows, route_w)
 
     def expert_matmul(rows, route_w, slot_counts):
         migration.wait()                                                     # no-op after the first
@@ -260,8 +285,8 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
 
     def finish_combine(y, pending):
         ticket, bufs, c = pending
-        (back,) = AllToAllWait.apply(ticket, *bufs)                          # [R_i, H]
-        return combine_rows(y, c.ids // k, back)          # in place: no [N, H] per chunk, `back` not saved
+        (back,) = AllToAllWait.apply(ticket, *bufs)                          # [R_i, H] in send order
+        return add_token_rows(y, c.tokens, c.slots, back)  # in place: no [N, H] per chunk, `back` not saved
 
     y = torch.zeros_like(x)
     dispatch, combine = launch_dispatch(chunks[0]), None
@@ -270,9 +295,11 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
         if i + 1 < len(chunks):
             dispatch = launch_dispatch(chunks[i + 1])
         rows, route_w = AllToAllWait.apply(ticket, *bufs)                    # [R'_i, H], [R'_i]
-        out = expert_matmul(rows[c.perm], route_w[c.perm], c.slot_counts)    # [R'_i, H] slot order
+        out = expert_matmul(permute_rows(rows, c.perm, c.inv_perm), permute_rows(route_w, c.perm, c.inv_perm),
+                            c.slot_counts)                                   # [R'_i, H] slot order
         back_ticket = Ticket()
-        back = AllToAllStart.apply(back_ticket, c.recv_splits, c.send_splits, group, out[c.inv_perm])
+        back = AllToAllStart.apply(back_ticket, c.recv_splits, c.send_splits, group,
+                                   permute_rows(out, c.inv_perm, c.perm))   # arrival order
         if combine is not None:
             y = finish_combine(y, combine)
         combine = (back_ticket, back, c)
@@ -299,6 +326,5 @@ def llep_experts_forward(x, indices, weights, w1, w2, w3, group, options: LLEPOp
             record_stats(stats, [indices.numel()], group, x.device)
         return local_experts_forward(x, indices, weights, w1, w2, w3)
     plan, C, _ = build_plan(indices, w1.shape[0] * P, group, options)
-    chunk_of_token = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
-    return run_chunks(x, indices, weights, w1, w2, w3, group, plan, C, chunk_of_token, 1,
+    return run_chunks(x, indices, weights, w1, w2, w3, group, plan, C, [slice(0, x.shape[0])],
                       recompute_experts=False, stats=stats)

@@ -14,7 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from mop_train.ops.moe_dispatch.combine import sum_token_rows, token_slots
+from mop_train.ops.moe_dispatch.combine import gather_token_rows, permute_rows, sum_token_rows, token_slots
 from mop_train.ops.moe_dispatch.comm import host_to_device
 
 
@@ -104,7 +104,9 @@ def local_experts_forward(x, indices, weights, w1, w2, w3):
     order = torch.argsort(flat, stable=True)                      # [R] route ids sorted by expert
     counts = route_counts(flat, E)                                # [E], no host sync
     token = order // k                                            # [R] each row's token
-    rows = x[token]                                               # [R, H]
+    slots = token_slots(order, k)                                 # [N, k] row of each route
+    rows = gather_token_rows(x, token, slots)                     # [R, H]; grad: a sum per token
     out = grouped_swiglu(rows, counts, w1, w2, w3)                # [R, H]
-    out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
-    return sum_token_rows(out, token_slots(order, k), token)      # [N, H]; `out` not saved
+    route_w = permute_rows(weights.reshape(-1), order, slots.reshape(-1))     # [R] (inverse of order)
+    out = out * route_w.unsqueeze(1).to(out.dtype)
+    return sum_token_rows(out, slots, token)                      # [N, H]; `out` not saved

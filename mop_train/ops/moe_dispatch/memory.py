@@ -5,14 +5,14 @@ layer runs backward:
   - "local", "ep", "llep": every received route's rows x_r [R, H], h1, h3, silu(h1), their product
     [R, I] and the expert output [R, H] (saved by the weighting), so (2H + 4I) per route, plus the
     combine's gradient per route (H) while the weighting runs backward. The combine (combine.py's
-    CombineRows) saves its token ids, not the weighted rows it adds (a plain index_add would: H more).
+    SumTokenRows, AddTokenRows) saves token ids or slots, not the rows it adds (a plain index_add would: H more).
     R is N*k under balanced routing ("ep" can receive up to E_p * N * k routes when one rank's
     experts are hot; "llep" holds a receiver to max(alpha, imbalance_threshold) x the mean).
   - "pipelined_llep": each chunk saves its received rows (PipelinedLLEP recomputes the [R', I]
     activations in its backward, chunked_experts.ChunkExperts), so N*k*H over the layer, plus
     ROUTE_INDEX_BYTES of index bookkeeping per route (counted by tests/ops/test_moe_dispatch_memory.py);
-    the combine saves its ids only (combine.CombineRows; autograd's IndexAddBackward0 of a plain
-    `index_add_` would keep the rows it adds, N*k*H more, for `expand_as` alone); the
+    the combine saves its token slots only (combine.AddTokenRows; autograd's IndexAddBackward0 of a
+    plain `index_add_` would keep the rows it adds, N*k*H more, for `expand_as` alone); the
     backward recomputes one chunk at a time: the token budget guarantees a destination at most
     `max_received_bound` (E_p * k * c_eff) routes of it, and LLEP's relocation holds it to
     max(alpha, threshold) x the mean k * c_eff (+ one GEMM's minimum), the figure planned here, with
@@ -31,10 +31,11 @@ from mop_train.ops.bound import DeviceBound
 from mop_train.ops.moe_dispatch.options import DispatchOptions, LLEPOptions, PipelinedLLEPOptions
 from mop_train.ops.moe_dispatch.pipelined_llep import max_received_bound, num_chunks
 
-ROUTE_INDEX_BYTES = 5 * 8 + 4
-"""What llep.run_chunks saves per route besides rows: five int64 index vectors (the layer's send order,
-which each chunk's route ids view; GatherTokens' token ids; the receive permutation, saved by both
-gathers; its inverse; the combine's token ids) and the permuted fp32 routing weight."""
+ROUTE_INDEX_BYTES = 4 * 8 + 4
+"""What llep.run_chunks saves per route besides rows: four int64 index vectors (the inverse of the
+layer's send order, saved by the routing weights' permutation; each chunk's token slots, saved by both
+its token gather and its combine, combine.py; the receive permutation and its inverse, each saved by
+the permutations the other undoes) and the permuted fp32 routing weight."""
 
 
 @dataclass(frozen=True)

@@ -43,12 +43,12 @@ def num_chunks(n_max: int, token_budget: int, max_chunks: int) -> tuple[int, int
     return K, math.ceil(n_max / K)
 
 
-def chunk_membership(num_tokens: int, K: int, membership: str, device=None) -> torch.Tensor:
-    """[N] chunk id of each local token position."""
-    pos = torch.arange(num_tokens, device=device)
+def chunk_membership(num_tokens: int, K: int, membership: str) -> list[slice]:
+    """The local token positions of each of the K chunks, as slices of [0, N) (every position in one)."""
     if membership == "strided":
-        return pos % K
-    return pos // max(1, math.ceil(num_tokens / K))
+        return [slice(i, num_tokens, K) for i in range(K)]
+    size = max(1, math.ceil(num_tokens / K))
+    return [slice(min(i * size, num_tokens), min((i + 1) * size, num_tokens)) for i in range(K)]
 
 
 def pipelined_llep_experts_forward(x, indices, weights, w1, w2, w3, group, options: PipelinedLLEPOptions, *,
@@ -60,6 +60,5 @@ def pipelined_llep_experts_forward(x, indices, weights, w1, w2, w3, group, optio
     P = group_size(group)
     plan, C, n_max = build_plan(indices, w1.shape[0] * P, group, options)
     K, c_eff = num_chunks(n_max, options.token_budget, options.max_chunks)
-    return run_chunks(x, indices, weights, w1, w2, w3, group, plan, C,
-                      chunk_membership(N, K, options.membership, x.device), K, recompute_experts=True,
-                      stats=stats, received_bound=max_received_bound(P, k, c_eff))
+    return run_chunks(x, indices, weights, w1, w2, w3, group, plan, C, chunk_membership(N, K, options.membership),
+                      recompute_experts=True, stats=stats, received_bound=max_received_bound(P, k, c_eff))
