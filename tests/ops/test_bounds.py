@@ -69,7 +69,7 @@ def test_pipelined_llep_saves_rows_and_works_on_one_chunk():
                                           inter=rng.randint(8, 256), top_k=rng.randint(1, 8),
                                           group_size=rng.randint(1, 8), local_experts=rng.randint(1, 8), act_bytes=2)
     bound = dispatch_memory.device_bound(PipelinedLLEPOptions(token_budget=512), shapes)
-    assert bound.saved == shapes.tokens * shapes.top_k * (shapes.hidden * 2 + dispatch_memory.ROUTE_INDEX_BYTES)
+    assert bound.saved == shapes.tokens * shapes.top_k * (shapes.hidden * 2 + dispatch_memory.route_index_bytes(shapes.group_size))
     # one chunk recomputed in backward (its exact count: tests/ops/test_moe_dispatch_memory.py)
     assert bound.working >= shapes.local_experts * shapes.inter * shapes.hidden * 2
     assert bound.how.startswith("pipelined_llep")

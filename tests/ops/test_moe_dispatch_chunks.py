@@ -9,6 +9,7 @@ costs 3 passes forward and 6 backward; a chunk that keeps no [R', I] activations
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -18,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from mop_train.ops.moe_dispatch import DispatchStats, ExpertDispatch, PipelinedLLEPOptions, moe_experts_forward
+from mop_train.ops.moe_dispatch import llep
 from mop_train.ops.moe_dispatch import local as local_dispatch
 from mop_train.ops.moe_dispatch.chunked_experts import ExpertGradSum
 from mop_train.ops.moe_dispatch.comm import host_to_device
@@ -409,3 +411,77 @@ def test_grouped_mm_support_asks_x_own_gpu(monkeypatch):
         supported = local_dispatch._grouped_mm_supported(x, w)
     assert supported
     assert asked == [x.device.index]
+
+
+def _general_planning(monkeypatch, options):
+    """run_chunks at group size one through the planning every larger group runs (counts gathered to the
+    host, the LLEP plan, the receive permutation) instead of `_plan_local_chunks`."""
+    def general(indices, chunk_tokens, num_experts):
+        plan, C, _ = llep.build_plan(indices, num_experts, None, options)
+        return llep._plan_chunks(indices, plan, C, chunk_tokens, None)
+    monkeypatch.setattr(llep, "_plan_local_chunks", general)
+
+
+@pytest.mark.parametrize("membership", ["strided", "contiguous"])
+def test_group_of_one_plans_without_host_reads_bit_for_bit(membership, monkeypatch):
+    """PipelinedLLEP at group size one plans its chunks on the device (no count read back, rows already
+    in slot order): y and every gradient bitwise what the general planning gives, in fp32 and bf16, with
+    experts no route reaches, plain and under an activation checkpoint; the dispatch figures agree too."""
+    rng = random.Random(fresh_seed(7341 + (membership == "contiguous")))
+    for dtype in (torch.float32, torch.bfloat16):
+        N, H, I, E = rng.randint(30, 90), 8 * rng.randint(1, 4), 8 * rng.randint(1, 3), rng.randint(3, 9)
+        k, K = rng.randint(1, min(3, E)), rng.randint(1, 5)
+        gen = torch.Generator().manual_seed(rng.randint(0, 2**31))
+        x = torch.randn(N, H, generator=gen).to(dtype)
+        ws = [(torch.randn(E, I, H, generator=gen) / H ** 0.5).to(dtype), (torch.randn(E, H, I, generator=gen)
+              / I ** 0.5).to(dtype), (torch.randn(E, I, H, generator=gen) / H ** 0.5).to(dtype)]
+        scores = torch.rand(N, E, generator=gen)
+        scores[:, rng.randrange(E)] = -1.0                                  # an idle expert
+        wts, idx = scores.topk(k, dim=1)
+        grad = torch.randn(N, H, generator=gen).to(dtype)
+        options = PipelinedLLEPOptions(token_budget=-(-N // K), max_chunks=K, membership=membership)
+        results = []
+        for general in (False, True):
+            with monkeypatch.context() as m:
+                if general:
+                    _general_planning(m, options)
+                for ckpt in (False, True):
+                    leaves_ = [t.clone().requires_grad_() for t in (x, wts, *ws)]
+                    stats = DispatchStats()
+
+                    def layer(x_, w_, *ws_):
+                        return moe_experts_forward(x_, idx, w_, *ws_, options, stats=stats)
+                    y = checkpoint(layer, *leaves_, use_reentrant=False) if ckpt else layer(*leaves_)
+                    y.backward(grad)
+                    results.append((y.detach(), [t.grad for t in leaves_],
+                                    (stats.num_chunks, stats.chunk_received, stats.chunk_sent)))
+        for (y1, g1, s1), (y0, g0, s0) in zip(results[:2], results[2:]):
+            assert torch.equal(y1, y0) and s1 == s0, (dtype, s1, s0)
+            for name, a, b in zip(("x", "routing weights", "w1", "w2", "w3"), g1, g0):
+                assert torch.equal(a, b), f"{dtype} grad of {name}"
+    bad = idx.clone()
+    bad[0, 0] = E
+    with pytest.raises(ValueError, match="indices hold expert ids outside"):
+        moe_experts_forward(x, bad, wts, *ws, PipelinedLLEPOptions(token_budget=N))
+
+
+@pytest.mark.gpu
+def test_group_of_one_runs_without_host_syncs_on_cuda():
+    """PipelinedLLEP at group size one on CUDA (bf16, grouped GEMMs, K = 3 chunks): forward and backward
+    under set_sync_debug_mode("error") (no count read back, no idle-expert list, no chunk sizes read)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device; this machine has none")
+    gen = torch.Generator().manual_seed(fresh_seed(7343))
+    N, H, I, E, k = 96, 64, 32, 8, 2
+    x = torch.randn(N, H, generator=gen).bfloat16().cuda().requires_grad_()
+    ws = [torch.randn(s, generator=gen).bfloat16().cuda().div(8).requires_grad_() for s in ((E, I, H), (E, H, I),
+                                                                                          (E, I, H))]
+    wts, idx = torch.rand(N, E, generator=gen).topk(k, dim=1)
+    wts, idx = wts.cuda().requires_grad_(), idx.cuda()
+    grad = torch.randn(N, H, generator=gen).bfloat16().cuda()
+    options = PipelinedLLEPOptions(token_budget=N // 3, max_chunks=3)
+    moe_experts_forward(x, idx, wts, *ws, options).backward(grad)           # warm-up: lazy inits may sync
+    torch.cuda.synchronize()
+    with no_host_syncs():
+        moe_experts_forward(x, idx, wts, *ws, options).backward(grad)
+    torch.cuda.synchronize()

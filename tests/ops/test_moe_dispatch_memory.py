@@ -9,7 +9,7 @@ import random
 import torch
 
 from mop_train.ops.moe_dispatch import EPOptions, LLEPOptions, PipelinedLLEPOptions, moe_experts_forward
-from mop_train.ops.moe_dispatch.memory import ROUTE_INDEX_BYTES, RoutedShapes, device_bound
+from mop_train.ops.moe_dispatch.memory import ROUTE_INDEX_BYTES, RoutedShapes, device_bound, route_index_bytes
 from tests.utils import bf16_moe_layer, fresh_seed
 
 
@@ -52,7 +52,7 @@ def test_whole_layer_schedules_save_every_route():
 
 def test_pipelined_llep_saves_rows_and_recomputes_one_chunk():
     """Saved: every received row (N k H; the combine keeps ids, not rows) and the per-route index
-    bookkeeping (ROUTE_INDEX_BYTES). Backward: one chunk's recompute, (2H + 7I) per route of the
+    bookkeeping (ROUTE_INDEX_BYTES at group sizes above one). Backward: one chunk's recompute, (2H + 7I) per route of the
     largest chunk a destination receives, plus one weight-sized (E_l I H) temporary."""
     rng = random.Random(fresh_seed(7311))
     for _ in range(10):
@@ -67,7 +67,7 @@ def test_pipelined_llep_saves_rows_and_recomputes_one_chunk():
         K = min(math.ceil(N / c), K_max)
         c_eff = math.ceil(N / K)                  # tokens per chunk
         chunk = min(G * k * c_eff, int(max(alpha, threshold) * k * c_eff) + m)
-        assert saved == N * k * (H * b + ROUTE_INDEX_BYTES)
+        assert saved == N * k * (H * b + ROUTE_INDEX_BYTES)          # G >= 2 here
         assert transient == (chunk * (2 * H + 7 * I) + E_l * I * H) * b
         assert f"K={K} chunks" in how and f"c_eff={c_eff:,}" in how
 
@@ -107,8 +107,9 @@ def _saved_by_layer(N, H, I, E, k, K, seed):
 
 def test_pipelined_llep_saved_bytes_are_what_autograd_packs():
     """The bound's `saved` against what autograd actually packs for a layer at group size one (bf16 rows,
-    fp32 routing weights), at two token counts: a factor off in the rows, the combine (ids only,
-    tests/ops/test_moe_dispatch_combine.py) or the index bookkeeping fails."""
+    fp32 routing weights; rows arrive in slot order there, so no receive permutation is saved), at two
+    token counts: a factor off in the rows, the combine (slots only, tests/ops/test_moe_dispatch_combine.py)
+    or the index bookkeeping fails."""
     rng = random.Random(fresh_seed(7313))
     H, I, E, K = 8 * rng.randint(2, 8), 8 * rng.randint(1, 4), rng.randint(2, 8), rng.randint(2, 4)
     k = rng.randint(1, min(3, E))
@@ -116,4 +117,5 @@ def test_pipelined_llep_saved_bytes_are_what_autograd_packs():
         bound = device_bound(PipelinedLLEPOptions(token_budget=-(-N // K), max_chunks=K),
                              RoutedShapes(tokens=N, hidden=H, inter=I, top_k=k, group_size=1, local_experts=E,
                                           act_bytes=2))
+        assert bound.saved == N * k * (2 * H + route_index_bytes(1)) and route_index_bytes(1) == ROUTE_INDEX_BYTES - 16
         assert _saved_by_layer(N, H, I, E, k, K, rng.randint(0, 2**31)) == bound.saved, (N, H, I, E, k, K)

@@ -59,7 +59,8 @@ class ExpertGradSum:
     def add(self, x, groups, counts, dh1, go, a, dh3) -> None:
         """dW1[e] += dh1_e^T x_e, dW2[e] += go_e^T a_e, dW3[e] += dh3_e^T x_e over row blocks.
 
-        x, go [R, H]; dh1, dh3, a [R, I]; groups: `group_offsets` of counts; counts [E] (CPU)."""
+        x, go [R, H]; dh1, dh3, a [R, I]; groups: `group_offsets` of counts; counts [E] (CPU, or the
+        device's when the grouped GEMM runs)."""
         grouped = self.grouped
         if grouped is None:
             grouped = groups.dtype == torch.int32 and x.device.type == "cuda"
@@ -74,8 +75,8 @@ class ExpertGradSum:
         the rows), then one in-place add: 3 GEMM launches + 3 adds per chunk, not 3 per expert."""
         if groups.dtype != torch.int32:
             groups = torch.cumsum(counts, 0).to(torch.int32).to(pairs[0][0].device)
-        idle = [e for e, n in enumerate(counts.tolist()) if not n]
-        idle = host_to_device(torch.tensor(idle, dtype=torch.int64), groups.device) if idle else None
+        # a mask, not a list of ids: the counts may be on the device (group size one), never read back
+        idle = (host_to_device(counts, groups.device) if counts.device != groups.device else counts) == 0
         first = self.bufs is None
         if first:
             self.bufs = [None] * 3
@@ -83,8 +84,7 @@ class ExpertGradSum:
             self.bufs = self.take()
         for j, (left, right) in enumerate(pairs):
             dw = torch._grouped_mm(left.t(), right, offs=groups)          # [E, I, H] or [E, H, I]
-            if idle is not None:
-                dw.index_fill_(0, idle, 0)                                # empty groups: exact zeros
+            dw.masked_fill_(idle.view(-1, 1, 1), 0)                       # empty groups: exact zeros
             if first:
                 self.bufs[j] = dw.to(self.meta[j][1])
             else:
@@ -186,7 +186,7 @@ class ChunkExperts(torch.autograd.Function):
         M, counts = ctx.num_native, ctx.slot_counts
         sums = ctx.sums if any(ctx.needs_input_grad[6:]) else (None, None)
         grad = grad.contiguous()
-        n = int(counts[:M].sum())
+        n = rows.shape[0] if f1.shape[0] == 0 else int(counts[:M].sum())   # (no read without foreign slots)
         stacks = ((slice(0, n), counts[:M], (w1, w2, w3), sums[0]),
                   (slice(n, rows.shape[0]), counts[M:], (f1, f2, f3), sums[1]))
         parts = [_stack_backward(rows[s], route_w[s], stack_counts, *ws, grad[s], grad_sum)

@@ -34,7 +34,7 @@ from mop_train.ops.moe_dispatch.comm import (AllToAllStart, AllToAllWait, Ticket
                                              stands_for_identical_ranks)
 from mop_train.ops.moe_dispatch.ep import receive_order
 from mop_train.ops.moe_dispatch.llep_plan import LLEPPlan, llep_plan
-from mop_train.ops.moe_dispatch.local import local_experts_forward
+from mop_train.ops.moe_dispatch.local import local_experts_forward, route_counts
 from mop_train.ops.moe_dispatch.options import LLEPOptions
 from mop_train.ops.moe_dispatch.stats import DispatchStats, record_stats
 
@@ -151,9 +151,9 @@ class _Chunk:
     slots: torch.Tensor          # [n_i, k] row (in `ids`) of each of its tokens' routes
     send_splits: list[int]       # [P] rows to each destination
     recv_splits: list[int]       # [P] rows from each source
-    perm: torch.Tensor           # [R'_i] arrival order -> slot order
-    inv_perm: torch.Tensor       # [R'_i] slot order -> arrival order
-    slot_counts: torch.Tensor    # [S] rows per slot (CPU)
+    perm: torch.Tensor | None    # [R'_i] arrival order -> slot order (None: they are the same)
+    inv_perm: torch.Tensor | None  # [R'_i] slot order -> arrival order
+    slot_counts: torch.Tensor    # [S] rows per slot (CPU; on the device at group size one)
     identical_world_peak: int | None = None  # a fake world: the most routes any destination receives
 
 
@@ -234,6 +234,35 @@ def _plan_chunks(indices, plan, C, chunk_tokens: list[slice], group):
     return chunks, send_order, send_position.view(-1)
 
 
+def _plan_local_chunks(indices, chunk_tokens: list[slice], num_experts: int):
+    """What `_plan_chunks` returns at group size one, without reading anything back to the host: nothing
+    is relocated, sent or received out of order, so a chunk's rows are its routes sorted by expert (the
+    send order `_plan_chunks` builds, key = chunk * E + expert), arrival order is slot order, and the
+    slot counts stay on the device (grouped GEMMs take device offsets); every size the host needs is
+    n_i * k. Expert ids outside [0, E) are refused as `gather_counts` refuses them (on CUDA by a
+    device-side assert, which costs no host wait)."""
+    N, k = indices.shape
+    flat, device = indices.reshape(-1), indices.device                     # [R]
+    bad = ((flat < 0) | (flat >= num_experts)).any()
+    message = (f"indices hold expert ids outside [0, {num_experts}), but the group holds {num_experts} experts; "
+               f"pass this rank's expert shard as w1/w2/w3")
+    if device.type == "cuda":
+        torch._assert_async(~bad, message)
+    elif bool(bad):
+        raise ValueError(message)
+    key = chunk_of_token(chunk_tokens, N, device).repeat_interleave(k) * num_experts + flat   # [R]
+    send_order = torch.argsort(key, stable=True)                             # [R]
+    counts = route_counts(key, len(chunk_tokens) * num_experts).view(-1, num_experts)  # [K, E], no sync
+    send_position = inverse_permutation(send_order).view(N, k)               # [N, k] row of each route
+    chunks, start = [], 0
+    for i, tokens in enumerate(chunk_tokens):
+        n = len(range(N)[tokens]) * k
+        chunks.append(_Chunk(tokens, start, send_order[start:start + n], send_position[tokens] - start, [n], [n],
+                             None, None, counts[i]))
+        start += n
+    return chunks, send_order, send_position.view(-1)
+
+
 def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.Tensor,
                chunk_tokens: list[slice], *, recompute_experts: bool,
                stats: DispatchStats | None = None, received_bound: int = 0) -> torch.Tensor:
@@ -250,7 +279,10 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
     """
     k, M = indices.shape[1], w1.shape[0]
     rank = group_rank(group)
-    chunks, send_order, send_inverse = _plan_chunks(indices, plan, C, chunk_tokens, group)
+    if group_size(group) == 1:
+        chunks, send_order, send_inverse = _plan_local_chunks(indices, chunk_tokens, w1.shape[0])
+    else:
+        chunks, send_order, send_inverse = _plan_chunks(indices, plan, C, chunk_tokens, group)
     migration = Ticket()          # the weight copies travel while the first dispatch is issued
     sums = None
     if recompute_experts:
@@ -295,11 +327,13 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
         if i + 1 < len(chunks):
             dispatch = launch_dispatch(chunks[i + 1])
         rows, route_w = AllToAllWait.apply(ticket, *bufs)                    # [R'_i, H], [R'_i]
-        out = expert_matmul(permute_rows(rows, c.perm, c.inv_perm), permute_rows(route_w, c.perm, c.inv_perm),
-                            c.slot_counts)                                   # [R'_i, H] slot order
+        if c.perm is not None:                                               # to slot order
+            rows, route_w = permute_rows(rows, c.perm, c.inv_perm), permute_rows(route_w, c.perm, c.inv_perm)
+        out = expert_matmul(rows, route_w, c.slot_counts)                    # [R'_i, H] slot order
+        if c.perm is not None:
+            out = permute_rows(out, c.inv_perm, c.perm)                      # arrival order
         back_ticket = Ticket()
-        back = AllToAllStart.apply(back_ticket, c.recv_splits, c.send_splits, group,
-                                   permute_rows(out, c.inv_perm, c.perm))   # arrival order
+        back = AllToAllStart.apply(back_ticket, c.recv_splits, c.send_splits, group, out)
         if combine is not None:
             y = finish_combine(y, combine)
         combine = (back_ticket, back, c)

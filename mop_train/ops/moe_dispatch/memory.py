@@ -10,7 +10,7 @@ layer runs backward:
     experts are hot; "llep" holds a receiver to max(alpha, imbalance_threshold) x the mean).
   - "pipelined_llep": each chunk saves its received rows (PipelinedLLEP recomputes the [R', I]
     activations in its backward, chunked_experts.ChunkExperts), so N*k*H over the layer, plus
-    ROUTE_INDEX_BYTES of index bookkeeping per route (counted by tests/ops/test_moe_dispatch_memory.py);
+    `route_index_bytes` of index bookkeeping per route (counted by tests/ops/test_moe_dispatch_memory.py);
     the combine saves its token slots only (combine.AddTokenRows; autograd's IndexAddBackward0 of a
     plain `index_add_` would keep the rows it adds, N*k*H more, for `expand_as` alone); the
     backward recomputes one chunk at a time: the token budget guarantees a destination at most
@@ -36,6 +36,14 @@ ROUTE_INDEX_BYTES = 4 * 8 + 4
 layer's send order, saved by the routing weights' permutation; each chunk's token slots, saved by both
 its token gather and its combine, combine.py; the receive permutation and its inverse, each saved by
 the permutations the other undoes) and the permuted fp32 routing weight."""
+
+LOCAL_ROUTE_INDEX_BYTES = ROUTE_INDEX_BYTES - 2 * 8
+"""The same at group size one, where rows arrive in slot order: no receive permutation, no inverse."""
+
+
+def route_index_bytes(group_size: int) -> int:
+    """Index bytes run_chunks saves per route in an expert group of `group_size` ranks."""
+    return LOCAL_ROUTE_INDEX_BYTES if group_size == 1 else ROUTE_INDEX_BYTES
 
 
 @dataclass(frozen=True)
@@ -82,12 +90,13 @@ def _routed_bytes(options: DispatchOptions | None, shapes: RoutedShapes) -> tupl
     guaranteed = max_received_bound(group_size, k, c_eff)
     chunk_routes = min(guaranteed, int(balance * k * c_eff) + options.min_tokens_per_gemm)
     # Every chunk's received rows and their index bookkeeping (the combine keeps ids, not rows).
-    saved = tokens * k * H * act_bytes + tokens * k * ROUTE_INDEX_BYTES
+    saved = tokens * k * H * act_bytes + tokens * k * route_index_bytes(group_size)
     # One chunk in backward: its recomputed h1, h3, a, their grads and silu'(h1) (7I), the rows'
     # and output's grads (2H); one weight-sized temporary of the grouped dW (CUDA).
     transient = chunk_routes * (2 * H + 7 * I) + local_experts * I * H
     return (saved, transient * act_bytes,
-            f"pipelined_llep: N*k*H received rows + {ROUTE_INDEX_BYTES} B of indices per route over K={K} chunks, "
+            f"pipelined_llep: N*k*H received rows + {route_index_bytes(group_size)} B of indices per route over K={K} "
+            f"chunks, "
             f"one chunk of {chunk_routes:,} routes "
             f"(LLEP-balanced; the budget alone guarantees E_p*k*c_eff = {guaranteed:,}, c_eff={c_eff:,}) "
             f"recomputed in backward + a dW temporary")

@@ -28,6 +28,7 @@ import torch
 
 from mop_train.ops.moe_dispatch.comm import group_size
 from mop_train.ops.moe_dispatch.llep import build_plan, run_chunks
+from mop_train.ops.moe_dispatch.llep_plan import llep_plan
 from mop_train.ops.moe_dispatch.options import PipelinedLLEPOptions
 from mop_train.ops.moe_dispatch.stats import DispatchStats
 
@@ -55,10 +56,15 @@ def pipelined_llep_experts_forward(x, indices, weights, w1, w2, w3, group, optio
                                    stats: DispatchStats | None = None) -> torch.Tensor:
     """x [N, H]; indices, weights [N, k]; w1, w3 [M, I, H]; w2 [M, H, I] this rank's shard -> y [N, H].
 
-    At group size 1 there is nothing to relocate or send; the chunked expert compute remains."""
+    At group size 1 there is nothing to relocate or send; the chunked expert compute remains, planned on
+    the device without reading a count back (llep._plan_local_chunks), so the layer never makes the host
+    wait."""
     N, k = indices.shape
     P = group_size(group)
-    plan, C, n_max = build_plan(indices, w1.shape[0] * P, group, options)
+    if P == 1:   # nothing to count across ranks: no host read (run_chunks plans one rank on the device)
+        plan, C, n_max = llep_plan(torch.zeros(1, w1.shape[0], dtype=torch.int64)), None, N
+    else:
+        plan, C, n_max = build_plan(indices, w1.shape[0] * P, group, options)
     K, c_eff = num_chunks(n_max, options.token_budget, options.max_chunks)
     return run_chunks(x, indices, weights, w1, w2, w3, group, plan, C, chunk_membership(N, K, options.membership),
                       recompute_experts=True, stats=stats, received_bound=max_received_bound(P, k, c_eff))
