@@ -12,8 +12,10 @@
 #                      waits: copies against compute (benchmarks/step_profile.py); PROFILE_STREAM_EXTRA adds flags
 #                      (e.g. "--mop.offload_adamw.stage_in_backward --mop.offload_adamw.slots 28"), PROFILE_STREAM_TAG
 #                      names its folder
-#   gpu_tests          the wave's gpu-marked tests (the foreach norm, LocalShardAdamW, streaming, the one-rank
-#                      reduction, profiling, core workspace, compile); GPU_TEST_FILES, GPU_TESTS_S override
+#   gpu_tests          the wave's gpu-marked tests, those never run on a GPU first (PipelinedLLEP's group of one
+#                      without host syncs and the grouped dW's idle-expert mask, compile), then the foreach norm,
+#                      LocalShardAdamW, streaming, the one-rank reduction, profiling, core workspace; GPU_TEST_FILES,
+#                      GPU_TESTS_S override
 #   variants_2x4k      issue 32 at 2 x 4K: every weights/gradients setting, link floor (train_variants.py);
 #                      V2_VARIANTS, V2_BASE, V2_EXTRA (one override for every variant, e.g. --debug.deterministic)
 #   variants_long      issue 32 at SHAPE (default 1x524288), LONG_VARIANTS (default "all"), LONG_STEPS (default 2)
@@ -69,9 +71,10 @@ STREAM_OPS=(--mop.moe.dispatch pipelined_llep --mop.ring_dtp.enable --mop.sco.ho
             --mop.offload_adamw.overlap)
 TAIL=40 step profile_stream_2x4k 170 python3 benchmarks/step_profile.py --config configs/small_1gpu.toml \
   --seq-len 4096 --batch 2 --out "$OUT/prof_stream_2x4k${PROFILE_STREAM_TAG:-}" -- "${STREAM_OPS[@]}" ${PROFILE_STREAM_EXTRA:-}
-GPU_TEST_FILES=${GPU_TEST_FILES:-tests/test_sharding.py tests/train/test_local_shard_optim.py \
+GPU_TEST_FILES=${GPU_TEST_FILES:-tests/ops/test_moe_dispatch_chunks.py tests/ops/test_route_counts.py \
+  tests/train/test_compile.py tests/test_sharding.py tests/train/test_local_shard_optim.py \
   tests/train/test_offload_streaming_gpu.py tests/ops/test_offload_adamw_working.py tests/train/test_fsdp_reduce.py \
-  tests/train/test_profiling.py tests/models/test_core_workspace.py tests/train/test_compile.py \
+  tests/train/test_profiling.py tests/models/test_core_workspace.py \
   tests/train/test_host_init_gpu.py tests/train/test_validation_gpu.py}
 TAIL=30 step gpu_tests ${GPU_TESTS_S:-300} python3 -m pytest -q -m gpu $GPU_TEST_FILES -p no:cacheprovider
 V2_S=${V2_S:-560}
