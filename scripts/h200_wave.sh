@@ -40,7 +40,8 @@
 #                      every 5th step, since a record reads the device: 20 steps, the windows ending at 10, 15, 20 timed);
 #                      AB_EXTRA adds one override to every run (AB_EXTRA=--debug.deterministic: are the trees' losses bitwise?);
 #                      AB_VARIANT another variant (auto-80gb-32k: plan --auto's 1 x 32K on 80 GB, PipelinedLLEP, for the
-#                      combine's segment sums against AB_BASE=baseline_combine, a `git archive` of ef0b7a2)
+#                      combine's segment sums against AB_BASE=baseline_combine, a `git archive` of ef0b7a2); AB_TAG
+#                      prefixes the run folders (two A/Bs in one command); the summary prints tokens/s and the losses
 #   optim_host         host time of a fused AdamW step over 160 small DTensor parameters on CUDA: torch's against
 #                      LocalShardAdamW (benchmarks/optimizer_host_overhead.py --device cuda)
 #   reshard_2x4k       ours-auto at 2 x 4K profiled as planned, then with [parallelism] fsdp_reshard_after_forward
@@ -126,14 +127,14 @@ TAIL=25 step attention_kernels $ATTN_S env OUT="$OUT" python3 benchmarks/attenti
 AB_BASE=${AB_BASE:-baseline}
 ab_run() {  # ab_run TREE TAG: train_variants.py of that tree, its own modules first on the path
   (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/train_variants.py --variants ${AB_VARIANT:-auto-1gpu-2x4k} --steps 20 --warmup 6 \
-    --extra=--metrics.log_freq=5 ${AB_EXTRA:+--extra=$AB_EXTRA} --out "$OUT/ab_step_end/$2") || echo "=== $2 failed"
+    --extra=--metrics.log_freq=5 ${AB_EXTRA:+--extra=$AB_EXTRA} --out "$OUT/ab_step_end/${AB_TAG:-}$2") || echo "=== $2 failed"
 }
 if [[ $want == *" ab_step_end "* ]]; then
   [[ -d $AB_BASE/mop_train ]] || { echo "=== ab_step_end: no $AB_BASE/mop_train"; exit 1; }
   export -f ab_run; export OUT
   TAIL=40 step ab_step_end ${AB_S:-300} bash -c "ab_run $AB_BASE base1; ab_run . new1; ab_run $AB_BASE base2; ab_run . new2; \
-    python3 -c 'import json,sys; [print(p, [round(r[\"tokens_per_s\"]) for r in json.load(open(p))[\"rows\"]]) for p in sys.argv[1:]]' \
-    $OUT/ab_step_end/*/train_variants.json"
+    python3 -c 'import json,sys; [print(p, [(round(r[\"tokens_per_s\"]), r[\"losses\"]) for r in json.load(open(p))[\"rows\"]]) for p in sys.argv[1:]]' \
+    $OUT/ab_step_end/${AB_TAG:-}*/train_variants.json"
 fi
 TAIL=6 step optim_host 60 python3 benchmarks/optimizer_host_overhead.py --device cuda
 TAIL=25 step reshard_2x4k 200 bash -c "python3 benchmarks/step_profile.py --config configs/small_1gpu.toml --auto \
