@@ -13,8 +13,9 @@ saved-tensor hook around the checkpoint call:
      copied host->device on the side stream, so it is resident one layer ahead; the compute stream
      waits on that copy's event only when it needs the tensor.
 Bytes go through both copies unchanged and the recompute sees the same shape, dtype and strides,
-so every gradient is bitwise that of plain checkpointing (reference.py). The selection rule and
-the device bytes it leaves are written out in budget.py.
+so every gradient is bitwise that of plain checkpointing (reference.py); a boundary changed in
+place before its backward raises, as autograd's version check does under plain checkpointing.
+The selection rule and the device bytes it leaves are written out in budget.py.
 
 Steps. The budget is spent in forward order; it is whole again as soon as no offloaded boundary
 is referenced by autograd (the previous step's graph was freed by its backward), so it restarts
@@ -65,6 +66,8 @@ class _BoundaryState:
     ready: torch.cuda.Event | None = None       # side-stream event after the host->device copy
     fetch_stream: torch.cuda.Stream | None = None   # compute stream `fetched` was allocated on
     loads: int = 0                              # times autograd unpacked it
+    version: int | None = None                  # the boundary's version counter when saved
+    source: weakref.ref | None = None           # offloaded: the device tensor it was copied from
 
 
 class _Boundary:
@@ -217,9 +220,11 @@ class SelectiveCheckpointOffload:
                                    shape=x.shape, stride=x.stride(), dtype=x.dtype, device=x.device,
                                    nbytes=x.numel() * x.element_size())
             state.offset = self._reserve(x) if offloadable else None
+            state.version = None if x.is_inference() else x._version
             if state.offset is None:
                 state.device_tensor = x
             else:
+                state.source = weakref.ref(x)
                 self._copy_out(state, x)
                 self._offloaded.append(layer_index)
                 self._host_bytes += state.nbytes
@@ -277,6 +282,7 @@ class SelectiveCheckpointOffload:
                 self._backward_started = True
                 self._release_pending()
             state.loads += 1
+            _check_unmodified(state)
             if state.offset is None:
                 self._prefetch_previous(state)
                 return state.device_tensor
@@ -350,6 +356,25 @@ class SelectiveCheckpointOffload:
         stream.wait_event(event)
         end.record(stream)
         self._waits.append((start, end))
+
+
+def _check_unmodified(state: _BoundaryState) -> None:
+    """Raise as autograd does for a saved tensor modified in place after it was saved.
+
+    A saved-tensor hook bypasses autograd's version check, so without this a boundary kept on the
+    device and changed in place between forward and backward was silently recomputed from the new
+    values (wrong gradients) where plain checkpointing raises; an offloaded one still alive is
+    checked too (its copy holds the saved values, but plain checkpointing would raise, and on CUDA
+    the in-place write may race the copy)."""
+    tensor = state.device_tensor if state.offset is None else (state.source() if state.source else None)
+    if tensor is None or state.version is None or tensor._version == state.version:
+        return
+    raise RuntimeError(
+        f"one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: the input {tuple(state.shape)} {state.dtype} of SCO-wrapped layer {state.layer} is at "
+        f"version {tensor._version}; expected version {state.version} instead (the same check as plain "
+        f"checkpointing: do not modify a checkpointed layer's input in place before its backward, or "
+        f"clone it first)")
 
 
 def _same_device(actual: torch.device, expected: torch.device) -> bool:
