@@ -103,6 +103,9 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_id
 _COMPILED: dict = {}
 """The torch.compile'd flex_attention and create_block_mask, built once per process on first CUDA use."""
 
+_FLEX_GQA_MIN_S = 128
+"""Below this many positions the CUDA FlexAttention core repeats key/value heads instead of GQA (`_flex`)."""
+
 _LAST_MASK: list = []
 """One-entry cache [(weakref to doc_ids, its _version, device, BlockMask)]: every layer (and its
 checkpoint recompute) of a step passes the same doc_ids tensor, so its BlockMask is built once."""
@@ -144,6 +147,15 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tens
     block_mask = _block_mask(doc_ids)
     scale = 1.0 / math.sqrt(q.shape[-1])
     if q.is_cuda:
+        if gqa and q.shape[2] < _FLEX_GQA_MIN_S:
+            # torch 2.11's compiled FlexAttention has no kernel for GQA below one 128-row block in fp32
+            # (measured on an H100, 2026-12-07: S = 64 and 127 raise InductorError "NoValidChoicesError",
+            # S = 5, 128, 129 run): give every query head its own key/value head there. Exact (the same
+            # scores and sums; autograd adds the repeated heads' gradients), and at S < 128 the copies
+            # are small.
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            gqa = False
         return _compiled("flex_attention")(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError("impl = \"flex\" has no backward on CPU (FlexAttention supports it on CUDA "
