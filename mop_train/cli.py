@@ -113,7 +113,10 @@ def _train(args: argparse.Namespace) -> int:
         raise ValueError(f"comm.mode = {FAKE_MODE!r} runs one rank of a W-rank job in one process, not under "
                          f"`mop-train train` (torchrun's launcher); start it with plain python: "
                          f"WORLD_SIZE=W RANK=r python -m mop_train.train --job.config_file {args.config} ...")
-    load_job_config(job, model_flavors=zoo.names(), world_size=world)   # ValueError -> one line, exit 2
+    cfg = load_job_config(job, model_flavors=zoo.names(), world_size=world)   # ValueError -> one line, exit 2
+    if world is not None:   # the ranks' first checks, here before any rank starts (config_checks.check_launch)
+        from mop_train.config_checks import check_launch
+        check_launch(cfg, world, zoo.get_model_args(cfg.model.flavor), source=args.config)
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -140,7 +143,6 @@ def _plan(args: argparse.Namespace) -> int:
     from mop_train.config import load_job_config
     from mop_train.models import zoo
     from mop_train.plan.report import plan_job
-    from mop_train.units import parse_bytes
 
     from torchtitan.tools.logging import logger
 
@@ -155,21 +157,46 @@ def _plan(args: argparse.Namespace) -> int:
     if args.auto:   # the config's values of searched keys must not make the given ones invalid
         from mop_train.plan.settings import fixed_keys, search_base_flags
         job[2:2] = search_base_flags(fixed_keys(args.overrides))
-    cfg = load_job_config(job, model_flavors=zoo.names())
-    gpu_bytes = parse_bytes(args.gpu_memory, key="--gpu-memory") if args.gpu_memory else None
-    host_bytes = parse_bytes(args.host_memory, key="--host-memory") if args.host_memory else None
-    ranks_per_node = args.ranks_per_node or min(args.world, 8)
+    # Without --auto the layout is the job's: its degrees against --world named by key and origin, as `train`
+    # does (plan_layout's own words named neither the key, the file nor --world). The search replaces them.
+    world = args.world if args.world >= 1 and not args.auto else None
+    cfg = load_job_config(job, model_flavors=zoo.names(), world_size=world)
+    gpu_bytes = _memory_arg(args.gpu_memory, "--gpu-memory", "80GiB") if args.gpu_memory else None
+    host_bytes = _memory_arg(args.host_memory, "--host-memory", "2TiB") if args.host_memory else None
+    if args.world < 1:
+        raise ValueError(f"--world {args.world} must be >= 1 (the job's total ranks)")
+    # (`or` took --ranks-per-node 0 as unset and planned min(W, 8) ranks per node instead)
+    ranks_per_node = min(args.world, 8) if args.ranks_per_node is None else args.ranks_per_node
     if args.world >= 1 and (ranks_per_node < 1 or args.world % ranks_per_node):
-        given = "--ranks-per-node" if args.ranks_per_node else "the default --ranks-per-node (min(W, 8))"
+        given = "--ranks-per-node" if args.ranks_per_node is not None else "the default --ranks-per-node (min(W, 8))"
         fits = [r for r in range(1, min(args.world, 8) + 1) if args.world % r == 0]
         raise ValueError(f"{given} = {ranks_per_node} must divide --world = {args.world} (every node runs the same "
                          f"number of ranks); pass --ranks-per-node as one of {fits} (or a larger divisor)")
     if args.auto:
         return _plan_auto(args, cfg, job, gpu_bytes=gpu_bytes, host_bytes=host_bytes, ranks_per_node=ranks_per_node)
+    from mop_train.config_checks import check_context_fits_model
+    check_context_fits_model(cfg.training.seq_len, zoo.get_model_args(cfg.model.flavor), cfg.model.flavor)
     text, fits = plan_job(cfg, world=args.world, ranks_per_node=ranks_per_node, gpu_bytes=gpu_bytes,
                           host_bytes=host_bytes)
     print(text)
     return 0 if fits else 1
+
+
+def _memory_arg(text: str, key: str, example: str) -> int:
+    """--gpu-memory / --host-memory: a size with a unit, above zero. A bare number was taken as bytes
+    ("--gpu-memory 80": 80 bytes, "0.0 GiB per rank: DOES NOT FIT", exit 1), and 0 planned against
+    nothing, both read as "the job does not fit" rather than as the typo they are."""
+    from mop_train.units import parse_bytes
+
+    size = parse_bytes(text, key=key)
+    per = "GPU" if "gpu" in key else "node"
+    if size == 0:
+        raise ValueError(f"{key} {text!r} is zero: nothing can be planned against it; give the memory per {per}, "
+                         f"e.g. {key} {example}")
+    if not any(c.isalpha() for c in str(text)):
+        raise ValueError(f"{key} {text!r} has no unit, so it would be {size:,} bytes per {per}; write the unit: "
+                         f"{key} {text}GiB (binary) or {key} {text}GB (decimal)")
+    return size
 
 
 def _job_argv(args: argparse.Namespace) -> list[str]:
@@ -220,6 +247,10 @@ def _export(args: argparse.Namespace) -> int:
 
     check_step_folder(args.checkpoint)          # before the run record: a wrong folder has none above it
     max_shard_bytes = parse_bytes(args.max_shard_size, key="--max-shard-size")
+    # (0 or a bare "2" wrote one safetensors file per tensor, silently: 85 files for `debug`)
+    if max_shard_bytes == 0 or not any(c.isalpha() for c in args.max_shard_size):
+        raise ValueError(f"--max-shard-size {args.max_shard_size!r} must be a size above zero with its unit, e.g. "
+                         f"--max-shard-size 2GiB (bytes per safetensors file)")
     record = find_run_record(args.checkpoint)
     if args.flavor is not None:
         model_args = zoo.get_model_args(args.flavor)
@@ -259,6 +290,13 @@ def _plan_auto(args, cfg, job: list[str], *, gpu_bytes, host_bytes, ranks_per_no
     if objective == "context" and (args.seq_len or "training.seq_len" in fixed):
         raise ValueError("--objective context searches training.seq_len; drop --seq-len / --training.seq_len, "
                          "or use --objective throughput to rank configurations at one context")
+    if args.seq_len is not None and args.seq_len < 1:
+        raise ValueError(f"--seq-len {args.seq_len} must be >= 1 (tokens per sequence)")
+    _check_fixed_layout(args, cfg, fixed, objective)
+    if objective == "throughput":
+        from mop_train.config_checks import check_context_fits_model
+        check_context_fits_model(args.seq_len or cfg.training.seq_len, zoo.get_model_args(cfg.model.flavor),
+                                 cfg.model.flavor, key="--seq-len" if args.seq_len else "training.seq_len")
     if args.seq_len is not None:
         if "training.seq_len" in fixed and cfg.training.seq_len != args.seq_len:
             raise ValueError(f"--seq-len {args.seq_len} and --training.seq_len {cfg.training.seq_len} disagree; "
@@ -274,6 +312,27 @@ def _plan_auto(args, cfg, job: list[str], *, gpu_bytes, host_bytes, ranks_per_no
     load_job_config(job + result.chosen.settings.flags(cfg), model_flavors=zoo.names())  # the flags parse and check
     print(format_result(planner, result))
     return 0
+
+
+def _check_fixed_layout(args, cfg, fixed: set[str], objective: str) -> None:
+    """Layout degrees given as overrides must fit the model and the context before a search: the search
+    keeps them, and when none of its layouts was valid it said only "nothing fits ...: no layout of the
+    searched degrees is valid for this model" (exit 1, as if memory were short), naming neither the key
+    nor the value (`--training.seq_len 4097 --mop.layout.seq_degree 2`)."""
+    import dataclasses
+
+    from mop_train.layout import plan_layout
+    from mop_train.models import zoo
+    from mop_train.parallel.parallelize import check_layout_fits
+
+    names = ("seq_degree", "expert_degree", "vocab_degree")
+    if not any(f"mop.layout.{n}" in fixed for n in names):
+        return
+    lay = cfg.mop.layout
+    D, E, P = (getattr(lay, n) if f"mop.layout.{n}" in fixed else 1 for n in names)
+    seq = (args.seq_len or cfg.training.seq_len) if objective == "throughput" else D   # context: searched
+    check_layout_fits(plan_layout(args.world, D, E, P), dataclasses.replace(cfg.training, seq_len=seq),
+                      zoo.get_model_args(cfg.model.flavor))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -306,16 +365,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train)
     plan = sub.add_parser("plan", help="print a job's per-rank device and host memory plan; exit 1 if it does not fit")
     plan.add_argument("--world", type=int, default=1, help="W: total ranks (default 1)")
-    plan.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing a host (default min(W, 8))")
-    plan.add_argument("--gpu-memory", default=None, help="device bytes per rank, e.g. 141GiB")
-    plan.add_argument("--host-memory", default=None, help="host bytes per node, e.g. 2TiB (also sizes SCO's \"auto\")")
+    plan.add_argument("--ranks-per-node", "--ranks_per_node", type=int, default=None,
+                      help="ranks sharing a host (default min(W, 8))")
+    plan.add_argument("--gpu-memory", "--gpu_memory", default=None, help="device bytes per rank, e.g. 141GiB")
+    plan.add_argument("--host-memory", "--host_memory", default=None,
+                      help="host bytes per node, e.g. 2TiB (also sizes SCO's \"auto\")")
     plan.add_argument("--auto", action="store_true",
                       help="search the degrees and operator settings; print the chosen overrides and their plan "
                            "(keys given as overrides are kept)")
     plan.add_argument("--objective", choices=("context", "throughput"), default=None,
                       help="with --auto: the longest context that fits, or the most tokens/s at one context "
                            "(default throughput)")
-    plan.add_argument("--seq-len", type=int, default=None,
+    plan.add_argument("--seq-len", "--seq_len", type=int, default=None,
                       help="with --auto --objective throughput: the context (default the config's training.seq_len)")
     plan.add_argument("--headroom", default=None,
                       help="with --auto: device bytes per GPU the plan may not use (default 2GiB)")

@@ -123,6 +123,21 @@ def _validate_streaming(cfg, source: str) -> None:
              f"activation_checkpoint.mode = \"full\" or weights = 'bf16'")
 
 
+UNITLESS_FLOOR = 1 << 20
+"""A byte size written without a unit below this (1 MiB) is refused: "24" is 24 bytes, surely "24GiB" meant.
+Larger bare counts stay valid (the planner writes exact byte counts that are not whole MiB)."""
+
+
+def _check_byte_text(text: str, key: str) -> int:
+    """A byte size of a config key; a small one without a unit was taken as that many bytes (an SCO
+    budget of "24" offloaded nothing, silently)."""
+    size = parse_bytes(text, key=key)
+    if 0 < size < UNITLESS_FLOOR and not any(c.isalpha() for c in str(text)):
+        raise ValueError(f"{key} = {text!r} has no unit, so it is {size} bytes; write the unit, e.g. \"{text}GiB\" "
+                         f"or \"{text}MiB\"")
+    return size
+
+
 def validate(cfg, *, source: str = "config") -> None:
     """Value checks that need no world size (the layout checks degrees against W)."""
     lay, moe, mop = cfg.mop.layout, cfg.mop.moe, cfg.mop
@@ -142,7 +157,7 @@ def validate(cfg, *, source: str = "config") -> None:
              f"{source}: mop.data.loss_chunk_tokens = {mop.data.loss_chunk_tokens} must be >= 1")
     _require(mop.ring_dtp.block_size >= 1, f"{source}: mop.ring_dtp.block_size = {mop.ring_dtp.block_size} must be >= 1")
     if mop.sco.host_budget.strip().lower() != "auto":
-        parse_bytes(mop.sco.host_budget, key=f"{source}: mop.sco.host_budget")
+        _check_byte_text(mop.sco.host_budget, f"{source}: mop.sco.host_budget")
     _require(mop.offload_adamw.bucket_params >= 1,
              f"{source}: mop.offload_adamw.bucket_params = {mop.offload_adamw.bucket_params} must be >= 1")
     _require(mop.offload_adamw.slots >= 1, f"{source}: mop.offload_adamw.slots = {mop.offload_adamw.slots} must be >= 1")
@@ -167,7 +182,7 @@ def validate(cfg, *, source: str = "config") -> None:
                  f"{source}: mop.offload_adamw.{key} = true only applies to optimizer.name = 'OffloadStreamAdamW', "
                  f"but optimizer.name = {cfg.optimizer.name!r}")
     if mop.ring_dtp.memory_budget.strip() != "0":
-        parse_bytes(mop.ring_dtp.memory_budget, key=f"{source}: mop.ring_dtp.memory_budget")
+        _check_byte_text(mop.ring_dtp.memory_budget, f"{source}: mop.ring_dtp.memory_budget")
     _require(mop.ring_dtp.token_chunk >= 0,
              f"{source}: mop.ring_dtp.token_chunk = {mop.ring_dtp.token_chunk} must be >= 0 (0: the default)")
     _require(lay.expert_degree == 1 or moe.dispatch != "local",
@@ -191,6 +206,22 @@ def validate(cfg, *, source: str = "config") -> None:
     t = cfg.training
     _require(t.seq_len >= 1, f"{source}: training.seq_len = {t.seq_len} must be >= 1")
     _require(t.local_batch_size >= 1, f"{source}: training.local_batch_size = {t.local_batch_size} must be >= 1")
+    # steps <= 0 used to launch every rank, build the model and end with "nothing to train", exit 0.
+    _require(t.steps >= 1, f"{source}: training.steps = {t.steps} must be >= 1 (the step the run trains up to; "
+                           f"a resumed run continues from its checkpoint's step)")
+    _validate_optimizer(cfg, source)
+    # Both were met as `step % 0` in the ranks: a ZeroDivisionError traceback after the first step.
+    _require(cfg.metrics.log_freq >= 1,
+             f"{source}: metrics.log_freq = {cfg.metrics.log_freq} must be >= 1 (steps between logged steps; "
+             f"the first and the last step are always logged)")
+    ck = cfg.checkpoint
+    _require(not ck.enable or ck.interval >= 1,
+             f"{source}: checkpoint.interval = {ck.interval} must be >= 1 (steps between checkpoints; the last "
+             f"step is always saved); or set checkpoint.enable = false")
+    # torchtitan refused 1 in the ranks in words naming no key; a negative value kept every checkpoint, silently
+    _require(not ck.enable or ck.keep_latest_k == 0 or ck.keep_latest_k >= 2,
+             f"{source}: checkpoint.keep_latest_k = {ck.keep_latest_k} must be 0 (keep every checkpoint) or >= 2 "
+             f"(the newest may still be being written when an older one is purged)")
     # Every DataLoader worker would iterate the whole packed stream (its Dataset is not split over
     # workers), so each batch would come once per worker: seen as tokens 0, 0, 81, 81, ... at 2 workers.
     _require(t.dataloader.num_workers == 0,
@@ -198,6 +229,33 @@ def validate(cfg, *, source: str = "config") -> None:
              f"would read the whole packed stream, so every batch would come {t.dataloader.num_workers} times; "
              f"set training.dataloader.num_workers = 0 (packing runs in the training process, a small share of a step)")
     validate_run_tools(cfg, source=source)
+
+
+OPTIMIZERS = ("AdamW", "Adam", "OffloadStreamAdamW")
+"""optimizer.name values mop_train.train.optim.build_optimizers builds."""
+
+
+def _validate_optimizer(cfg, source: str) -> None:
+    """[optimizer] and [lr_scheduler] values. Before this check they were met only in the ranks, after
+    the launch: an unknown name by build_optimizers, and a negative lr, beta or eps by
+    torch's own "Invalid learning rate: -1.0", which names no key."""
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    _require(o.name in OPTIMIZERS, f"{source}: optimizer.name = {o.name!r} is not supported; use one of "
+                                   f"{', '.join(OPTIMIZERS)}")
+    # (OffloadStreamAdamW's build never read it: silently ignored there before this check)
+    _require(not o.early_step_in_backward,
+             f"{source}: optimizer.early_step_in_backward = true is not supported (it skips gradient clipping "
+             f"and the router-bias update order); set it to false")
+    for key, ok, rule in (("lr", o.lr >= 0, ">= 0"), ("beta1", 0 <= o.beta1 < 1, "in [0, 1)"),
+                          ("beta2", 0 <= o.beta2 < 1, "in [0, 1)"), ("eps", o.eps >= 0, ">= 0"),
+                          ("weight_decay", o.weight_decay >= 0, ">= 0")):
+        _require(ok, f"{source}: optimizer.{key} = {getattr(o, key)!r} must be {rule}")
+    _require(s.warmup_steps >= 0, f"{source}: lr_scheduler.warmup_steps = {s.warmup_steps} must be >= 0")
+    _require(0 <= s.min_lr_factor <= 1,
+             f"{source}: lr_scheduler.min_lr_factor = {s.min_lr_factor} must be in [0, 1] (the final LR over lr)")
+    _require(s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
+             f"{source}: lr_scheduler.decay_ratio = {s.decay_ratio} must be in [0, 1] (the share of the schedule "
+             f"spent decaying) or unset")
 
 
 def _check_data_source(section: str, dataset: str, source: str) -> None:
@@ -309,3 +367,129 @@ def validate_run_tools(cfg, *, source: str = "config") -> None:
                  f"(mop.layout.vocab_degree = {cfg.mop.layout.vocab_degree}, mop.ring_dtp.enable = "
                  f"{str(cfg.mop.ring_dtp.enable).lower()}): its fused kernels and ring collectives cannot be "
                  f"compiled; set compile.components = [\"model\"]")
+
+
+def check_launch(cfg, world_size: int, model_args, *, source: str = "config") -> None:
+    """What the ranks check first, made by `mop-train train` before it starts them (W known): the layout
+    against the model and the sequence (seq_len and the heads over D, the experts over E_p), torchtitan's
+    parallelism degrees, training.dtype and global_batch_size against W/D, the data source and its
+    files, the tokenizer folder, and that the dump folder's checkpoints are of this model, written by
+    as many sequence groups, with this optimizer's kind of state. Each was met
+    only after the launch before (a rank's error, after torchrun's start-up and rendezvous on every node)."""
+    from mop_train.layout import plan_layout
+    from mop_train.parallel.parallelize import check_layout_fits, check_titan_parallelism
+
+    lay = cfg.mop.layout
+    check_context_fits_model(cfg.training.seq_len, model_args, cfg.model.flavor)
+    if cfg.validation.enable:
+        from mop_train.train.validate import check_validation_fits
+        check_validation_fits(cfg.validation, model_args)
+    check_layout_fits(plan_layout(world_size, lay.seq_degree, lay.expert_degree, lay.vocab_degree),
+                      cfg.training, model_args)
+    check_titan_parallelism(cfg.parallelism, cfg.training, data_size=world_size // lay.seq_degree)
+    check_data_paths(cfg, source)
+    check_checkpoint_model(cfg)
+    check_resume_layout(cfg, world_size)
+
+
+def check_data_paths(cfg, source: str = "config") -> None:
+    """training.dataset is a source mop_train reads and its local files exist; model.hf_assets_path
+    (other than the embedded tokenizer) is a folder with tokenizer.json."""
+    import os
+
+    from mop_train.train.data import EMBEDDED, LOCAL_FORMATS, _local_files
+
+    t = cfg.training
+    _check_data_source("training", t.dataset, source)
+    if t.dataset != EMBEDDED and not t.dataset_path:
+        raise ValueError(f"training.dataset = {t.dataset!r} needs training.dataset_path (a file, folder or glob"
+                         f"{'; or a hub id' if t.dataset == 'hub' else ''})")
+    if t.dataset in LOCAL_FORMATS:
+        _local_files(t.dataset_path, t.dataset, "training")
+    assets = cfg.model.hf_assets_path
+    if assets != EMBEDDED and not os.path.isfile(os.path.join(assets, "tokenizer.json")):
+        raise ValueError(f"model.hf_assets_path = {assets!r} "
+                         f"{'holds no tokenizer.json' if os.path.isdir(assets) else 'is not a folder'}; point it "
+                         f"at a folder holding tokenizer.json, or set it to \"{EMBEDDED}\" for the built-in tokenizer")
+
+
+def check_checkpoint_model(cfg) -> None:
+    """A resume from the dump folder's checkpoints must be of the same model.flavor as the run that
+    wrote them (`{dump_folder}/mop_model.json`, written at each launch). Without this check another
+    flavor's checkpoint failed inside DCP's load on every rank (a size mismatch, or a "Missing key"
+    for a key the other model lacks), after the model and optimizer were built."""
+    import os
+
+    from mop_train.hf.run_record import RECORD, read_run_record
+
+    ck = cfg.checkpoint
+    record_path = os.path.join(cfg.job.dump_folder, RECORD)
+    folder = os.path.join(cfg.job.dump_folder, ck.folder)
+    if not ck.enable or not os.path.isfile(record_path) or not os.path.isdir(folder):
+        return
+    if not any(n.startswith("step-") for n in os.listdir(folder)):
+        return
+    try:
+        record = read_run_record(record_path)
+    except ValueError:
+        return   # an unreadable record proves nothing: the load's own checks judge the checkpoint
+    if record.flavor != cfg.model.flavor:
+        raise ValueError(f"job.dump_folder = {cfg.job.dump_folder!r} holds checkpoints of model.flavor = "
+                         f"{record.flavor!r} ({record_path}), and this run is model.flavor = {cfg.model.flavor!r}: "
+                         f"a resume would load the other model's weights; use another --job.dump_folder, or "
+                         f"--model.flavor {record.flavor} to resume that run")
+
+
+def check_resume_layout(cfg, world_size: int) -> None:
+    """The checkpoint a resume would take (checkpoint.load_step, else the newest complete one: with its
+    manifest) against this launch, from its `.metadata` alone: the number of sequence groups (W/D) that
+    wrote its data position, and whether its optimizer state is OffloadStreamAdamW's. The ranks refuse
+    both too (train/checkpoint.py: `Checkpointer._match_saved_world`), but only after every rank built the
+    model and the optimizer; here `mop-train train` refuses before the launch. Anything unreadable is
+    left to the ranks' own checks (verification, the fallback to an older checkpoint)."""
+    import os
+    import re
+
+    from mop_train.train.integrity import MANIFEST
+
+    ck = cfg.checkpoint
+    folder = os.path.join(cfg.job.dump_folder, ck.folder)
+    if not ck.enable or not os.path.isdir(folder):
+        return
+    steps = sorted(int(m.group(1)) for n in os.listdir(folder) if (m := re.fullmatch(r"step-(\d+)", n))
+                   and os.path.isfile(os.path.join(folder, n, MANIFEST)))
+    step = ck.load_step if ck.load_step in steps else (steps[-1] if steps and ck.load_step == -1 else None)
+    if step is None:
+        return
+    path = os.path.join(folder, f"step-{step}")
+    try:
+        import torch.distributed.checkpoint as dcp
+        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception:   # (DCP raises several types for a damaged .metadata: the ranks' checks report it)
+        return
+    readers = sum(1 for k in keys if re.match(r"dataloader\.dp_rank_\d+$", k))
+    groups = world_size // cfg.mop.layout.seq_degree
+    if readers and readers != groups:
+        raise ValueError(f"checkpoint {path} was written by {readers} sequence groups (W/D) and this launch has "
+                         f"{groups} (W = {world_size}, mop.layout.seq_degree = {cfg.mop.layout.seq_degree}); the "
+                         f"data position cannot be split differently: resume with W / mop.layout.seq_degree = "
+                         f"{readers}, or start afresh in another --job.dump_folder")
+    state = [k for k in keys if k.startswith("optimizer.state.")]
+    saved_offload, offload = any(k.endswith(".master") for k in state), cfg.optimizer.name == "OffloadStreamAdamW"
+    if state and saved_offload != offload:
+        saved = "OffloadStreamAdamW" if saved_offload else "AdamW or Adam"
+        raise ValueError(f"checkpoint {path} holds the optimizer state of optimizer.name = {saved} and this run "
+                         f"uses {cfg.optimizer.name}: that state cannot be loaded into this optimizer; resume with "
+                         f"--optimizer.name {'OffloadStreamAdamW' if saved_offload else 'AdamW (or Adam)'}, or start "
+                         f"a run in another --job.dump_folder from its weights alone with "
+                         f"--checkpoint.initial_load_path {path} --checkpoint.initial_load_model_only")
+
+
+def check_context_fits_model(seq_len: int, model_args, flavor: str, *, key: str = "training.seq_len") -> None:
+    """A sequence longer than the model's max_seq_len (its RoPE table) was refused only by the model's
+    forward, in the first step of every rank, "raise max_seq_len in the model args", a field no config
+    key sets; `mop-train plan` printed a plan for it and said it fits."""
+    _require(seq_len <= model_args.max_seq_len,
+             f"{key} = {seq_len:,} exceeds model {flavor}'s max_seq_len = {model_args.max_seq_len:,} (its "
+             f"positions); set {key} to at most {model_args.max_seq_len}, or use a model with a longer max_seq_len "
+             f"(`mop-train zoo`)")

@@ -141,11 +141,38 @@ def median_after_first(values: list[float]) -> float:
 # Our trainer
 # ------------------------------------------------------------------------------------------------
 
+def train_args(config: str, folder: str, overrides: list[str], *, steps: int) -> list[str]:
+    """The job's argv of one point (what `-m mop_train.train` is given)."""
+    return ["--job.config_file", config, "--job.dump_folder", folder, "--training.steps", str(steps),
+            "--metrics.log_freq", "1", "--checkpoint.no-enable", "--lr_scheduler.total_steps", str(steps), *overrides]
+
+
 def train_command(config: str, nproc: int, folder: str, overrides: list[str], *, steps: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "mop_train.train", "--job.config_file", config, "--job.dump_folder", folder,
-            "--training.steps", str(steps), "--metrics.log_freq", "1", "--checkpoint.no-enable",
-            "--lr_scheduler.total_steps", str(steps), *overrides]
+            "-m", "mop_train.train", *train_args(config, folder, overrides, steps=steps)]
+
+
+def config_error(config: str, nproc: int, folder: str, overrides: list[str], *, steps: int,
+                 flavors: bool = True) -> str | None:
+    """The point's configuration error, found in this process as `mop-train train` finds it before
+    its launch (mop_train.config_checks.check_launch), or None. A point with a bad configuration used
+    to be launched anyway (torchrun, every rank's imports: seconds on CPU, a minute on a big node)
+    only to fail in its ranks; `flavors`: check model.flavor against the zoo (and the launch checks
+    that need the model)."""
+    from mop_train.config import load_job_config
+    from mop_train.config_checks import check_launch
+    from mop_train.models import zoo
+
+    try:
+        cfg = load_job_config(train_args(config, folder, overrides, steps=steps),
+                              model_flavors=zoo.names() if flavors else None, world_size=nproc)
+        if flavors:
+            check_launch(cfg, nproc, zoo.get_model_args(cfg.model.flavor), source=config)
+    except ValueError as err:
+        return str(err)
+    except SystemExit:   # torchtitan's parser (tyro) printed its own box: an unknown flag or a bad value
+        return "the job's flags did not parse (torchtitan's message above): an unknown --section.key or a bad value"
+    return None
 
 
 def read_train_metrics(folder: str) -> dict:
@@ -163,7 +190,11 @@ def read_train_metrics(folder: str) -> dict:
 
 def run_point(config: str, nproc: int, folder: str, overrides: list[str], *, steps: int,
               timeout_s: float) -> dict:
-    """One mop_train run; returns {status, seconds, steps, tokens_per_s, tflops, peak_mem_gib, ...}."""
+    """One mop_train run; returns {status, seconds, steps, tokens_per_s, tflops, peak_mem_gib, ...}.
+    A configuration error is a failed point without a launch."""
+    error = config_error(config, nproc, folder, overrides, steps=steps)
+    if error is not None:
+        return {"status": "failed", "seconds": 0.0, "error": f"configuration (not launched): {error}"}
     run = launch(train_command(config, nproc, folder, overrides, steps=steps),
                  os.path.join(folder, "output.log"), timeout_s=timeout_s)
     return point_from_launch(run, lambda: read_train_metrics(folder))
@@ -389,6 +420,11 @@ def sweep(name: str, key: str, flags_for, args, *, values: list[int] | None = No
         raise SystemExit(f"config file not found: {args.config!r}")
     if values is not None and any(v < 1 for v in values):
         raise SystemExit(f"{key} values must be >= 1, got {values}")
+    for flag, value, low in (("--nproc", args.nproc, 1), ("--steps", args.steps, 1)):
+        if value < low:
+            raise SystemExit(f"{flag} {value} must be >= {low}")
+    if args.timeout <= 0:
+        raise SystemExit(f"--point-timeout {args.timeout:g} must be > 0 (seconds per point)")
     clock = Clock(args.budget_s)
     out = args.out or os.path.join(args.root, f"{name}.json")
     meta = {"config": args.config, "nproc": args.nproc, "steps": args.steps, "overrides": args.overrides,
@@ -396,6 +432,16 @@ def sweep(name: str, key: str, flags_for, args, *, values: list[int] | None = No
     points = resumed_points(out, key, meta, search) if getattr(args, "resume", False) else []
     done = {p[key] for p in points if p["status"] != "skipped" and not p.get("budget_cut")}
     pending = [v for v in (values or []) if v not in done]
+    first = search.next_value() if search is not None else (pending[0] if pending else None)
+    if first is not None:
+        # The flags every point shares (a typo, a bad TOML, a layout that does not divide --nproc) fail
+        # every point alike: said once, before any launch, instead of N failed points (model.flavor and
+        # the model's checks are left to each point, where run_point checks them).
+        error = config_error(args.config, args.nproc, os.path.join(args.root, f"{name}-{key}{first}"),
+                             [*flags_for(first), *args.overrides], steps=args.steps, flavors=False)
+        if error is not None:
+            raise SystemExit(f"{name} sweep: the configuration of its first point ({key}={first}) is invalid, "
+                             f"nothing was launched: {error}")
     max_points, ran = getattr(args, "max_points", None), 0
     while True:
         if max_points is not None and ran >= max_points:

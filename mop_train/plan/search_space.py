@@ -505,9 +505,10 @@ def _at(s: Settings, level: Level, sco_budget: str | None = None) -> Settings:
 
 
 def _byte_text(n: int) -> str:
-    """A byte count as [mop.sco] host_budget takes it: whole GiB or MiB where exact, else bytes."""
+    """A byte count as [mop.sco] host_budget takes it: whole GiB or MiB where exact, else bytes with their
+    unit ("98304B": config_checks refuses a small count without one as a missing unit)."""
     if n == 0:
         return "0"
     if n % GIB == 0:
         return f"{n // GIB}GiB"
-    return f"{n >> 20}MiB" if n % (1 << 20) == 0 else str(n)
+    return f"{n >> 20}MiB" if n % (1 << 20) == 0 else f"{n}B"

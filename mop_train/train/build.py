@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mop_train.config_checks import check_checkpoint_model, check_context_fits_model
 from mop_train.hf.run_record import write_run_record
 from mop_train.layout import RankLayout, plan_layout
 from mop_train.models import zoo
@@ -229,10 +230,12 @@ def build_run(cfg, device: torch.device, *, model_args: MoEModelArgs | None = No
     """Build a run's parts in the launch order (module docstring), resume it from the dump folder's
     checkpoint when there is one, and print its description on rank 0 (in a fake world: its rank).
     `model_args` replaces model.flavor's args (a variant of that zoo model)."""
+    check_checkpoint_model(cfg)   # another flavor's checkpoints: by name, before the model, not DCP's size mismatch
     lay = cfg.mop.layout
     layout = RankLayout.build(plan_layout(dist.get_world_size(), lay.seq_degree, lay.expert_degree,
                                           lay.vocab_degree), device_type=device.type)
     spec = ModelSpec.resolve(cfg.model.flavor, model_args)
+    check_context_fits_model(cfg.training.seq_len, spec.args, spec.flavor)   # not at the first forward
     check_layout_fits(layout.plan, cfg.training, spec.args)
     if cfg.validation.enable:            # before the model: a bad validation batch fails at launch
         check_validation_fits(cfg.validation, spec.args)
