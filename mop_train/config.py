@@ -219,6 +219,9 @@ class Reliability:
     lock_dump_folder: bool = True
     """Refuse to start on a dump folder another live job holds (lock file naming its host and pid)."""
 
+    refuse_over_memory_plan: bool = True
+    """Stop before the first step when the per-rank device memory plan exceeds 1.10x the GPU's memory (measured peaks have been 0.93-1.03x the plan, so the run would run out of memory); false: print a warning and run anyway. A plan between 1.0x and 1.10x always warns."""
+
 
 @dataclass
 class Metrics:

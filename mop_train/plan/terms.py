@@ -394,6 +394,33 @@ def check_host_memory(terms: list[tuple[str, int, str]], *, local_ranks: int, av
         + "; or keep the optimizer on the device (optimizer.name = \"AdamW\")")
 
 
+DEVICE_PLAN_REFUSED = 1.10
+"""A per-rank device plan above this multiple of the GPU's memory is refused before the first step.
+Measured peaks (torch.cuda.max_memory_allocated, without the CUDA context and the allocator's reserve)
+have been 0.93 to 1.03 of the plan (benchmarks/RESULTS.md: `small` at 524K and 1M, the fake world's
+ranks of mop-37b to mop-667b), so a run planned at 1.10x peaks above the GPU's memory."""
+
+
+def check_device_memory(terms: list[tuple[str, int, str]], *, capacity_bytes: int, refuse: bool = True) -> str | None:
+    """Raise ValueError (naming "out of memory", which sweeps count as such) when the plan's total exceeds
+    DEVICE_PLAN_REFUSED x `capacity_bytes` and `refuse`; return a warning line when it exceeds the capacity
+    but not that (the plan may overestimate), or when refusal is off; None when it fits."""
+    total = sum(b for _, b, _ in terms)
+    if total <= capacity_bytes:
+        return None
+    ratio = total / capacity_bytes
+    largest = sorted(((b, name) for name, b, _ in terms), reverse=True)[:3]
+    head = (f"device memory: the per-rank plan totals {total / GIB:.1f} GiB, {ratio:.2f}x this GPU's "
+            f"{capacity_bytes / GIB:.1f} GiB (largest terms: "
+            + ", ".join(f"{name} {b / GIB:.1f} GiB" for b, name in largest) + ")")
+    fix = ("lower training.seq_len or training.local_batch_size, raise the layout's degrees, or let "
+           "`mop-train plan --auto --gpu-memory ... --host-memory ...` choose the operators that fit")
+    if refuse and ratio > DEVICE_PLAN_REFUSED:
+        raise ValueError(f"{head}: measured peaks have been 0.93-1.03x the plan, so this run would run out of memory; "
+                         f"{fix}; or set mop.reliability.refuse_over_memory_plan = false to try it anyway")
+    return f"warning: {head}: it may run out of memory (measured peaks have been 0.93-1.03x the plan); {fix}"
+
+
 def format_plan(terms: list[tuple[str, int, str]], *, title: str = "per-rank memory plan") -> str:
     total = sum(b for _, b, _ in terms)
     width = max(len(n) for n, _, _ in terms)

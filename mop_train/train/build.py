@@ -44,7 +44,7 @@ from mop_train.parallel.parallelize import (ParallelizeOptions, check_layout_fit
 from mop_train.parallel.precision import MixedPrecision
 from mop_train.parallel.sharding import local
 from mop_train.plan.job import host_init_applies, plan_from_parts
-from mop_train.plan.terms import check_host_memory, format_plan
+from mop_train.plan.terms import check_device_memory, check_host_memory, format_plan
 from mop_train.train.checkpoint import TrainState, build_checkpointer
 from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir, tokenizer_folder
 from mop_train.train.loss import IGNORE_INDEX, LanguageModelLoss, chunked_cross_entropy_sum
@@ -260,6 +260,7 @@ def build_run(cfg, device: torch.device, *, model_args: MoEModelArgs | None = No
     if device_share:  # the printed plan holds the optimizer state that stays on the device
         plan_terms, host_terms = plan_from_parts(cfg, layout.plan, parts, spec.args, spec.total_params,
                                                  device_fraction=device_share)
+    memory_warning = _check_device_plan(cfg, plan_terms, device)   # before the optimizer allocates its state
     optimizers = build_optimizers([parts.module], cfg.optimizer, cfg.mop.offload_adamw, device_fraction=device_share)
     if cfg.mop.offload_adamw.overlap:
         for opt in optimizers:
@@ -299,7 +300,21 @@ def build_run(cfg, device: torch.device, *, model_args: MoEModelArgs | None = No
         auto = parse_device_fraction(getattr(cfg.mop.offload_adamw, "device_fraction", 0.0)) == "auto"
         print(describe_run(cfg, run, device, host_terms, plan_terms,  # what "auto" saw, only when it chose
                            free_device_bytes=free_bytes if device.type == "cuda" and auto else None), flush=True)
+        if memory_warning:
+            print(memory_warning, flush=True)
     return run
+
+
+def _check_device_plan(cfg, plan_terms, device, capacity_bytes: int | None = None) -> str | None:
+    """The device plan against the GPU's memory (plan.terms.check_device_memory): raises when it would
+    run out of memory (unless mop.reliability.refuse_over_memory_plan is false), else the warning to
+    print, if any. Nothing to check on a CPU device; `capacity_bytes` replaces the GPU's total."""
+    if capacity_bytes is None:
+        if device.type != "cuda":
+            return None
+        capacity_bytes = torch.cuda.get_device_properties(device).total_memory
+    return check_device_memory(plan_terms, capacity_bytes=capacity_bytes,
+                               refuse=cfg.mop.reliability.refuse_over_memory_plan)
 
 
 def _initial_weights(checkpoint) -> str:
