@@ -336,9 +336,26 @@ def test_bad_arguments_raise_naming_the_argument():
              r"targets must be integer \[5\]": dict(targets=t[:4]),
              "targets must be integer": dict(targets=t.float()),
              r"hidden must be \[N, H\]": dict(weight=w[:, :, None])}       # H agrees; the shard is 3-D
+    if not x.is_cuda:                                                         # (the triton kernels are CUDA's)
+        calls["impl='triton' runs its kernels on CUDA"] = dict(impl="triton")
     for message, kw in calls.items():
         with pytest.raises(ValueError, match=message):
             ring_dtp_cross_entropy(x, kw.pop("weight", w), kw.pop("targets", t), **dict(dict(vocab_size=VOCAB), **kw))
+
+
+def test_triton_without_the_package_names_the_fix(monkeypatch):
+    """impl='triton' where triton is not installed: a ValueError naming the package and impl='torch', not
+    a ModuleNotFoundError from the kernels' import."""
+    import importlib.util
+
+    from mop_train.ops import ring_dtp as ring_dtp_module
+    x, w, t = _draw(fresh_seed(4201), 5, VOCAB)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(ring_dtp_module.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else real_find_spec(name, *a))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))   # past the device check
+    with pytest.raises(ValueError, match="needs the triton package.*impl='torch'"):
+        ring_dtp_cross_entropy(x, w, t, vocab_size=VOCAB, impl="triton")
 
 
 def test_smallest_accepted_sizes_and_the_default_impl():

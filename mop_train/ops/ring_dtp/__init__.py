@@ -15,6 +15,8 @@ S = ceil(V/P) shard rows, b block rows, c tokens per grad_in_forward chunk.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from mop_train.ops.ring_dtp.function import RingDTPCrossEntropy, RingDTPOptions, per_token_loss
@@ -48,6 +50,12 @@ def _validate(hidden, weight_shard, targets, ring: Ring, reduction, block_size, 
         raise ValueError(f"block_size={block_size} must be >= 1 (vocabulary rows per logits block)")
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS} (or None: triton on CUDA, torch otherwise)")
+    if impl == "triton" and not hidden.is_cuda:
+        raise ValueError(f"impl='triton' runs its kernels on CUDA, but hidden is on {hidden.device}; use impl='torch' "
+                         f"(or None, which picks it off CUDA)")
+    if impl == "triton" and importlib.util.find_spec("triton") is None:
+        raise ValueError("impl='triton' needs the triton package, which this install lacks; install it "
+                         "(pip install triton, or the mop_train[gpu] extra) or use impl='torch'")
 
 
 def _check_schedule(schedule, mode, reduction, token_chunk) -> None:
