@@ -270,7 +270,8 @@ def run_chunks(x, indices, weights, w1, w2, w3, group, plan: LLEPPlan, C: torch.
 
     Args:
         x [N, H]; indices, weights [N, k]; w1, w3 [M, I, H]; w2 [M, H, I] this rank's experts.
-        plan, C: the layer's LLEP plan and the count matrix [P, E] it was built from.
+        plan, C: the layer's LLEP plan and the count matrix [P, E] it was built from (unused, and C may be
+            None, at group size one: `_plan_local_chunks` plans on the device).
         chunk_tokens: K slices of the token positions [0, N), each position in exactly one.
         recompute_experts: run each chunk's expert matmul as ChunkExperts (recomputed in backward,
             weight grads summed in place once per layer) instead of plain autograd.
