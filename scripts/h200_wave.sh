@@ -72,7 +72,7 @@ STREAM_OPS=(--mop.moe.dispatch pipelined_llep --mop.ring_dtp.enable --mop.sco.ho
             --mop.offload_adamw.overlap)
 TAIL=40 step profile_stream_2x4k 170 python3 benchmarks/step_profile.py --config configs/small_1gpu.toml \
   --seq-len 4096 --batch 2 --out "$OUT/prof_stream_2x4k${PROFILE_STREAM_TAG:-}" -- "${STREAM_OPS[@]}" ${PROFILE_STREAM_EXTRA:-}
-GPU_TEST_FILES=${GPU_TEST_FILES:-tests/ops/test_moe_dispatch_chunks.py tests/models/test_document_mask_gqa_gpu.py \
+GPU_TEST_FILES=${GPU_TEST_FILES:-tests/ops/test_moe_dispatch_chunks.py tests/models/test_document_mask.py \
   tests/ops/test_route_counts.py \
   tests/train/test_compile.py tests/test_sharding.py tests/train/test_local_shard_optim.py \
   tests/train/test_offload_streaming_gpu.py tests/ops/test_offload_adamw_working.py tests/train/test_fsdp_reduce.py \
