@@ -224,13 +224,14 @@ def local_head_params(model, layout_plan) -> int:
     return -(-rest // layout_plan.world_size) + -(-projection // layout_plan.vocab_degree)
 
 
-def plan_for_config(cfg, *, world: int, ranks_per_node: int, host_bytes: int | None = None) -> JobPlan:
+def plan_for_config(cfg, *, world: int, ranks_per_node: int, host_bytes: int | None = None,
+                    args: MoEModelArgs | None = None) -> JobPlan:
     """The job's plan on paper: a meta model under the layout, no process group, no GPU. Raises
     ValueError (with the fix) when the layout or batch do not fit the model. `host_bytes` (per
-    node) sizes SCO's "auto" budget."""
+    node) sizes SCO's "auto" budget; `args` replaces model.flavor's (a variant of that zoo model)."""
     lay, t = cfg.mop.layout, cfg.training
     layout = plan_layout(world, lay.seq_degree, lay.expert_degree, lay.vocab_degree)
-    args = zoo.get_model_args(cfg.model.flavor)
+    args = zoo.get_model_args(cfg.model.flavor) if args is None else args
     check_layout_fits(layout, t, args)
     micro = check_titan_parallelism(cfg.parallelism, t, data_size=world // lay.seq_degree)
     with torch.device("meta"):

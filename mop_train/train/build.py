@@ -43,7 +43,7 @@ from mop_train.parallel.parallelize import (ParallelizeOptions, check_layout_fit
                                             parallelize)
 from mop_train.parallel.precision import MixedPrecision
 from mop_train.parallel.sharding import local
-from mop_train.plan.job import host_init_applies, plan_from_parts
+from mop_train.plan.job import host_init_applies, plan_for_config, plan_from_parts
 from mop_train.plan.terms import check_device_memory, check_host_memory, format_plan
 from mop_train.train.checkpoint import TrainState, build_checkpointer
 from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir, tokenizer_folder
@@ -240,6 +240,7 @@ def build_run(cfg, device: torch.device, *, model_args: MoEModelArgs | None = No
     if cfg.validation.enable:            # before the model: a bad validation batch fails at launch
         check_validation_fits(cfg.validation, spec.args)
     micro_batches = check_titan_parallelism(cfg.parallelism, cfg.training, data_size=layout.data_size)
+    memory_warning = _check_device_plan(cfg, _paper_device_plan(cfg, layout, spec, device), device)
     parallel = ParallelizeOptions.from_config(cfg, spec.args)
     if cfg.debug.deterministic:
         # As torchtitan's set_determinism: torch's deterministic kernels (CUDA index_add_ among them,
@@ -260,7 +261,6 @@ def build_run(cfg, device: torch.device, *, model_args: MoEModelArgs | None = No
     if device_share:  # the printed plan holds the optimizer state that stays on the device
         plan_terms, host_terms = plan_from_parts(cfg, layout.plan, parts, spec.args, spec.total_params,
                                                  device_fraction=device_share)
-    memory_warning = _check_device_plan(cfg, plan_terms, device)   # before the optimizer allocates its state
     optimizers = build_optimizers([parts.module], cfg.optimizer, cfg.mop.offload_adamw, device_fraction=device_share)
     if cfg.mop.offload_adamw.overlap:
         for opt in optimizers:
@@ -305,10 +305,25 @@ def build_run(cfg, device: torch.device, *, model_args: MoEModelArgs | None = No
     return run
 
 
+def _paper_device_plan(cfg, layout, spec: ModelSpec, device) -> list | None:
+    """The device plan `mop-train plan` prints for this job (a meta model, nothing allocated), so it can be
+    held to the GPU before the model is built; the same terms as the built parts' plan (`plan_from_parts`,
+    tests/plan/test_device_memory.py). None on a CPU device (nothing to hold it to)."""
+    if device.type != "cuda":
+        return None
+    from mop_train.ops.sco.budget import available_host_bytes
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return plan_for_config(cfg, world=layout.plan.world_size, ranks_per_node=local_ranks,
+                           host_bytes=available_host_bytes(), args=spec.args).device_terms
+
+
 def _check_device_plan(cfg, plan_terms, device, capacity_bytes: int | None = None) -> str | None:
     """The device plan against the GPU's memory (plan.terms.check_device_memory): raises when it would
     run out of memory (unless mop.reliability.refuse_over_memory_plan is false), else the warning to
-    print, if any. Nothing to check on a CPU device; `capacity_bytes` replaces the GPU's total."""
+    print, if any. Nothing to check on a CPU device (or without a plan); `capacity_bytes` replaces the
+    GPU's total."""
+    if plan_terms is None:
+        return None
     if capacity_bytes is None:
         if device.type != "cuda":
             return None
