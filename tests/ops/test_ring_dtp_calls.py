@@ -433,3 +433,21 @@ def test_allocations_follow_the_wanted_gradients():
     with AllocatedBytes() as seen:
         ring_dtp_cross_entropy(x, w, t, vocab_size=w.shape[0], impl="reference", block_size=BLOCK)
     assert seen.largest >= x.shape[0] * w.shape[0] * 4, f"impl='reference' allocated only {seen.largest} B"
+
+
+def _bad_target_on_one_rank(rank, world_size, seed):
+    x, w, t = _draw(seed + rank, 6, VOCAB)
+    lo, hi = Ring.of(dist.group.WORLD, VOCAB).shard_bounds(rank)
+    if rank == world_size - 1:
+        t[3] = VOCAB + 5                                  # only the last rank's labels are bad
+    for impl in ("torch", "reference"):
+        with pytest.raises(ValueError, match=f"target {VOCAB + 5} on rank {world_size - 1} of the vocab group"):
+            ring_dtp_cross_entropy(x, w[lo:hi], t, vocab_size=VOCAB, group=dist.group.WORLD, impl=impl)
+    dist.barrier()                                        # every rank got here: none is left in a collective
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_bad_target_on_one_rank_is_refused_on_every_rank(world_size):
+    """A label outside the vocabulary on one rank of the ring: every rank raises the same ValueError (naming
+    that rank), instead of that rank alone while the others wait in the ring's first all-gather."""
+    run_distributed(_bad_target_on_one_rank, world_size, fresh_seed(4202), timeout_s=60)

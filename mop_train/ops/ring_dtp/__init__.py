@@ -77,12 +77,20 @@ def _check_schedule(schedule, mode, reduction, token_chunk) -> None:
                          "'move_activations', or schedule='recompute' to move weights")
 
 
-def _check_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+def _first_bad_target(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> int | None:
+    """The first target outside [0, vocab_size) that is not ignore_index, or None."""
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
-    if bool(bad.any()):
-        value = int(targets[bad][0])
-        raise ValueError(f"target {value} is outside [0, vocab_size={vocab_size}) and is not "
-                         f"ignore_index={ignore_index}; fix the labels or the vocab_size")
+    return int(targets[bad][0]) if bool(bad.any()) else None
+
+
+def _check_targets(rows: list[list[int]], vocab_size: int, ignore_index: int) -> None:
+    """Raise on every rank of the group when any rank's targets are bad (gathered rows' last two
+    entries: a flag and the value): a rank raising alone would leave the others in the next collective."""
+    for rank, row in enumerate(rows):
+        if row[-2]:
+            where = f" on rank {rank} of the vocab group" if len(rows) > 1 else ""
+            raise ValueError(f"target {row[-1]}{where} is outside [0, vocab_size={vocab_size}) and is not "
+                             f"ignore_index={ignore_index}; fix the labels or the vocab_size")
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -152,17 +160,19 @@ def ring_dtp_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, tar
     impl = impl if impl is not None else ("triton" if hidden.is_cuda else "torch")
     _validate(hidden, weight_shard, targets, ring, reduction, block_size, impl)
     _check_schedule(schedule, mode, reduction, token_chunk)
-    _check_targets(targets, vocab_size, ignore_index)
-    if impl == "reference":
-        return reference_ring_dtp_cross_entropy(hidden, weight_shard, targets, group, vocab_size=vocab_size,
-                                                ignore_index=ignore_index, reduction=reduction)
-    targets = targets.long().contiguous()
     valid = targets != ignore_index
     grad = torch.is_grad_enabled()
     wants = (grad and hidden.requires_grad, grad and weight_shard.requires_grad)
     budget = -1 if memory_budget is None else int(memory_budget)
-    rows = ring.gather_ints([hidden.shape[0], int(valid.sum()), *map(int, wants), budget], hidden.device)
-    counts = [r[0] for r in rows]                                       # one all-gather when P > 1
+    bad = _first_bad_target(targets, vocab_size, ignore_index)
+    rows = ring.gather_ints([hidden.shape[0], int(valid.sum()), *map(int, wants), budget, bad is not None, bad or 0],
+                            hidden.device)                              # one all-gather when P > 1
+    _check_targets(rows, vocab_size, ignore_index)
+    if impl == "reference":
+        return reference_ring_dtp_cross_entropy(hidden, weight_shard, targets, group, vocab_size=vocab_size,
+                                                ignore_index=ignore_index, reduction=reduction)
+    targets = targets.long().contiguous()
+    counts = [r[0] for r in rows]
     needs = {bool(r[2] or r[3]) for r in rows}
     if len(needs) > 1:
         raise ValueError("some ranks of the vocab group need gradients from ring_dtp_cross_entropy and others "
