@@ -186,14 +186,14 @@ def _memory_arg(text: str, key: str, example: str) -> int:
     """--gpu-memory / --host-memory: a size with a unit, above zero. A bare number was taken as bytes
     ("--gpu-memory 80": 80 bytes, "0.0 GiB per rank: DOES NOT FIT", exit 1), and 0 planned against
     nothing, both read as "the job does not fit" rather than as the typo they are."""
-    from mop_train.units import parse_bytes
+    from mop_train.units import names_a_unit, parse_bytes
 
     size = parse_bytes(text, key=key)
     per = "GPU" if "gpu" in key else "node"
     if size == 0:
         raise ValueError(f"{key} {text!r} is zero: nothing can be planned against it; give the memory per {per}, "
                          f"e.g. {key} {example}")
-    if not any(c.isalpha() for c in str(text)):
+    if not names_a_unit(text):
         raise ValueError(f"{key} {text!r} has no unit, so it would be {size:,} bytes per {per}; write the unit: "
                          f"{key} {text}GiB (binary) or {key} {text}GB (decimal)")
     return size
@@ -243,12 +243,12 @@ def _export(args: argparse.Namespace) -> int:
     from mop_train.hf.export import DTYPES, export_checkpoint
     from mop_train.hf.run_record import find_run_record
     from mop_train.models import zoo
-    from mop_train.units import parse_bytes
+    from mop_train.units import names_a_unit, parse_bytes
 
     check_step_folder(args.checkpoint)          # before the run record: a wrong folder has none above it
     max_shard_bytes = parse_bytes(args.max_shard_size, key="--max-shard-size")
     # (0 or a bare "2" wrote one safetensors file per tensor, silently: 85 files for `debug`)
-    if max_shard_bytes == 0 or not any(c.isalpha() for c in args.max_shard_size):
+    if max_shard_bytes == 0 or not names_a_unit(args.max_shard_size):
         raise ValueError(f"--max-shard-size {args.max_shard_size!r} must be a size above zero with its unit, e.g. "
                          f"--max-shard-size 2GiB (bytes per safetensors file)")
     record = find_run_record(args.checkpoint)

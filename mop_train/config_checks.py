@@ -16,7 +16,7 @@ from torchtitan.config import JobConfig as TitanJobConfig
 from mop_train.ops.moe_dispatch.options import dispatch_options
 from mop_train.ops.offload_adamw.memory import GRADIENTS as STREAM_GRADIENTS, WEIGHTS as STREAM_WEIGHTS
 from mop_train.parallel.compile import COMPONENTS as COMPILE_COMPONENTS
-from mop_train.units import parse_bytes, parse_device_fraction
+from mop_train.units import names_a_unit, parse_bytes, parse_device_fraction
 
 
 def check_layout_divides(layout, world_size: int, origin) -> None:
@@ -132,7 +132,7 @@ def _check_byte_text(text: str, key: str) -> int:
     """A byte size of a config key; a small one without a unit was taken as that many bytes (an SCO
     budget of "24" offloaded nothing, silently)."""
     size = parse_bytes(text, key=key)
-    if 0 < size < UNITLESS_FLOOR and not any(c.isalpha() for c in str(text)):
+    if 0 < size < UNITLESS_FLOOR and not names_a_unit(text):
         raise ValueError(f"{key} = {text!r} has no unit, so it is {size} bytes; write the unit, e.g. \"{text}GiB\" "
                          f"or \"{text}MiB\"")
     return size
@@ -232,7 +232,8 @@ def validate(cfg, *, source: str = "config") -> None:
 
 
 OPTIMIZERS = ("AdamW", "Adam", "OffloadStreamAdamW")
-"""optimizer.name values mop_train.train.optim.build_optimizers builds."""
+"""optimizer.name values mop_train.train.optim.build_optimizers builds, in the order the message lists them
+(a literal: mop_train.train imports this module; tests/test_config_values.py holds it to the builder's tables)."""
 
 
 def _validate_optimizer(cfg, source: str) -> None:

@@ -31,6 +31,12 @@ def parse_bytes(text: str | int, *, key: str = "value") -> int:
     return int(value * _BYTE_UNITS[unit])
 
 
+def names_a_unit(text: str | int) -> bool:
+    """Whether a byte size is written with letters (a unit such as "GiB"), not as a bare count of bytes:
+    the size arguments refuse a bare count where one was surely a typo ("--gpu-memory 80")."""
+    return any(c.isalpha() for c in str(text))
+
+
 def parse_device_fraction(value, *, key: str = "mop.offload_adamw.device_fraction") -> float | str:
     """"auto" or a number in [0, 1] (given as a string or a number): the share of the optimizer
     state kept on the device. Raises ValueError naming `key`."""

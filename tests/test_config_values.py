@@ -40,6 +40,13 @@ def test_training_and_optimizer_values_are_refused_at_load(tmp_path, text, needl
         assert needle in msg, f"{needle!r} missing from: {msg}"
 
 
+def test_the_names_refused_at_load_are_the_ones_the_builder_lacks():
+    from mop_train.config_checks import OPTIMIZERS
+    from mop_train.ops.offload_adamw import OFFLOAD_ADAMW
+    from mop_train.train.local_shard_optim import LOCAL_SHARD_OPTIMIZERS
+    assert sorted(OPTIMIZERS) == sorted([*LOCAL_SHARD_OPTIMIZERS, OFFLOAD_ADAMW])
+
+
 def test_good_optimizer_values_still_load(tmp_path):
     path = tmp_path / "job.toml"
     path.write_text("[optimizer]\nlr = 0.0\nbeta1 = 0.0\neps = 0.0\nweight_decay = 0.0\n"
