@@ -107,6 +107,14 @@ class SafeDataloaderState(Stateful):
         self.dataloader.load_state_dict(state_dict)
 
 
+def missing_key(text: str) -> str | None:
+    """The state-dict key a DCP load found missing from the checkpoint, from its CheckpointException's
+    text (every rank's traceback), or None. The traceback's source line `raise RuntimeError(f"Missing
+    key in checkpoint state_dict: {fqn}.")` matches the message's pattern too: it is passed over."""
+    found = re.findall(r"Missing key in checkpoint state_dict: (\S+?)\.?$", text, re.M)
+    return next((key for key in found if not re.search(r"[{}\"']", key)), None)
+
+
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner, but non-tensor entries load with `torch.load(weights_only=True)`."""
 
@@ -241,11 +249,11 @@ class Checkpointer:
         try:
             loaded = self.manager.load(step=chosen)
         except CheckpointException as err:   # a BaseException, with every rank's traceback in its text
-            missing = re.search(r"Missing key in checkpoint state_dict: (\S+?)\.?$", str(err), re.M)
+            missing = missing_key(str(err))
             if missing is None:
                 raise
             raise ValueError(f"checkpoint {self.folder}/step-{chosen} does not fit this run: it has no "
-                             f"{missing.group(1)!r}, which this run's state has; resume with the model "
+                             f"{missing!r}, which this run's state has; resume with the model "
                              f"flavor and optimizer it was written with") from None
         if not state_is_finite(self._state_tensors(), self.device):
             raise CheckpointError(f"checkpoint {self.folder}/step-{chosen} passed its checksums but holds "

@@ -12,7 +12,9 @@ complete checkpoint, whatever `.metadata` says: torchtitan 0.2.2 takes `.metadat
 complete, and a re-save that dies before its commit leaves an old `.metadata` beside new data.
 A resume skips such folders (newest first) and renames them out of torchtitan's `step-N` pattern;
 a complete checkpoint whose bytes differ from its manifest is refused (exit 4) unless asked to
-fall back to an older verified one.
+fall back to an older verified one. A checkpoint of the model alone (`checkpoint.last_save_model_only`
+at a run's last step: no optimizer state, data position or step) is passed over for the newest full
+one, and kept: it holds the run's final weights.
 
 Legend: W ranks.
 """
@@ -26,6 +28,7 @@ import re
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
 
 from mop_train.train.reliability import CheckpointError
 
@@ -113,6 +116,23 @@ def step_folders(base: str) -> list[int]:
     return sorted(int(m.group(1)) for n in os.listdir(base) if (m := re.fullmatch(r"step-(\d+)", n)))
 
 
+def model_only(folder: str) -> bool:
+    """Whether the DCP checkpoint in `folder` holds the model alone: torchtitan's save of a run's last step
+    under `checkpoint.last_save_model_only = true` (its default), with no train state, optimizer state or
+    data position, so no run can resume from it. Read from `.metadata`; False when that is unreadable
+    (verification names it). Step 0 is torchtitan's model-only seed checkpoint, which it loads as such:
+    callers leave it out."""
+    try:
+        keys = FileSystemReader(folder).read_metadata().state_dict_metadata
+    except Exception:   # (DCP raises several types for a missing or damaged .metadata)
+        return False
+    return not any(k.startswith("train_state.") for k in keys)
+
+
+def _weights_alone(base: str, step: int) -> bool:
+    return step > 0 and model_only(_folder(base, step))
+
+
 @dataclass(frozen=True)
 class Resume:
     """What `choose_step` decided: the step to load (-1: none), a note for the log, and the newer
@@ -131,6 +151,10 @@ def choose_step(base: str, requested: int, *, fallback: bool, rank: int, world: 
     manifest, newest first, are skipped (`Resume.incomplete`): a save that was cut short (torchrun's
     SIGKILL 30 s after SIGTERM, a crash mid-save) never became a checkpoint. A complete checkpoint
     whose bytes do not match its manifest is refused. A folder named by `requested` must verify.
+    A checkpoint of the model alone (`model_only`: a run's last save under checkpoint.last_save_model_only)
+    cannot be resumed from: the newest full one older than it is taken (said in the note), and a
+    folder holding nothing else, or a `requested` one, is refused (ValueError) rather than started
+    afresh over it.
     """
     steps = step_folders(base)
     if not steps:
@@ -138,19 +162,35 @@ def choose_step(base: str, requested: int, *, fallback: bool, rank: int, world: 
     if requested != -1 and requested not in steps:
         raise ValueError(f"checkpoint.load_step = {requested} but {_folder(base, requested)} does not exist; "
                          f"available steps: {steps}")
+    if requested != -1 and _weights_alone(base, requested):
+        raise ValueError(_model_only_refusal(base, [requested], f"checkpoint.load_step = {requested} names "))
     incomplete: list[int] = []
+    weights_alone: list[int] = []
+    step = requested
     if requested == -1:
         for s in reversed(steps):
-            if os.path.isfile(os.path.join(_folder(base, s), MANIFEST)):
+            if not os.path.isfile(os.path.join(_folder(base, s), MANIFEST)):
+                incomplete.append(s)
+            elif _weights_alone(base, s):
+                weights_alone.append(s)
+            else:
+                step = s
                 break
-            incomplete.append(s)
-        if len(incomplete) == len(steps):
+        if step == -1 and weights_alone:
+            raise ValueError(_model_only_refusal(base, weights_alone, f"{base} holds no checkpoint to resume "
+                                                                      f"from: "))
+        if step == -1:
             return Resume(-1, None, tuple(incomplete))
-    step = requested if requested != -1 else steps[len(steps) - 1 - len(incomplete)]
+    passed_over = (f"{', '.join(_folder(base, s) for s in weights_alone)} "
+                   f"{'hold' if len(weights_alone) > 1 else 'holds'} the model's weights alone "
+                   f"(checkpoint.last_save_model_only = true at a run's last step: no optimizer state, data "
+                   f"position or step), so a run cannot resume from {'them' if len(weights_alone) > 1 else 'it'} "
+                   f"(kept); " if weights_alone else "")
     problems = verify(_folder(base, step), rank=rank, world=world)
     if not problems:
-        return Resume(step, None, tuple(incomplete))
-    older = next((s for s in reversed(steps) if s < step
+        note = f"{passed_over}resuming from {_folder(base, step)}, the newest full checkpoint" if passed_over else None
+        return Resume(step, note, tuple(incomplete))
+    older = next((s for s in reversed(steps) if s < step and not _weights_alone(base, s)
                   and not verify(_folder(base, s), rank=rank, world=world)), None)
     folder = _folder(base, step)
     head = f"checkpoint {folder} failed verification: " + "; ".join(problems[:5]) + (
@@ -159,8 +199,8 @@ def choose_step(base: str, requested: int, *, fallback: bool, rank: int, world: 
         raise CheckpointError(f"{head}. No older complete, verified checkpoint exists in {base}; move {folder} "
                               f"away to start afresh", agreed=True)
     if fallback:
-        return Resume(older, f"{head}; resuming from {_folder(base, older)}, the newest complete verified "
-                             f"checkpoint (mop.reliability.resume_from_verified)", tuple(incomplete))
+        return Resume(older, f"{passed_over}{head}; resuming from {_folder(base, older)}, the newest complete "
+                             f"verified checkpoint (mop.reliability.resume_from_verified)", tuple(incomplete))
     raise CheckpointError(f"{head}. The newest complete, verified checkpoint is {_folder(base, older)}: resume "
                           f"from it with --mop.reliability.resume_from_verified (or --checkpoint.load_step "
                           f"{older})", agreed=True)
@@ -168,6 +208,18 @@ def choose_step(base: str, requested: int, *, fallback: bool, rank: int, world: 
 
 def _folder(base: str, step: int) -> str:
     return os.path.join(base, f"step-{step}")
+
+
+def _model_only_refusal(base: str, steps: list[int], head: str) -> str:
+    """Why checkpoints of the model alone cannot be resumed from, and what to do instead."""
+    folders = ", ".join(_folder(base, s) for s in steps)
+    return (f"{head}{folders}, which {'hold' if len(steps) > 1 else 'holds'} the model's weights alone "
+            f"(checkpoint.last_save_model_only = true, torchtitan's default, saves a run's last step without its "
+            f"optimizer state, data position or step), so a run cannot resume from "
+            f"{'them' if len(steps) > 1 else 'it'}; to train on from those weights, start a run in another "
+            f"--job.dump_folder with --checkpoint.initial_load_path {_folder(base, steps[0])} "
+            f"--checkpoint.initial_load_model_only (fresh optimizer state and data position), and set "
+            f"--checkpoint.no-last_save_model_only so that a run's last save can be resumed from")
 
 
 SET_ASIDE = "incomplete-{step}"

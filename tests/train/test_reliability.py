@@ -123,6 +123,87 @@ def test_a_save_cut_short_is_skipped_not_refused(tmp_path):
     assert "starts from step 0" in integrity.describe_skipped(base, (2,), ["x"], -1)
 
 
+def _dcp_checkpoint(base: str, step: int, *, model_only: bool, seed: int) -> str:
+    """A real one-process DCP save at `{base}/step-N` with its manifest: model tensors alone (torchtitan's
+    last_save_model_only save of a run's last step), or with a train state beside them (a full one)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(seed)
+    state = {"tok_embeddings.weight": torch.randn(5, 3, generator=g)}
+    if not model_only:
+        state["train_state"] = {"step": torch.tensor(step), "tokens_seen": torch.randint(1, 99, (), generator=g)}
+        state["optimizer"] = {"state.tok_embeddings.weight.exp_avg": torch.randn(5, 3, generator=g)}
+    folder = os.path.join(base, f"step-{step}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # "torch.distributed is disabled ... single process"
+        dcp.save(state, checkpoint_id=folder, no_dist=True)
+    integrity.write_manifest(folder, rank=0, world=1)
+    return folder
+
+
+def test_a_model_only_last_save_is_passed_over_for_the_newest_full_checkpoint(tmp_path):
+    """torchtitan's default checkpoint.last_save_model_only = true saves a run's last step without its
+    optimizer state, data position or step. A run extended past it (more training.steps) took that folder,
+    the newest, and failed in DCP's load with "does not fit this run: it has no '{fqn}.\")' ... resume
+    with the model flavor and optimizer it was written with" (the key read off the traceback's source
+    line). It now resumes from the newest full checkpoint, saying why, and keeps the weights-only
+    folder; asked for by load_step, or with nothing else to resume from, it is refused by name."""
+    from tests.utils import fresh_seed
+
+    base = str(tmp_path / "checkpoint")
+    for step, only in ((2, False), (4, False), (6, True)):
+        _dcp_checkpoint(base, step, model_only=only, seed=fresh_seed(300 + step))
+    os.unlink(os.path.join(_dcp_checkpoint(base, 7, model_only=False, seed=fresh_seed(307)), integrity.MANIFEST))
+    assert integrity.model_only(os.path.join(base, "step-6"))
+    assert not integrity.model_only(os.path.join(base, "step-4"))
+    resume = integrity.choose_step(base, -1, fallback=False, rank=0, world=1)
+    assert (resume.step, resume.incomplete) == (4, (7,))
+    for part in (os.path.join(base, "step-6"), "weights alone", "last_save_model_only", os.path.join(base, "step-4")):
+        assert part in resume.note, f"{part!r} missing from: {resume.note}"
+    assert os.path.isdir(os.path.join(base, "step-6"))
+    _flip_byte(os.path.join(base, "step-4", "__0_0.distcp"), 7)        # the fallback passes it over too
+    resume = integrity.choose_step(base, -1, fallback=True, rank=0, world=1)
+    assert resume.step == 2 and "weights alone" in resume.note and os.path.join(base, "step-2") in resume.note
+    with pytest.raises(ValueError) as info:
+        integrity.choose_step(base, 6, fallback=False, rank=0, world=1)
+    for part in ("checkpoint.load_step = 6", os.path.join(base, "step-6"), "--checkpoint.initial_load_path",
+                 "--checkpoint.initial_load_model_only", "--checkpoint.no-last_save_model_only"):
+        assert part in str(info.value), f"{part!r} missing from: {info.value}"
+    only = str(tmp_path / "only")
+    _dcp_checkpoint(only, 3, model_only=True, seed=fresh_seed(303))
+    with pytest.raises(ValueError, match="holds no checkpoint to resume from"):   # not a fresh start over it
+        integrity.choose_step(only, -1, fallback=False, rank=0, world=1)
+    _dcp_checkpoint(only, 0, model_only=True, seed=fresh_seed(310))   # torchtitan's seed checkpoint: its model
+    assert integrity.choose_step(only, -1, fallback=False, rank=0, world=1).step == 0
+
+
+def test_a_missing_key_is_read_off_dcps_message_not_its_traceback(tmp_path):
+    """DCP's CheckpointException carries each rank's traceback, whose source line reads
+    `raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")`: the refusal named '{fqn}.")'."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from mop_train.train.checkpoint import missing_key
+    from tests.utils import fresh_seed
+
+    g = torch.Generator().manual_seed(fresh_seed(320))
+    folder = str(tmp_path / "step-1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model.w": torch.randn(4, generator=g)}, checkpoint_id=folder, no_dist=True)
+        with pytest.raises(CheckpointException) as info:
+            dcp.load({"model.w": torch.randn(4, generator=g), "optimizer.state.w.exp_avg": torch.randn(4, generator=g)},
+                     checkpoint_id=folder, no_dist=True)
+    assert missing_key(str(info.value)) == "optimizer.state.w.exp_avg"
+    assert missing_key("nothing of the kind") is None
+
+
 def _flip_byte(path: str, offset: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
