@@ -114,8 +114,7 @@ class Validator:
         `freq` steps of training later, would find none). Reads one batch per rank: one collective."""
         if self.validation.steps != -1:
             return                                   # (steps > 0: the loader loops over the documents)
-        loader = iter(build_validation_dataloader(self.validation, self.docs, self.tokenizer, self.layout.data_rank,
-                                                  self.layout.data_size, text_column=self.text_column))
+        loader = self._fresh_pass()
         if not self._every_rank_has(next(loader, None)):
             raise ValueError(self._too_small())
 
@@ -130,12 +129,21 @@ class Validator:
         if self._kept is not None:
             return iter(self._kept)
         v = self.validation
-        loader = iter(build_validation_dataloader(v, self.docs, self.tokenizer, self.layout.data_rank,
-                                                  self.layout.data_size, text_column=self.text_column))
+        loader = self._fresh_pass()
         if v.steps == -1:
             return loader
         self._kept = [next(loader) for _ in range(v.steps)]    # the loader loops: never exhausted
         return iter(self._kept)
+
+    def _fresh_pass(self):
+        """An iterator over the held-out stream from its first document. Starting a DataLoader's iterator
+        draws its base seed from the torch CPU generator: drawn here under `fork_rng`, so validation leaves
+        the training run's generator as it was. Else a resumed run, whose first validation reads the kept
+        batches again, drew once more than the uninterrupted run, which had kept them since its first
+        validation, and a model that draws (dropout) no longer repeated its losses."""
+        with torch.random.fork_rng(devices=[]):
+            return iter(build_validation_dataloader(self.validation, self.docs, self.tokenizer, self.layout.data_rank,
+                                                    self.layout.data_size, text_column=self.text_column))
 
     def _every_rank_has(self, batch) -> bool:
         """Whether every rank holds a whole batch (a pass ends on a partial or missing one)."""

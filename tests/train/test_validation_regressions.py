@@ -115,3 +115,35 @@ def test_an_empty_held_out_file_is_named(tmp_path):
     path.write_text("")
     with pytest.raises(ValueError, match=r"validation.dataset_path = .*empty.jsonl.* holds no documents"):
         data.load_documents("jsonl", str(path), cache_dir=str(tmp_path), section="validation")
+
+
+def test_validation_leaves_the_training_generator_where_it_was(tmp_path):
+    """Starting a DataLoader's iterator draws its base seed from the torch CPU generator. With
+    validation.steps > 0 an uninterrupted run drew once (its first validation, then kept the batches)
+    and a run resumed past that drew again at its own first validation, so the generator a model
+    draws from (dropout) no longer followed the uninterrupted run's: validation now draws nothing
+    from it, at start-up (steps = -1's check) or at any validation."""
+    from types import SimpleNamespace
+
+    from torchtitan.config.job_config import Validation
+
+    from mop_train.train.validate import Validator
+
+    rng = random.Random(fresh_seed(9611))
+    tokenizer = data.build_tokenizer(data.EMBEDDED, cache_dir=data.default_cache_dir())
+    words = ["alpha", "beta", "gamma", "def", "return", "(", ")", "\n"]
+    path = tmp_path / "held_out.jsonl"
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(3, 60)))}) + "\n"
+                            for _ in range(rng.randint(20, 40))))
+    docs = data.load_documents("jsonl", str(path), cache_dir=str(tmp_path), section="validation")
+    run = SimpleNamespace(parts=None, layout=SimpleNamespace(data_rank=0, data_size=1), optimizers=[])
+    for steps in (rng.randint(1, 3), -1):
+        v = Validation(enable=True, dataset="jsonl", dataset_path=str(path), seq_len=rng.choice([8, 16]),
+                       local_batch_size=rng.randint(1, 2), steps=steps)
+        validator = Validator(v, docs, tokenizer, run, prepare=None)
+        seed = fresh_seed(9612 + steps)
+        torch.manual_seed(seed)
+        want = torch.rand(8)
+        torch.manual_seed(seed)
+        next(validator._batches())                   # a validation's pass over the held-out batches
+        assert torch.equal(torch.rand(8), want), f"validation.steps = {steps} drew from the training generator"
