@@ -31,6 +31,7 @@ import csv
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -38,7 +39,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-OOM_MARKERS = ("out of memory", "OutOfMemoryError")
+OOM_MARKERS = ("out of memory", "OutOfMemoryError", "can't allocate memory")
+"""CUDA's words, and torch's CPU allocator's ("DefaultCPUAllocator: can't allocate memory": a CPU sweep's OOM)."""
+LAUNCHER_NOISE = ("ChildFailedError", "Traceback", "errors.html", "error_file")
+"""Lines of torchrun's failure summary that hold "error" but not the rank's error (e.g. "traceback : To enable
+traceback see: https://pytorch.org/docs/stable/elastic/errors.html", "error_file: <N/A>")."""
+EXCEPTION_LINE = re.compile(r"\b\w*(Error|Exception)\b: ")
 SIGKILL_MARKERS = ("Signal 9 (SIGKILL)", "exitcode  : -9")  # torchrun's words for a rank the kernel killed
 STATUSES = ("ok", "oom", "failed", "timeout", "skipped")
 
@@ -103,10 +109,11 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def classify_failure(text: str) -> tuple[str, str]:
     """("oom" | "failed", the error line) for a run that exited non-zero with output `text`."""
     lines = text.splitlines()
-    # The child's own error (a config error or a traceback's last line), not torchrun's report around it.
-    errors = [ln for ln in lines if ": error:" in ln] or \
-             [ln for ln in lines if ("Error" in ln or "error" in ln) and "ChildFailedError" not in ln
-              and "Traceback" not in ln] or lines[-1:]
+    # The child's own error (our one-line report, else a traceback's exception line), not torchrun's report
+    # around it: its summary's "errors.html" line came last and was kept for every rank's traceback.
+    own = [ln for ln in lines if not any(n in ln for n in LAUNCHER_NOISE)]
+    errors = [ln for ln in lines if ": error:" in ln] or [ln for ln in own if EXCEPTION_LINE.search(ln)] or \
+             [ln for ln in own if "Error" in ln or "error" in ln] or lines[-1:]
     error = errors[-1].strip()[-300:] if errors else ""
     if any(m in text for m in OOM_MARKERS):
         oom = [ln for ln in lines if any(m in ln for m in OOM_MARKERS)]

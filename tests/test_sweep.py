@@ -68,6 +68,45 @@ def test_classify_failure():
     assert classify_failure("rank 1\nexitcode  : -9 (pid: 12)\nSignal 9 (SIGKILL) received\n")[0] == "oom"
 
 
+TORCHRUN_SUMMARY = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+mop_train.train FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 19467)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+def test_a_ranks_traceback_is_recorded_by_its_exception_and_a_cpu_oom_is_an_oom():
+    """A point whose rank died in a traceback under torchrun was recorded with torchrun's summary line
+    "traceback : To enable traceback see: .../errors.html" (the last line holding "error") instead of the
+    rank's exception; a CPU sweep's out-of-memory (torch's CPU allocator: "can't allocate memory", met at
+    seq_len 100000 of `debug` on CPU) was "failed", not "oom"."""
+    import random
+
+    from tests.utils import fresh_seed
+
+    rng = random.Random(fresh_seed(4100))
+    n = rng.randint(10**9, 10**11)
+    oom = (f"[rank0]:   File \"/x/attention.py\", line 84, in forward\n[rank0]: RuntimeError: [enforce fail at "
+           f"alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate {n} bytes. "
+           f"Error code 12 (Cannot allocate memory)\n" + TORCHRUN_SUMMARY)
+    status, error = classify_failure(oom)
+    assert status == "oom" and f"allocate {n} bytes" in error, (status, error)
+    key = f"layers.{rng.randint(0, 9)}.w{rng.randint(1, 3)}"
+    crash = (f"[rank1]: Traceback (most recent call last):\n[rank1]:   File \"/x/loop.py\", line 128\n"
+             f"[rank1]: KeyError: '{key}'\n" + TORCHRUN_SUMMARY)
+    status, error = classify_failure(crash)
+    assert status == "failed" and f"KeyError: '{key}'" in error, (status, error)
+    ours = f"mop_train.train: error: training.seq_len = {n} exceeds ...\n" + TORCHRUN_SUMMARY
+    assert classify_failure(ours) == ("failed", ours.splitlines()[0])
+
+
 def test_launch_kills_the_whole_process_group_at_its_time_limit(tmp_path, monkeypatch):
     """Stopped at its limit counted from its start; a child that ignores SIGTERM is SIGKILLed after
     the grace; the record tells the stop time from the time it was gone. The grace is 2 s here
