@@ -242,6 +242,10 @@ class Checkpointer:
         if resume.incomplete:
             moved = integrity.set_aside(self.folder, resume.incomplete, rank=self.rank, world=self.world)
             notes.insert(0, integrity.describe_skipped(self.folder, resume.incomplete, moved, chosen))
+        if resume.superseded:   # a roll-back: the abandoned history's newer checkpoints out of the next resume's way
+            moved = integrity.set_aside(self.folder, resume.superseded, rank=self.rank, world=self.world,
+                                        name=integrity.SUPERSEDED)
+            notes.append(integrity.describe_superseded(self.folder, resume.superseded, moved, chosen))
         self.note = "\n".join(notes) or None
         if chosen == -1:
             return False

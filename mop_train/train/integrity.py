@@ -14,7 +14,8 @@ A resume skips such folders (newest first) and renames them out of torchtitan's 
 a complete checkpoint whose bytes differ from its manifest is refused (exit 4) unless asked to
 fall back to an older verified one. A checkpoint of the model alone (`checkpoint.last_save_model_only`
 at a run's last step: no optimizer state, data position or step) is passed over for the newest full
-one, and kept: it holds the run's final weights.
+one, and kept: it holds the run's final weights. A roll-back (checkpoint.load_step older than the newest)
+moves the newer checkpoints aside to `superseded-N`, so a later resume never takes the abandoned history.
 
 Legend: W ranks.
 """
@@ -141,6 +142,7 @@ class Resume:
     step: int
     note: str | None = None
     incomplete: tuple[int, ...] = ()
+    superseded: tuple[int, ...] = ()   # complete full checkpoints newer than a requested (older) step
 
 
 def choose_step(base: str, requested: int, *, fallback: bool, rank: int, world: int) -> Resume:
@@ -189,7 +191,7 @@ def choose_step(base: str, requested: int, *, fallback: bool, rank: int, world: 
     problems = verify(_folder(base, step), rank=rank, world=world)
     if not problems:
         note = f"{passed_over}resuming from {_folder(base, step)}, the newest full checkpoint" if passed_over else None
-        return Resume(step, note, tuple(incomplete))
+        return Resume(step, note, tuple(incomplete), _newer_full(base, steps, requested))
     older = next((s for s in reversed(steps) if s < step and not _weights_alone(base, s)
                   and not verify(_folder(base, s), rank=rank, world=world)), None)
     folder = _folder(base, step)
@@ -204,6 +206,17 @@ def choose_step(base: str, requested: int, *, fallback: bool, rank: int, world: 
     raise CheckpointError(f"{head}. The newest complete, verified checkpoint is {_folder(base, older)}: resume "
                           f"from it with --mop.reliability.resume_from_verified (or --checkpoint.load_step "
                           f"{older})", agreed=True)
+
+
+def _newer_full(base: str, steps: list[int], requested: int) -> tuple[int, ...]:
+    """The complete full checkpoints newer than a requested step (checkpoint.load_step: a roll-back),
+    newest first. The run resumed from `requested` writes another history: left as `step-N`, the newest
+    of them was what the next plain resume took (a run rolled back to step 2 and stopped at 5 went on
+    from the abandoned run's step 6)."""
+    if requested == -1:
+        return ()
+    return tuple(s for s in reversed(steps) if s > requested
+                 and os.path.isfile(os.path.join(_folder(base, s), MANIFEST)) and not _weights_alone(base, s))
 
 
 def _folder(base: str, step: int) -> str:
@@ -227,16 +240,22 @@ r"""Where `set_aside` moves an incomplete `step-N` folder: a name torchtitan's `
 (its load and its keep_latest_k purge) does not match, so it neither takes nor counts it."""
 
 
-def set_aside(base: str, steps: tuple[int, ...], *, rank: int, world: int) -> list[str]:
+SUPERSEDED = "superseded-{step}"
+"""Where `set_aside` moves a checkpoint newer than the one a roll-back (checkpoint.load_step) resumed from:
+out of torchtitan's `step-N` pattern, so no later resume takes the abandoned history."""
+
+
+def set_aside(base: str, steps: tuple[int, ...], *, rank: int, world: int, name: str = SET_ASIDE) -> list[str]:
     """Rank 0 renames each incomplete `{base}/step-N` to `{base}/incomplete-N` (`incomplete-N.K`
-    when that exists) once every rank has decided; returns the new paths (rank 0's, on every rank)."""
+    when that exists; `name`: another pattern, SUPERSEDED) once every rank has decided; returns the new
+    paths (rank 0's, on every rank)."""
     if world > 1:
         dist.barrier()   # every rank has looked at the folders before any is renamed
     moved: list = [None]
     if rank == 0:
         moved[0] = []
         for step in steps:
-            target, k = os.path.join(base, SET_ASIDE.format(step=step)), 1
+            target, k = os.path.join(base, name.format(step=step)), 1
             while os.path.exists(target + (f".{k}" if k > 1 else "")):
                 k += 1
             target += f".{k}" if k > 1 else ""
@@ -245,6 +264,13 @@ def set_aside(base: str, steps: tuple[int, ...], *, rank: int, world: int) -> li
     if world > 1:
         dist.broadcast_object_list(moved, src=0)
     return moved[0]
+
+
+def describe_superseded(base: str, steps: tuple[int, ...], moved: list[str], taken: int) -> str:
+    """The one log line that says which newer checkpoints a roll-back set aside."""
+    return (f"checkpoint.load_step = {taken}: the newer checkpoints {', '.join(f'step-{s}' for s in steps)} in "
+            f"{base} belong to the history this run rolls back from, so no later resume may take them: moved "
+            f"aside to {', '.join(moved)} (delete them when not needed)")
 
 
 def describe_skipped(base: str, steps: tuple[int, ...], moved: list[str], taken: int) -> str:

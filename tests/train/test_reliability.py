@@ -180,6 +180,29 @@ def test_a_model_only_last_save_is_passed_over_for_the_newest_full_checkpoint(tm
     assert integrity.choose_step(only, -1, fallback=False, rank=0, world=1).step == 0
 
 
+def test_a_roll_back_sets_the_newer_checkpoints_aside(tmp_path):
+    """checkpoint.load_step older than the newest (a roll-back, the advice after a divergence or a damaged
+    checkpoint) left the abandoned history's newer `step-N` folders in place: a run rolled back to step 2,
+    then stopped after saving step 5, resumed next time from the old step 6. Those folders now move aside
+    (`superseded-N`, kept), said in one line; incomplete and weights-only folders are left to their rules."""
+    from tests.utils import fresh_seed
+
+    base = str(tmp_path / "checkpoint")
+    for step, only in ((2, False), (4, False), (6, False), (7, True)):
+        _dcp_checkpoint(base, step, model_only=only, seed=fresh_seed(330 + step))
+    os.unlink(os.path.join(_dcp_checkpoint(base, 8, model_only=False, seed=fresh_seed(338)), integrity.MANIFEST))
+    assert integrity.choose_step(base, -1, fallback=False, rank=0, world=1).superseded == ()
+    resume = integrity.choose_step(base, 2, fallback=False, rank=0, world=1)
+    assert (resume.step, resume.superseded, resume.incomplete) == (2, (6, 4), ())
+    moved = integrity.set_aside(base, resume.superseded, rank=0, world=1, name=integrity.SUPERSEDED)
+    assert moved == [os.path.join(base, "superseded-6"), os.path.join(base, "superseded-4")]
+    assert integrity.step_folders(base) == [2, 7, 8]
+    note = integrity.describe_superseded(base, resume.superseded, moved, resume.step)
+    assert "\n" not in note and "checkpoint.load_step = 2" in note and all(m in note for m in moved), note
+    _dcp_checkpoint(base, 5, model_only=False, seed=fresh_seed(335))   # the rolled-back run's own save
+    assert integrity.choose_step(base, -1, fallback=False, rank=0, world=1).step == 5
+
+
 def test_a_missing_key_is_read_off_dcps_message_not_its_traceback(tmp_path):
     """DCP's CheckpointException carries each rank's traceback, whose source line reads
     `raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")`: the refusal named '{fqn}.")'."""
