@@ -48,8 +48,9 @@ from mop_train.plan.terms import check_device_memory, check_host_memory, format_
 from mop_train.train.checkpoint import TrainState, build_checkpointer
 from mop_train.train.data import build_dataloader, build_tokenizer, default_cache_dir, tokenizer_folder
 from mop_train.train.loss import IGNORE_INDEX, LanguageModelLoss, chunked_cross_entropy_sum
-from mop_train.train.optim import (OFFLOAD_ADAMW, attach_streaming, build_lr_schedulers, build_optimizers,
-                                   describe_offload, free_device_bytes, resolve_device_fraction)
+from mop_train.train.optim import (OFFLOAD_ADAMW, apply_configured_hyperparameters, attach_streaming,
+                                   build_lr_schedulers, build_optimizers, describe_offload, free_device_bytes,
+                                   resolve_device_fraction)
 from mop_train.train.validate import check_validation_fits
 from mop_train.units import parse_bytes, parse_device_fraction
 
@@ -283,6 +284,10 @@ def build_run(cfg, device: torch.device, *, model_args: MoEModelArgs | None = No
                                       reliability=cfg.mop.reliability, device=device)
     fresh = cfg.checkpoint.enable and not os.path.isdir(checkpointer.folder)   # torchtitan's initial-load branch
     loaded = checkpointer.load(step=cfg.checkpoint.load_step)
+    if train_state.step > 0:   # a resume: the config's lr (and betas, eps, weight_decay), not the checkpoint's
+        changed = apply_configured_hyperparameters(optimizers, lr_schedulers, cfg.optimizer)
+        if changed:
+            checkpointer.note = "\n".join(filter(None, [checkpointer.note, "resumed with " + "; ".join(changed)]))
     if train_state.step == 0:  # fresh start or a model-only load: offloaded masters follow the weights
         for opt in optimizers:
             if hasattr(opt, "reset_masters_from_params"):

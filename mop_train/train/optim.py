@@ -254,3 +254,35 @@ def build_lr_schedulers(optimizers: OptimizersContainer, lr_scheduler, training_
         raise ValueError(f"training.steps = {training_steps} runs past lr_scheduler.total_steps = {total}; "
                          f"raise --lr_scheduler.total_steps to at least {training_steps}")
     return titan_build_lr_schedulers(optimizers, lr_scheduler, training_steps)
+
+
+def apply_configured_hyperparameters(optimizers, lr_schedulers, optimizer) -> list[str]:
+    """After a resume: the `[optimizer]` section's lr, betas, eps and weight_decay, not the checkpoint's.
+
+    torch's `load_state_dict` restores every param group's hyperparameters and torchtitan's scheduler
+    its `base_lrs`, so a run resumed with a lowered `--optimizer.lr` (the advice after a divergence)
+    trained on at the saved one while the schedule's shape (warmup, decay) followed the config. The
+    schedule keeps its position: the next step's LR is the new lr times the schedule's factor there.
+    Returns one line per changed key; nothing is touched when nothing changed (the resume stays bit
+    for bit)."""
+    notes = []
+    want = {"betas": (optimizer.beta1, optimizer.beta2), "eps": optimizer.eps, "weight_decay": optimizer.weight_decay}
+    for sched in lr_schedulers.schedulers:
+        if all(base == optimizer.lr for base in sched.base_lrs):
+            continue
+        notes.append(f"optimizer.lr = {optimizer.lr:g} replaces the checkpoint's {sched.base_lrs[0]:g}")
+        sched.base_lrs = [optimizer.lr] * len(sched.base_lrs)
+        lrs = [base * lam(sched.last_epoch) for base, lam in zip(sched.base_lrs, sched.lr_lambdas)]
+        for group, lr in zip(sched.optimizer.param_groups, lrs):
+            group["lr"], group["initial_lr"] = lr, optimizer.lr
+        sched._last_lr = lrs
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for key, value in want.items():
+                if key not in group:
+                    continue
+                saved = tuple(group[key]) if key == "betas" else group[key]
+                if saved != value:
+                    notes.append(f"optimizer.{key} = {value} replaces the checkpoint's {saved}")
+                    group[key] = value
+    return list(dict.fromkeys(notes))

@@ -63,3 +63,43 @@ def _cross_optimizer_worker(rank, world, root):
 
 def test_resume_into_the_other_optimizer_is_refused_by_name(tmp_path):
     run_distributed(_cross_optimizer_worker, 2, str(tmp_path), timeout_s=300)
+
+
+def _lowered_lr_worker(rank, world, root, factor, decay):
+    import contextlib
+    import io
+    import json
+
+    def records(folder):
+        with open(os.path.join(folder, "metrics.jsonl")) as f:
+            return {r["step"]: r for r in map(json.loads, f)}
+
+    straight, resumed = os.path.join(root, "straight"), os.path.join(root, "resumed")
+    _train(straight, ADAMW, 3)
+    _train(resumed, ADAMW, 2)
+    lowered = ["--optimizer.lr", repr(3e-3 * factor), "--optimizer.weight_decay", repr(decay)]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _train(resumed, [*ADAMW, *lowered], 3)
+    if rank == 0:
+        want, got = records(straight), records(resumed)
+        assert (got[2]["lr"], got[2]["loss"]) == (want[2]["lr"], want[2]["loss"])
+        assert abs(got[3]["lr"] - factor * want[3]["lr"]) <= 1e-12 * want[3]["lr"], (got[3]["lr"], want[3]["lr"])
+        assert got[3]["loss"] == want[3]["loss"]   # step 3's forward ran on step 2's weights, as before
+        text = out.getvalue()
+        assert f"optimizer.lr = {3e-3 * factor:g} replaces the checkpoint's 0.003" in text, text
+        assert f"optimizer.weight_decay = {decay} replaces the checkpoint's 0.1" in text, text
+
+
+def test_a_resume_takes_the_configured_lr_not_the_checkpoints(tmp_path):
+    """torch's optimizer load_state_dict restores each param group's lr and weight_decay, and torchtitan's
+    scheduler its base_lrs: a run resumed with a lowered --optimizer.lr (the advice a diverging run is given)
+    trained on at the saved lr, while the schedule's shape followed the config. The configured values now
+    apply from the next step, at the schedule's position, and the launch says so."""
+    import random
+
+    from tests.utils import fresh_seed
+
+    rng = random.Random(fresh_seed(7100))
+    run_distributed(_lowered_lr_worker, 1, str(tmp_path), rng.uniform(0.2, 0.8), round(rng.uniform(0.01, 0.09), 3),
+                    timeout_s=300)
