@@ -430,7 +430,26 @@ def _llep_plan_and_bad_ids_case(rank, world):
                 moe_experts_forward(x, wrong, wts, *shards, opts, group=dist.group.WORLD)
 
 
+def _int32_ids_case(rank, world):
+    """Expert ids in int32 (what torch.bincount and route_counts take) give every schedule the int64
+    ids' output and gradients; LLEP and PipelinedLLEP once failed in their count all-gather and route
+    keys (index_add_/index_put_ of int64 into int32) at group size > 1."""
+    weights_full, per_rank = build_case(800, [9 + 2 * r for r in range(world)], "80/16", world, worker_device())
+    M = E // world
+    shards = [w[rank * M:(rank + 1) * M] for w in weights_full]
+    x, idx, wts, g = per_rank[rank]
+    for opts in [EPOptions(), LLEPOptions(**EAGER), PipelinedLLEPOptions(**EAGER, token_budget=3)]:
+        want = run_schedule(opts, x, idx, wts, g, shards, dist.group.WORLD, False)
+        got = run_schedule(opts, x, idx.int(), wts, g, shards, dist.group.WORLD, opts.name == "pipelined_llep")
+        tag = f"[{opts.name} int32 ids rank={rank}]"
+        for name, a, b in zip(("y", "grad x", "grad routing weights"), got[:3], want[:3]):
+            assert_close_to_scale(a, b, name=f"{name} {tag}")
+        for name, a, b in zip(("w1", "w2", "w3"), got[3], want[3]):
+            assert_close_to_scale(a, b, name=f"grad {name} {tag}")
+
+
 def _all_schedules_worker(rank, world):
+    _int32_ids_case(rank, world)
     _bf16_case(rank, world)
     _no_tokens_anywhere(rank, world)
     _ep_worker(rank, world)

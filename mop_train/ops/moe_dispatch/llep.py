@@ -126,7 +126,7 @@ def gather_counts(indices: torch.Tensor, num_experts: int, group) -> tuple[torch
     flat = indices.reshape(-1)                                                # [R]
     col = torch.where((flat < 0) | (flat >= num_experts), num_experts, flat)  # bad ids -> column E
     local = torch.zeros(num_experts + 2, dtype=torch.int64, device=indices.device)
-    local.index_add_(0, col, torch.ones_like(col))                            # [E] counts, [1] bad ids
+    local.index_add_(0, col, torch.ones_like(col, dtype=torch.int64))         # [E] counts, [1] bad ids; int32 ids too
     local[num_experts + 1] = N                                                # [1] tokens
     G = all_gather_counts(local, group).cpu()                                 # [P, E + 2]
     if int(G[:, num_experts].sum()):
@@ -162,7 +162,7 @@ def _route_keys(flat, order, plan, C, chunk, source: int, P: int) -> torch.Tenso
     `order`) those of group rank `source`: the plan sends a route by its position in its expert's
     source-major route list, so the destination depends on the source."""
     E, device = C.shape[1], flat.device
-    dest = torch.empty_like(flat)
+    dest = torch.empty(flat.shape, dtype=torch.int64, device=device)       # (int64 whatever the ids' dtype)
     ranks, runs = plan.destination_runs(C, source)
     dest[order] = torch.repeat_interleave(host_to_device(ranks, device), host_to_device(runs, device),
                                           output_size=flat.numel())       # [R] plan destination
