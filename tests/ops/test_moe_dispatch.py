@@ -11,6 +11,7 @@ error. All cases run inside one spawn per world size: gloo on CPU at 2, 3, 4 ran
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -422,12 +423,17 @@ def _llep_plan_and_bad_ids_case(rank, world):
         got = (stats.num_chunks, stats.relocated_routes, stats.migrated_experts, stats.weight_transfer_bytes)
         assert got == (1, plan.relocated_routes, len(plan.transfers), len(plan.transfers) * copy_bytes), \
             (settings, got, plan)
-    for opts, bad_ids in ((EPOptions(), (E,)), (LLEPOptions(**EAGER), (E, -1))):
-        for bad in bad_ids:
-            wrong = idx.clone()
-            wrong[0, 0] = bad
-            with pytest.raises(ValueError, match="indices hold expert ids"):
-                moe_experts_forward(x, wrong, wts, *shards, opts, group=dist.group.WORLD)
+    # A bad id on every rank, or on the last rank only: every rank raises, naming the ranks that hold one
+    # (EP once raised on that rank alone, before its count exchange, and left the others waiting there).
+    for opts in (EPOptions(), LLEPOptions(**EAGER), PipelinedLLEPOptions(**EAGER, token_budget=4)):
+        for bad in (E, -1):
+            for holders in (list(range(world)), [world - 1]):
+                wrong = idx.clone()
+                if rank in holders:
+                    wrong[0, 0] = bad
+                with pytest.raises(ValueError, match=rf"indices hold expert ids outside \[0, {E}\) on rank\(s\) "
+                                                     rf"{re.escape(str(holders))}"):
+                    moe_experts_forward(x, wrong, wts, *shards, opts, group=dist.group.WORLD)
 
 
 def _int32_ids_case(rank, world):

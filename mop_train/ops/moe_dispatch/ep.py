@@ -25,7 +25,7 @@ from mop_train.ops.moe_dispatch.combine import (gather_token_rows, inverse_permu
                                                 token_slots)
 from mop_train.ops.moe_dispatch.comm import (all_to_all, exchange_counts, group_size, host_to_device,
                                              stands_for_identical_ranks)
-from mop_train.ops.moe_dispatch.local import grouped_swiglu, local_experts_forward
+from mop_train.ops.moe_dispatch.local import grouped_swiglu, local_experts_forward, route_counts
 from mop_train.ops.moe_dispatch.stats import DispatchStats, record_stats
 
 
@@ -98,14 +98,21 @@ def ep_experts_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
         return local_experts_forward(x, indices, weights, w1, w2, w3)
     N, k = indices.shape
     E_l = w1.shape[0]
+    E = E_l * P
     flat = indices.reshape(-1)                                     # [R]
     order = torch.argsort(flat, stable=True)                       # [R] sorted by expert = by owner
-    counts = torch.bincount(flat, minlength=E_l * P)               # [E]
-    if counts.numel() != E_l * P:
-        raise ValueError(f"indices hold expert ids up to {int(flat.max())}, but the group has "
-                         f"{P} ranks x {E_l} local experts = {E_l * P}; pass this rank's expert shard")
-    recv_counts = exchange_counts(counts.view(P, E_l), group).cpu()  # [P, E_l]
-    send_splits = counts.view(P, E_l).sum(1).tolist()
+    # Ids outside [0, E) are counted in a last column that travels with the counts to every rank, so
+    # the whole group refuses them (one rank raising alone would leave the others in the exchange).
+    bad = (flat < 0) | (flat >= E)
+    counts = route_counts(torch.where(bad, E, flat), E + 1)       # [E + 1]: per expert, then bad ids
+    send = torch.cat([counts[:E].view(P, E_l), counts[E:].expand(P, 1)], 1)   # [P, E_l + 1]
+    received = exchange_counts(send, group).cpu()                  # [P, E_l + 1], row s from rank s
+    if int(received[:, E_l].sum()):
+        ranks = [s for s in range(P) if received[s, E_l]]
+        raise ValueError(f"indices hold expert ids outside [0, {E}) on rank(s) {ranks} of the expert group, "
+                         f"which has {P} ranks x {E_l} local experts = {E}; pass this rank's expert shard")
+    recv_counts = received[:, :E_l].contiguous()                   # [P, E_l]
+    send_splits = counts[:E].view(P, E_l).sum(1).tolist()
     token = order // k                                             # [R]
     if stats is not None:
         # A world of identical ranks: destination d receives send_splits[d] from each of the P sources.

@@ -130,8 +130,9 @@ def gather_counts(indices: torch.Tensor, num_experts: int, group) -> tuple[torch
     local[num_experts + 1] = N                                                # [1] tokens
     G = all_gather_counts(local, group).cpu()                                 # [P, E + 2]
     if int(G[:, num_experts].sum()):
-        raise ValueError(f"indices hold expert ids outside [0, {num_experts}), but the group holds "
-                         f"{num_experts} experts; pass this rank's expert shard as w1/w2/w3")
+        ranks = [s for s in range(G.shape[0]) if G[s, num_experts]]
+        raise ValueError(f"indices hold expert ids outside [0, {num_experts}) on rank(s) {ranks} of the expert "
+                         f"group, which holds {num_experts} experts; pass this rank's expert shard as w1/w2/w3")
     return G[:, :num_experts].contiguous(), int(G[:, num_experts + 1].max())
 
 
