@@ -383,6 +383,40 @@ def test_errors_name_the_argument():
         ring_dtp_cross_entropy(x, w.to(torch.int32), t, vocab_size=10)
 
 
+def test_float64_gradients_are_refused_off_the_reference_and_exact_on_it():
+    """Float64 tokens that want a gradient once ran with float32 accumulators (log-sum-exp, dX, dW):
+    float32-accurate gradients (5e-7 relative) handed back as float64. The fused impls refuse them, naming
+    impl='reference', whose loss and every gradient are float64 autograd's; their loss alone (an fp32
+    loss, as documented) and a float64 master shard under float32 tokens (products in float32) are still
+    taken."""
+    gen = torch.Generator().manual_seed(fresh_seed(45))
+    N, H, V = 7, 6, 13
+    x = torch.randn(N, H, generator=gen, dtype=torch.float64) * 2
+    w = torch.randn(V, H, generator=gen, dtype=torch.float64)
+    t = torch.randint(0, V, (N,), generator=gen)
+    t[0] = -100
+    for schedule in ("recompute", "grad_in_forward"):
+        for wants in ((True, True), (False, True), (True, False)):
+            leaves = [a.clone().requires_grad_(want) for a, want in zip((x, w), wants)]
+            with pytest.raises(ValueError, match="hidden is float64 and a gradient is wanted.*impl='reference'"):
+                ring_dtp_cross_entropy(*leaves, t, vocab_size=V, impl="torch", schedule=schedule, reduction="sum")
+    forward_only = ring_dtp_cross_entropy(x, w, t, vocab_size=V, impl="torch", reduction="sum")
+    assert forward_only.dtype == torch.float32 and not forward_only.requires_grad
+    ours = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    theirs = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    loss = ring_dtp_cross_entropy(*ours, t, vocab_size=V, impl="reference", reduction="sum")
+    loss.backward()
+    want = reference_cross_entropy(*theirs, t, reduction="sum")                  # float64 full logits
+    want.backward()
+    assert_close(loss, want.float(), rtol=0, atol=0, name="loss")
+    for a, b in zip(ours, theirs):                              # (assert_close compares in float32)
+        assert a.grad.dtype == torch.float64
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+    master = w.clone().requires_grad_()
+    ring_dtp_cross_entropy(x.float(), master, t, vocab_size=V, impl="torch", reduction="sum").backward()
+    assert master.grad.dtype == torch.float64
+
+
 def test_targets_outside_the_vocabulary_are_rejected_at_the_edges():
     """[0, V) and ignore_index are accepted, V and -1 are not (unless one of them is ignore_index),
     on random V and N, whatever the impl (the check precedes the dispatch)."""

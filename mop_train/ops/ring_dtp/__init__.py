@@ -126,7 +126,8 @@ def ring_dtp_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, tar
     """Cross-entropy of this rank's tokens against the whole vocabulary, sharded over `group`.
 
     Args:
-        hidden: [N, H] this rank's tokens (distinct from every other rank's); N may be 0.
+        hidden: [N, H] this rank's tokens (distinct from every other rank's); N may be 0. Float64 tokens
+            that want a gradient need impl="reference" (the fused impls accumulate in float32).
         weight_shard: [V_r, H] rows [r*S, min(V, (r+1)*S)) of the projection, r = rank in group.
             The products run in hidden's dtype (autocast's inside torch.autocast): an input of
             another dtype (an fp32 master under bf16 mixed precision) is cast inside, and its
@@ -178,6 +179,10 @@ def ring_dtp_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, tar
         raise ValueError("some ranks of the vocab group need gradients from ring_dtp_cross_entropy and others "
                          "do not (torch.no_grad or requires_grad differ); every rank makes the same call")
     dtype = _compute_dtype(hidden)
+    if dtype == torch.float64 and needs == {True}:
+        raise ValueError(f"hidden is float64 and a gradient is wanted, but impl={impl!r} accumulates the log-sum-exp "
+                         f"and the gradients in float32, which would hand float64 inputs float32-accurate "
+                         f"gradients; use impl='reference' (full logits, float64 autograd) or float32 inputs")
     if schedule == "auto":
         allowed = reduction != "none" and mode != "move_weights"
         fits = allowed and _grad_in_forward_fits(rows, hidden.shape[1], vocab_size, ring.size, dtype, hidden.dtype,
