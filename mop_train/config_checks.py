@@ -451,7 +451,7 @@ def check_resume_layout(cfg, world_size: int) -> None:
     import os
     import re
 
-    from mop_train.train.integrity import MANIFEST
+    from mop_train.train.integrity import MANIFEST, model_only
 
     ck = cfg.checkpoint
     folder = os.path.join(cfg.job.dump_folder, ck.folder)
@@ -459,7 +459,10 @@ def check_resume_layout(cfg, world_size: int) -> None:
         return
     steps = sorted(int(m.group(1)) for n in os.listdir(folder) if (m := re.fullmatch(r"step-(\d+)", n))
                    and os.path.isfile(os.path.join(folder, n, MANIFEST)))
-    step = ck.load_step if ck.load_step in steps else (steps[-1] if steps and ck.load_step == -1 else None)
+    # the ranks resume from the newest checkpoint that holds more than the model (integrity.choose_step):
+    # a run's model-only last save is passed over, so the check reads the one they will load
+    resumable = [s for s in steps if s == 0 or not model_only(os.path.join(folder, f"step-{s}"))]
+    step = ck.load_step if ck.load_step in steps else (resumable[-1] if resumable and ck.load_step == -1 else None)
     if step is None:
         return
     path = os.path.join(folder, f"step-{step}")

@@ -81,16 +81,18 @@ def test_the_same_flavors_checkpoints_or_none_pass_the_check(tmp_path):
         check_checkpoint_model(load_job_config(base))
 
 
-def fake_checkpoint(dump, step: int, *, readers: int, offload: bool) -> None:
+def fake_checkpoint(dump, step: int, *, readers: int, offload: bool, weights_alone: bool = False) -> None:
     """A DCP checkpoint's .metadata with the keys the resume checks read (data positions of `readers`
-    sequence groups; an optimizer state with or without OffloadStreamAdamW's masters) and a manifest."""
+    sequence groups; an optimizer state with or without OffloadStreamAdamW's masters; a train state) and a
+    manifest; `weights_alone`: the model only, as a run's last save under checkpoint.last_save_model_only."""
     import torch
     import torch.distributed.checkpoint as dcp
 
     folder = os.path.join(dump, "checkpoint", f"step-{step}")
     moments = {"exp_avg": torch.zeros(2), **({"master": torch.zeros(2)} if offload else {})}
-    state = {"dataloader": {f"dp_rank_{r}": torch.zeros(1) for r in range(readers)},
-             "optimizer": {"state": {"w": moments}}}
+    state = ({"model": {"w": torch.zeros(2)}} if weights_alone else
+             {"dataloader": {f"dp_rank_{r}": torch.zeros(1) for r in range(readers)},
+              "optimizer": {"state": {"w": moments}}, "train_state": {"step": torch.zeros(1)}})
     dcp.save(state, checkpoint_id=folder, no_dist=True)
     with open(os.path.join(folder, "manifest.json"), "w") as f:
         f.write('{"files": {}}')
@@ -129,6 +131,20 @@ def test_a_resume_the_checkpoint_can_take_passes(tmp_path):
     os.remove(tmp_path / "checkpoint" / "step-9" / "manifest.json")
     check_resume_layout(load_job_config(base), 2)
     with pytest.raises(ValueError, match="this launch has 1"):
+        check_resume_layout(load_job_config(base), 1)
+
+
+def test_a_model_only_last_save_is_passed_over_as_the_ranks_pass_it_over(tmp_path):
+    """The ranks resume from step 5 (the newest with a train state), so the check reads step 5, not the
+    weights-only step 9 after it (which has no data position and would pass any launch)."""
+    from mop_train.config import load_job_config
+    from mop_train.config_checks import check_resume_layout
+
+    fake_checkpoint(str(tmp_path), 5, readers=2, offload=False)
+    fake_checkpoint(str(tmp_path), 9, readers=0, offload=False, weights_alone=True)
+    base = ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path)]
+    check_resume_layout(load_job_config(base), 2)
+    with pytest.raises(ValueError, match="step-5 was written by 2 sequence groups"):
         check_resume_layout(load_job_config(base), 1)
 
 
