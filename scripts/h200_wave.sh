@@ -51,6 +51,9 @@
 #                      SEQ default 1441792, ~1,200 s): long_start launches it in its own process session (it outlives
 #                      the command, device README "Notes") and waits LONG_WAIT_S (default 570); each long_wait, in the
 #                      next commands of the same lease, waits again; both copy its log and metrics to $OUT
+#   plan_gap_32k       where the 2.6 GiB the plan misses at plan --auto's 1 x 32K on 80 GB go (RESULTS 2026-12-08):
+#                      three steps with a CUDA memory snapshot ([profiling] enable_memory_snapshot, dumped at step 2),
+#                      the peak's make-up by allocating frame (benchmarks/fake_world.py peak) to $OUT (~150 s)
 #   e2e_tps            issue 37's throughput points against torchtitan's grid (benchmarks/e2e_vs_torchtitan.py
 #                      --phases tps); E2E_S (default 570), E2E_SERIES (default "torchtitan ours-auto"),
 #                      E2E_EXTRA (more flags, e.g. --resume benchmarks/results/.../e2e.json)
@@ -144,6 +147,13 @@ TAIL=25 step reshard_2x4k 200 bash -c "python3 benchmarks/step_profile.py --conf
   --parallelism.fsdp_reshard_after_forward never; rm -f $OUT/reshard_2x4k/*/trace.json.gz"
 TAIL=12 step fake_667b_1m_snapshot 590 python3 benchmarks/fake_world.py run mop-667b-w64-1024k --steps 1 --snapshot \
   --timeout 580 --out "$OUT/fake"
+GAP_RUN=/tmp/run_gap_32k
+TAIL=30 step plan_gap_32k 300 bash -c "rm -rf $GAP_RUN; torchrun --standalone --nproc_per_node=1 -m mop_train.train \
+  --job.config_file configs/small_1gpu.toml --job.dump_folder $GAP_RUN --training.steps 3 --training.seq_len 32768 \
+  --training.local_batch_size 1 --activation_checkpoint.mode none --mop.moe.dispatch pipelined_llep \
+  --mop.moe.token_budget 32768 --mop.ring_dtp.enable --mop.ring_dtp.schedule grad_in_forward \
+  --profiling.enable_memory_snapshot --profiling.profile_freq 2 --checkpoint.no-enable \
+  && python3 benchmarks/fake_world.py peak \$(ls $GAP_RUN/*/iteration_2/rank0_memory_snapshot.pickle | head -1)"
 E2E_S=${E2E_S:-570}
 TAIL=40 step e2e_tps $E2E_S python3 benchmarks/e2e_vs_torchtitan.py --nproc 1 --budget-s $((E2E_S - 15)) --phases tps \
   --series ${E2E_SERIES:-torchtitan ours-auto} --out "$OUT/e2e" ${E2E_EXTRA:-}
