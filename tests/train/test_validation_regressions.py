@@ -39,11 +39,7 @@ def test_validation_dataloader_workers_yield_the_batches_of_no_workers(tmp_path)
 
     rng = random.Random(fresh_seed(9601))
     tokenizer = data.build_tokenizer(data.EMBEDDED, cache_dir=data.default_cache_dir())
-    words = ["alpha", "beta", "gamma", "def", "return", "(", ")", "\n"]
-    path = tmp_path / "held_out.jsonl"
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(3, 60)))}) + "\n"
-                            for _ in range(rng.randint(40, 70))))
-    docs = data.load_documents("jsonl", str(path), cache_dir=str(tmp_path), section="validation")
+    docs, path = _held_out_documents(tmp_path, rng, 40, 70)
     S, B, dp_size, workers = rng.choice([8, 12, 16]), rng.randint(1, 3), rng.choice([1, 2, 3]), rng.choice([2, 3])
     for steps in (3, -1):
         cap = 3 if steps > 0 else 100_000
@@ -131,11 +127,7 @@ def test_validation_leaves_the_training_generator_where_it_was(tmp_path):
 
     rng = random.Random(fresh_seed(9611))
     tokenizer = data.build_tokenizer(data.EMBEDDED, cache_dir=data.default_cache_dir())
-    words = ["alpha", "beta", "gamma", "def", "return", "(", ")", "\n"]
-    path = tmp_path / "held_out.jsonl"
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(3, 60)))}) + "\n"
-                            for _ in range(rng.randint(20, 40))))
-    docs = data.load_documents("jsonl", str(path), cache_dir=str(tmp_path), section="validation")
+    docs, path = _held_out_documents(tmp_path, rng, 20, 40)
     run = SimpleNamespace(parts=None, layout=SimpleNamespace(data_rank=0, data_size=1), optimizers=[])
     for steps in (rng.randint(1, 3), -1):
         v = Validation(enable=True, dataset="jsonl", dataset_path=str(path), seq_len=rng.choice([8, 16]),
@@ -147,3 +139,12 @@ def test_validation_leaves_the_training_generator_where_it_was(tmp_path):
         torch.manual_seed(seed)
         next(validator._batches())                   # a validation's pass over the held-out batches
         assert torch.equal(torch.rand(8), want), f"validation.steps = {steps} drew from the training generator"
+
+
+def _held_out_documents(tmp_path, rng: random.Random, fewest: int, most: int):
+    """(documents, path): a held-out jsonl of fewest..most random short documents, loaded as validation reads it."""
+    words = ["alpha", "beta", "gamma", "def", "return", "(", ")", "\n"]
+    path = tmp_path / "held_out.jsonl"
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(3, 60)))}) + "\n"
+                            for _ in range(rng.randint(fewest, most))))
+    return data.load_documents("jsonl", str(path), cache_dir=str(tmp_path), section="validation"), path
