@@ -46,8 +46,9 @@ shards, pinning OffloadStreamAdamW's host state (~100 GB)."""
 def config_of(model: str) -> str:
     """configs/<model>.toml (mop-241b -> mop_241b.toml), else the one-GPU config (small -> small_1gpu.toml)."""
     name = os.path.join(ROOT, "configs", model.replace("mop-", "mop_"))
-    return name + ".toml" if os.path.isfile(name + ".toml") or not os.path.isfile(name + "_1gpu.toml") \
-        else name + "_1gpu.toml"
+    if not os.path.isfile(name + ".toml") and os.path.isfile(name + "_1gpu.toml"):
+        return name + "_1gpu.toml"
+    return name + ".toml"   # (when missing, the config loader names it)
 
 
 def point_name(model: str, world: int, seq_len: int) -> str:

@@ -451,17 +451,16 @@ def check_resume_layout(cfg, world_size: int) -> None:
     import os
     import re
 
-    from mop_train.train.integrity import MANIFEST, model_only
+    from mop_train.train.integrity import complete, step_folders, weights_alone
 
     ck = cfg.checkpoint
     folder = os.path.join(cfg.job.dump_folder, ck.folder)
     if not ck.enable or not os.path.isdir(folder):
         return
-    steps = sorted(int(m.group(1)) for n in os.listdir(folder) if (m := re.fullmatch(r"step-(\d+)", n))
-                   and os.path.isfile(os.path.join(folder, n, MANIFEST)))
+    steps = [s for s in step_folders(folder) if complete(folder, s)]
     # the ranks resume from the newest checkpoint that holds more than the model (integrity.choose_step):
     # a run's model-only last save is passed over, so the check reads the one they will load
-    resumable = [s for s in steps if s == 0 or not model_only(os.path.join(folder, f"step-{s}"))]
+    resumable = [s for s in steps if not weights_alone(folder, s)]
     step = ck.load_step if ck.load_step in steps else (resumable[-1] if resumable and ck.load_step == -1 else None)
     if step is None:
         return

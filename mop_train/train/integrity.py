@@ -130,8 +130,14 @@ def model_only(folder: str) -> bool:
     return not any(k.startswith("train_state.") for k in keys)
 
 
-def _weights_alone(base: str, step: int) -> bool:
+def weights_alone(base: str, step: int) -> bool:
+    """Whether `{base}/step-N` holds the model alone (`model_only`; step 0, the seed checkpoint, never)."""
     return step > 0 and model_only(_folder(base, step))
+
+
+def complete(base: str, step: int) -> bool:
+    """Whether `{base}/step-N` holds its manifest: a save that finished (only such folders are resumed)."""
+    return os.path.isfile(os.path.join(_folder(base, step), MANIFEST))
 
 
 @dataclass(frozen=True)
@@ -164,35 +170,34 @@ def choose_step(base: str, requested: int, *, fallback: bool, rank: int, world: 
     if requested != -1 and requested not in steps:
         raise ValueError(f"checkpoint.load_step = {requested} but {_folder(base, requested)} does not exist; "
                          f"available steps: {steps}")
-    if requested != -1 and _weights_alone(base, requested):
+    if requested != -1 and weights_alone(base, requested):
         raise ValueError(_model_only_refusal(base, [requested], f"checkpoint.load_step = {requested} names "))
     incomplete: list[int] = []
-    weights_alone: list[int] = []
+    passed: list[int] = []   # the model-only checkpoints passed over
     step = requested
     if requested == -1:
         for s in reversed(steps):
-            if not os.path.isfile(os.path.join(_folder(base, s), MANIFEST)):
+            if not complete(base, s):
                 incomplete.append(s)
-            elif _weights_alone(base, s):
-                weights_alone.append(s)
+            elif weights_alone(base, s):
+                passed.append(s)
             else:
                 step = s
                 break
-        if step == -1 and weights_alone:
-            raise ValueError(_model_only_refusal(base, weights_alone, f"{base} holds no checkpoint to resume "
-                                                                      f"from: "))
+        if step == -1 and passed:
+            raise ValueError(_model_only_refusal(base, passed, f"{base} holds no checkpoint to resume from: "))
         if step == -1:
             return Resume(-1, None, tuple(incomplete))
-    passed_over = (f"{', '.join(_folder(base, s) for s in weights_alone)} "
-                   f"{'hold' if len(weights_alone) > 1 else 'holds'} the model's weights alone "
+    passed_over = (f"{', '.join(_folder(base, s) for s in passed)} "
+                   f"{'hold' if len(passed) > 1 else 'holds'} the model's weights alone "
                    f"(checkpoint.last_save_model_only = true at a run's last step: no optimizer state, data "
-                   f"position or step), so a run cannot resume from {'them' if len(weights_alone) > 1 else 'it'} "
-                   f"(kept); " if weights_alone else "")
+                   f"position or step), so a run cannot resume from {'them' if len(passed) > 1 else 'it'} "
+                   f"(kept); " if passed else "")
     problems = verify(_folder(base, step), rank=rank, world=world)
     if not problems:
         note = f"{passed_over}resuming from {_folder(base, step)}, the newest full checkpoint" if passed_over else None
         return Resume(step, note, tuple(incomplete), _newer_full(base, steps, requested))
-    older = next((s for s in reversed(steps) if s < step and not _weights_alone(base, s)
+    older = next((s for s in reversed(steps) if s < step and not weights_alone(base, s)
                   and not verify(_folder(base, s), rank=rank, world=world)), None)
     folder = _folder(base, step)
     head = f"checkpoint {folder} failed verification: " + "; ".join(problems[:5]) + (
@@ -215,8 +220,7 @@ def _newer_full(base: str, steps: list[int], requested: int) -> tuple[int, ...]:
     from the abandoned run's step 6)."""
     if requested == -1:
         return ()
-    return tuple(s for s in reversed(steps) if s > requested
-                 and os.path.isfile(os.path.join(_folder(base, s), MANIFEST)) and not _weights_alone(base, s))
+    return tuple(s for s in reversed(steps) if s > requested and complete(base, s) and not weights_alone(base, s))
 
 
 def _folder(base: str, step: int) -> str:
